@@ -1,0 +1,9 @@
+//! Nebula's inference engine for Qwen3.8-Flash-Next (`qwen4exp`).
+//!
+//! Data flows one way: [`gguf`] reads the file, [`quant`] turns its blocks into numbers, [`model`] runs the
+//! forward pass of the reference (`transformers` `modeling_qwen4_exp.py`), [`sampling`] picks the next token, and
+//! [`text`] turns text into token ids and back (tokenizer, chat template, output parsing). [`engine`] runs
+//! generation on a worker thread fed by a queue; the HTTP service never touches tensors.
+
+pub mod gguf;
+pub mod quant;

@@ -1,0 +1,1 @@
+//! Weight block formats (placeholder until the quant module lands).

@@ -1,0 +1,5 @@
+//! The `nebula` command.
+
+fn main() -> anyhow::Result<()> {
+    anyhow::bail!("nebula: no subcommands yet")
+}
