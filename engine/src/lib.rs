@@ -6,4 +6,5 @@
 //! generation on a worker thread fed by a queue; the HTTP service never touches tensors.
 
 pub mod gguf;
+pub mod model;
 pub mod quant;

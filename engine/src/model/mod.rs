@@ -1,0 +1,317 @@
+//! The Qwen3.8-Flash-Next (`qwen4exp`) model on the CPU: one file per block, named as the reference names it
+//! (`transformers/models/qwen4_exp/modeling_qwen4_exp.py`).
+//!
+//! The trunk reads top to bottom as the reference's `Qwen4ExpTextModel.forward`: embed each token into every
+//! residual stream; per layer, optional PLE, then the attention hyper-connection around Gated DeltaNet or gated
+//! attention, then the MLP hyper-connection around the MoE; the final mixer collapses the streams; `lm_head`
+//! gives the logits. All math is `f32`.
+
+pub mod config;
+pub mod error;
+pub mod hyper_connection;
+pub mod linear_attn;
+pub mod moe;
+pub mod norm;
+pub mod ple;
+pub mod rope;
+pub mod self_attn;
+pub mod state;
+pub mod weights;
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::gguf::GgufFile;
+use crate::quant::Matrix;
+
+pub use config::{GateActivation, LayerKind, ModelConfig};
+pub use error::ModelError;
+pub use linear_attn::GdnAlgorithm;
+pub use state::{SequenceState, Snapshot};
+
+use config::Meta;
+use hyper_connection::GatedResidual;
+use linear_attn::GatedDeltaNet;
+use moe::SparseMoe;
+use ple::PleLayer;
+use rope::Rope;
+use self_attn::Attention;
+use state::LayerState;
+use weights::TensorLoader;
+
+/// The token mixer of a layer.
+#[derive(Debug, Clone)]
+pub enum TokenMixer {
+    /// Gated DeltaNet.
+    LinearAttention(GatedDeltaNet),
+    /// Gated attention (with the QSA indexer unless dense).
+    SelfAttention(Attention),
+}
+
+/// One decoder layer (`Qwen4ExpTextDecoderLayer`).
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    /// PLE block, on the PLE layer only.
+    pub ple: Option<PleLayer>,
+    /// Hyper-connection around the token mixer.
+    pub attn_hyper_connection: GatedResidual,
+    /// Gated DeltaNet or attention.
+    pub mixer: TokenMixer,
+    /// Hyper-connection around the MoE.
+    pub mlp_hyper_connection: GatedResidual,
+    /// Routed experts + shared expert.
+    pub mlp: SparseMoe,
+}
+
+/// Which positions of a forward call need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// None (prefill of a prefix).
+    None,
+    /// Only the last token.
+    Last,
+    /// Every token.
+    All,
+}
+
+/// Knobs of a forward call that do not change the math's meaning.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardOptions {
+    /// Gated DeltaNet algorithm.
+    pub gdn: GdnAlgorithm,
+}
+
+impl Default for ForwardOptions {
+    fn default() -> Self {
+        Self { gdn: GdnAlgorithm::Auto }
+    }
+}
+
+/// A loaded `qwen4exp` model.
+pub struct Qwen4Exp {
+    /// Shapes and hyper-parameters.
+    pub config: ModelConfig,
+    embed_tokens: Matrix,
+    layers: Vec<DecoderLayer>,
+    hyper_connection_mixer: GatedResidual,
+    lm_head: Matrix,
+    rope: Rope,
+    masked: Vec<Range<usize>>,
+    file: Arc<GgufFile>,
+}
+
+impl std::fmt::Debug for Qwen4Exp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qwen4Exp").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl Qwen4Exp {
+    /// Opens and validates a GGUF model (split files included).
+    pub fn load(path: &Path) -> Result<Self, ModelError> {
+        Self::from_gguf(Arc::new(GgufFile::open(path)?))
+    }
+
+    /// Builds the model from an opened GGUF file, validating every tensor's presence, shape and type.
+    pub fn from_gguf(file: Arc<GgufFile>) -> Result<Self, ModelError> {
+        let mut config = ModelConfig::from_gguf(&file)?;
+        let w = TensorLoader::new(file.clone());
+        let d = config.hidden;
+        let vocab = match file.tensor("token_embd.weight") {
+            Some(t) if t.dims.len() == 2 && t.dims[0] == d as u64 && t.dims[1] > 0 => t.dims[1] as usize,
+            Some(t) => {
+                return Err(ModelError::TensorShape {
+                    file: file.path().display().to_string(),
+                    name: "token_embd.weight".into(),
+                    expected: vec![d as u64, 0],
+                    actual: t.dims.clone(),
+                });
+            }
+            None => {
+                return Err(ModelError::MissingTensor {
+                    file: file.path().display().to_string(),
+                    name: "token_embd.weight".into(),
+                    expected: vec![d as u64, 0],
+                    types: "any supported weight type".into(),
+                });
+            }
+        };
+        config.vocab = vocab;
+        let (s, r, eps) = (config.hc_count, config.hc_lowrank, config.rms_eps);
+        let mut layers = Vec::with_capacity(config.n_layer);
+        for (i, kind) in config.layer_kinds.iter().enumerate() {
+            let mixer = match *kind {
+                LayerKind::LinearAttention => TokenMixer::LinearAttention(GatedDeltaNet::load(&w, &config, i)?),
+                LayerKind::IndexedAttention { compress_ratio } => {
+                    TokenMixer::SelfAttention(Attention::load(&w, &config, i, compress_ratio)?)
+                }
+            };
+            let ple = match &config.ple {
+                Some(p) if p.layer == i => Some(PleLayer::load(&w, p, s, d, eps)?),
+                _ => None,
+            };
+            layers.push(DecoderLayer {
+                ple,
+                attn_hyper_connection: GatedResidual::load(&w, &format!("blk.{i}.hc_attn"), s, d, r, true, eps)?,
+                mixer,
+                mlp_hyper_connection: GatedResidual::load(&w, &format!("blk.{i}.hc_ffn"), s, d, r, true, eps)?,
+                mlp: SparseMoe::load(&w, &config, i)?,
+            });
+        }
+        let masked = unassigned_token_ranges(&file, vocab)?;
+        Ok(Self {
+            embed_tokens: w.matrix("token_embd.weight", vocab, d)?,
+            lm_head: w.matrix("output.weight", vocab, d)?,
+            hyper_connection_mixer: GatedResidual::load(&w, "output_hc", s, d, r, false, eps)?,
+            rope: Rope::new(config.rope_dim, config.rope_theta, config.rope_sections),
+            layers,
+            masked,
+            config,
+            file,
+        })
+    }
+
+    /// The GGUF file the model was loaded from.
+    pub fn file(&self) -> &Arc<GgufFile> {
+        &self.file
+    }
+
+    /// Token ids whose logits are always `-inf` (vocabulary rows no token has, e.g. 248077..248320).
+    pub fn masked_tokens(&self) -> &[Range<usize>] {
+        &self.masked
+    }
+
+    /// A fresh state for a sequence of at most `max_len` tokens.
+    pub fn new_state(&self, max_len: usize) -> SequenceState {
+        SequenceState {
+            pos: 0,
+            max_len,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match &l.mixer {
+                    TokenMixer::LinearAttention(g) => LayerState::LinearAttention(g.new_state()),
+                    TokenMixer::SelfAttention(a) => LayerState::Attention(a.new_state()),
+                })
+                .collect(),
+            ple: self.layers.iter().find_map(|l| l.ple.as_ref().map(|p| p.new_state())),
+        }
+    }
+
+    /// Restores `state` to `snap`, taken earlier from the same sequence (the sequence may have grown since).
+    pub fn restore(&self, state: &mut SequenceState, snap: &Snapshot) -> Result<(), ModelError> {
+        if snap.pos > state.pos || snap.recurrent.len() != state.layers.len() {
+            return Err(ModelError::BadSnapshot { snapshot: snap.pos, current: state.pos });
+        }
+        for ((ls, saved), layer) in state.layers.iter_mut().zip(&snap.recurrent).zip(&self.layers) {
+            match (ls, saved, &layer.mixer) {
+                (LayerState::LinearAttention(g), Some(s), _) => g.clone_from(s),
+                (LayerState::Attention(a), None, TokenMixer::SelfAttention(att)) => {
+                    let (idim, ratio) = att.index_shape();
+                    a.truncate(snap.pos, att.kv_width(), idim, ratio);
+                }
+                _ => return Err(ModelError::BadSnapshot { snapshot: snap.pos, current: state.pos }),
+            }
+        }
+        state.ple.clone_from(&snap.ple);
+        state.pos = snap.pos;
+        Ok(())
+    }
+
+    /// Runs `tokens` through the model, continuing `state`, and returns the logits asked for (`[rows, vocab]`,
+    /// masked ids at `-inf`).
+    ///
+    /// Errors: [`ModelError::TokenOutOfRange`] for an id outside the vocabulary and
+    /// [`ModelError::ContextOverflow`] past the state's `max_len`; the state is unchanged on error.
+    pub fn forward(&self, state: &mut SequenceState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, ModelError> {
+        self.forward_with(state, tokens, want, ForwardOptions::default())
+    }
+
+    /// [`Qwen4Exp::forward`] with explicit options.
+    pub fn forward_with(
+        &self,
+        state: &mut SequenceState,
+        tokens: &[u32],
+        want: LogitsFor,
+        opts: ForwardOptions,
+    ) -> Result<Vec<f32>, ModelError> {
+        let cfg = &self.config;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+            return Err(ModelError::TokenOutOfRange { token: bad, vocab: cfg.vocab });
+        }
+        let needed = state.pos + tokens.len();
+        if needed > state.max_len {
+            return Err(ModelError::ContextOverflow { needed, limit: state.max_len });
+        }
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let (d, s) = (cfg.hidden, cfg.hc_count);
+        let dim = s * d;
+        // X_0 = [e; e; ...; e].
+        let mut x = vec![0f32; n * dim];
+        let mut e = vec![0f32; d];
+        for (t, &tok) in tokens.iter().enumerate() {
+            self.embed_tokens.dequantize_row(tok as usize, &mut e);
+            for st in 0..s {
+                x[t * dim + st * d..t * dim + (st + 1) * d].copy_from_slice(&e);
+            }
+        }
+        let pos0 = state.pos;
+        for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
+            if let Some(ple) = &layer.ple {
+                let ps = state.ple.as_mut().expect("a model with a PLE layer always has PLE state");
+                let delta = ple.forward(&x, tokens, ps);
+                for (a, b) in x.iter_mut().zip(&delta) {
+                    *a += b;
+                }
+            }
+            let mixed = layer.attn_hyper_connection.mix(&x, n);
+            let y = match (&layer.mixer, ls) {
+                (TokenMixer::LinearAttention(g), LayerState::LinearAttention(st)) => g.forward(&mixed.mixed, n, st, opts.gdn),
+                (TokenMixer::SelfAttention(a), LayerState::Attention(st)) => a.forward(&mixed.mixed, n, pos0, st, &self.rope),
+                _ => unreachable!("state layout always follows the model's layers"),
+            };
+            layer.attn_hyper_connection.inject(&mut x, &y, &mixed.inject);
+            let mixed = layer.mlp_hyper_connection.mix(&x, n);
+            let y = layer.mlp.forward(&mixed.mixed, n);
+            layer.mlp_hyper_connection.inject(&mut x, &y, &mixed.inject);
+        }
+        state.pos = needed;
+        let rows: Range<usize> = match want {
+            LogitsFor::None => return Ok(Vec::new()),
+            LogitsFor::Last => n - 1..n,
+            LogitsFor::All => 0..n,
+        };
+        let m = rows.len();
+        let h = self.hyper_connection_mixer.mix(&x[rows.start * dim..rows.end * dim], m).mixed;
+        let mut logits = vec![0f32; m * cfg.vocab];
+        self.lm_head.matmul(&h, m, &mut logits);
+        for row in logits.chunks_exact_mut(cfg.vocab) {
+            for r in &self.masked {
+                row[r.clone()].fill(f32::NEG_INFINITY);
+            }
+        }
+        Ok(logits)
+    }
+}
+
+/// Vocabulary rows that no token has: GGUF `tokenizer.ggml.token_type` UNUSED (5) entries and rows past the
+/// token list (the 243 padding rows 248077..248320 of Qwen). Without a tokenizer nothing is masked.
+fn unassigned_token_ranges(file: &GgufFile, vocab: usize) -> Result<Vec<Range<usize>>, ModelError> {
+    let m = Meta { file };
+    let Some(types) = m.opt_i32_array("tokenizer.ggml.token_type")? else { return Ok(Vec::new()) };
+    let mut ranges: Vec<Range<usize>> = Vec::new();
+    let mut push = |i: usize| match ranges.last_mut() {
+        Some(r) if r.end == i => r.end = i + 1,
+        _ => ranges.push(i..i + 1),
+    };
+    for i in 0..vocab {
+        if types.get(i).is_none_or(|&t| t == 5) {
+            push(i);
+        }
+    }
+    Ok(ranges)
+}

@@ -1,0 +1,141 @@
+//! Sparse MoE with a gated shared expert (`Qwen4ExpTextSparseMoeBlock`, `Qwen4ExpTextTopKRouter`,
+//! `Qwen4ExpTextExperts`; format doc §4.9).
+//!
+//! Router: `p = softmax(W_router x)` in f32, the top `k` experts, weights renormalised to sum to 1 (no clamp, as
+//! HF; llama.cpp clamps the sum at 6.1e-5). Expert `e`: `W_down[e] (silu(W_gate[e] x) * W_up[e] x)`. Output:
+//! `sum_e w_e y_e + sigmoid(w_sg . x) * shared_expert(x)`.
+
+use crate::quant::{Matrix, dot_f32};
+
+use super::config::ModelConfig;
+use super::error::ModelError;
+use super::norm::{sigmoid, silu, softmax};
+use super::weights::TensorLoader;
+
+/// One routed expert's three projections.
+#[derive(Debug, Clone)]
+pub struct Expert {
+    /// `[ff, d]`.
+    pub gate_proj: Matrix,
+    /// `[ff, d]`.
+    pub up_proj: Matrix,
+    /// `[d, ff]`.
+    pub down_proj: Matrix,
+}
+
+/// The routing decision for one token: expert ids and their renormalised weights, best first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// Chosen experts.
+    pub experts: Vec<usize>,
+    /// Their weights (sum to 1).
+    pub weights: Vec<f32>,
+}
+
+/// The MoE block of one layer.
+#[derive(Debug, Clone)]
+pub struct SparseMoe {
+    /// `[n_expert, d]`, F32.
+    gate: Matrix,
+    experts: Vec<Expert>,
+    shared_expert: Expert,
+    /// `[d]`.
+    shared_expert_gate: Vec<f32>,
+    top_k: usize,
+}
+
+impl SparseMoe {
+    /// Loads `blk.{layer}.ffn_*`.
+    pub fn load(w: &TensorLoader, cfg: &ModelConfig, layer: usize) -> Result<Self, ModelError> {
+        let p = format!("blk.{layer}");
+        let (d, e, ff, sff) = (cfg.hidden, cfg.n_expert, cfg.expert_ff, cfg.shared_ff);
+        let (gates, ups) = w.expert_gate_up(&p, ff, d, e)?;
+        let downs = w.matrix_stack(&format!("{p}.ffn_down_exps.weight"), d, ff, e)?;
+        let experts = gates
+            .into_iter()
+            .zip(ups)
+            .zip(downs)
+            .map(|((gate_proj, up_proj), down_proj)| Expert { gate_proj, up_proj, down_proj })
+            .collect();
+        Ok(Self {
+            gate: w.f32_matrix(&format!("{p}.ffn_gate_inp.weight"), e, d)?,
+            experts,
+            shared_expert: Expert {
+                gate_proj: w.matrix(&format!("{p}.ffn_gate_shexp.weight"), sff, d)?,
+                up_proj: w.matrix(&format!("{p}.ffn_up_shexp.weight"), sff, d)?,
+                down_proj: w.matrix(&format!("{p}.ffn_down_shexp.weight"), d, sff)?,
+            },
+            shared_expert_gate: w.vector(&format!("{p}.ffn_gate_inp_shexp.weight"), d)?,
+            top_k: cfg.n_expert_used,
+        })
+    }
+
+    /// Routes each of the `n` tokens of `x` (`[n, d]`).
+    pub fn route(&self, x: &[f32], n: usize) -> Vec<Routing> {
+        let ne = self.gate.rows();
+        let mut logits = vec![0f32; n * ne];
+        self.gate.matmul(x, n, &mut logits);
+        logits
+            .chunks_exact_mut(ne)
+            .map(|p| {
+                softmax(p);
+                let mut idx: Vec<usize> = (0..ne).collect();
+                idx.select_nth_unstable_by(self.top_k - 1, |&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+                idx.truncate(self.top_k);
+                idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+                let sum: f32 = idx.iter().map(|&i| p[i]).sum();
+                Routing { weights: idx.iter().map(|&i| p[i] / sum).collect(), experts: idx }
+            })
+            .collect()
+    }
+
+    /// The MoE output for `n` tokens `x` (`[n, d]`): `[n, d]`.
+    pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let d = self.shared_expert_gate.len();
+        let routing = self.route(x, n);
+        let mut out = vec![0f32; n * d];
+        // Group tokens by expert so each expert's weights are read once; experts in ascending id order, as the
+        // reference's `index_add_` loop.
+        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
+        for (t, r) in routing.iter().enumerate() {
+            for (&e, &w) in r.experts.iter().zip(&r.weights) {
+                by_expert[e].push((t, w));
+            }
+        }
+        for (e, users) in by_expert.iter().enumerate() {
+            if users.is_empty() {
+                continue;
+            }
+            let xs: Vec<f32> = users.iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied()).collect();
+            let ys = run_expert(&self.experts[e], &xs, users.len());
+            for (i, &(t, w)) in users.iter().enumerate() {
+                for (o, &y) in out[t * d..(t + 1) * d].iter_mut().zip(&ys[i * d..(i + 1) * d]) {
+                    *o += y * w;
+                }
+            }
+        }
+        let shared = run_expert(&self.shared_expert, x, n);
+        for t in 0..n {
+            let g = sigmoid(dot_f32(&self.shared_expert_gate, &x[t * d..(t + 1) * d]));
+            for (o, &s) in out[t * d..(t + 1) * d].iter_mut().zip(&shared[t * d..(t + 1) * d]) {
+                *o += g * s;
+            }
+        }
+        out
+    }
+}
+
+/// `W_down (silu(W_gate x) * W_up x)` for `n` tokens.
+pub fn run_expert(e: &Expert, x: &[f32], n: usize) -> Vec<f32> {
+    let ff = e.gate_proj.rows();
+    let mut g = vec![0f32; n * ff];
+    e.gate_proj.matmul(x, n, &mut g);
+    let mut u = vec![0f32; n * ff];
+    e.up_proj.matmul(x, n, &mut u);
+    for (gv, uv) in g.iter_mut().zip(&u) {
+        *gv = silu(*gv) * uv;
+    }
+    let mut y = vec![0f32; n * e.down_proj.rows()];
+    e.down_proj.matmul(&g, n, &mut y);
+    y
+}

@@ -1,0 +1,261 @@
+//! Gated softmax attention with the QSA indexer (`Qwen4ExpTextAttention`, `Qwen4ExpTextQSAIndexer`; format
+//! doc §4.7-4.8).
+//!
+//! `q_proj` gives per head a query and an output gate; q and k get a per-head RMS norm and partial M-RoPE; the
+//! output is `o_proj(softmax(q k^T / sqrt(hd)) v * sigmoid(gate))` with grouped KV heads. The QSA indexer decides
+//! which keys each query sees: the visible keys are cut into blocks of `compress_ratio` tokens; each complete
+//! block's raw indexer keys are mean-pooled, normed and rotated at the block's first position; blocks score
+//! `sum_h relu(<q_I,h, k_b>) / sqrt(head_dim)`; the top `budget / compress_ratio` blocks plus the incomplete
+//! tail are attended to. With no more complete blocks than that, attention is dense.
+
+use rayon::prelude::*;
+
+use crate::quant::Matrix;
+
+use super::config::{IndexerConfig, ModelConfig};
+use super::error::ModelError;
+use super::norm::{rms_norm, sigmoid, softmax};
+use super::rope::Rope;
+use super::weights::TensorLoader;
+
+/// KV cache and indexer keys of one attention layer for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttnState {
+    /// Keys after norm and RoPE, `[len, kv_heads * head_dim]`.
+    pub k: Vec<f32>,
+    /// Values, `[len, kv_heads * head_dim]`.
+    pub v: Vec<f32>,
+    /// Raw indexer keys (before pooling, norm and RoPE), `[len, indexer_head_dim]`.
+    pub index_k: Vec<f32>,
+    /// Pooled, normed and rotated keys of the complete blocks, `[blocks, indexer_head_dim]` (derived from
+    /// `index_k`, kept so each block is pooled once).
+    pub pooled: Vec<f32>,
+}
+
+impl AttnState {
+    /// Tokens held.
+    pub fn len(&self, kv_width: usize) -> usize {
+        self.k.len() / kv_width
+    }
+    /// Drops everything after the first `len` tokens.
+    pub fn truncate(&mut self, len: usize, kv_width: usize, index_dim: usize, ratio: usize) {
+        self.k.truncate(len * kv_width);
+        self.v.truncate(len * kv_width);
+        self.index_k.truncate(len * index_dim);
+        let blocks = if ratio > 0 { len / ratio } else { 0 };
+        self.pooled.truncate(blocks * index_dim);
+    }
+}
+
+/// The QSA indexer of one layer.
+#[derive(Debug, Clone)]
+pub struct Indexer {
+    q_proj: Matrix,
+    k_proj: Matrix,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    cfg: IndexerConfig,
+    compress_ratio: usize,
+}
+
+/// One gated attention token mixer.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    q_proj: Matrix,
+    k_proj: Matrix,
+    v_proj: Matrix,
+    o_proj: Matrix,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    indexer: Option<Indexer>,
+    n_head: usize,
+    n_kv: usize,
+    head_dim: usize,
+    eps: f32,
+}
+
+impl Attention {
+    /// Loads `blk.{layer}.attn_*` and, when `compress_ratio > 0`, `blk.{layer}.indexer.*`.
+    pub fn load(w: &TensorLoader, cfg: &ModelConfig, layer: usize, compress_ratio: usize) -> Result<Self, ModelError> {
+        let p = format!("blk.{layer}");
+        let (d, hd, nh, nkv) = (cfg.hidden, cfg.head_dim, cfg.n_head, cfg.n_head_kv);
+        let indexer = if compress_ratio > 0 {
+            let ic = cfg.indexer;
+            Some(Indexer {
+                q_proj: w.matrix(&format!("{p}.indexer.q_proj.weight"), ic.n_heads * ic.head_dim, d)?,
+                k_proj: w.matrix(&format!("{p}.indexer.k_proj.weight"), ic.head_dim, d)?,
+                q_norm: w.vector(&format!("{p}.indexer.q_norm.weight"), ic.head_dim)?,
+                k_norm: w.vector(&format!("{p}.indexer.k_norm.weight"), ic.head_dim)?,
+                cfg: ic,
+                compress_ratio,
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            q_proj: w.matrix(&format!("{p}.attn_q.weight"), nh * hd * 2, d)?,
+            k_proj: w.matrix(&format!("{p}.attn_k.weight"), nkv * hd, d)?,
+            v_proj: w.matrix(&format!("{p}.attn_v.weight"), nkv * hd, d)?,
+            o_proj: w.matrix(&format!("{p}.attn_output.weight"), d, nh * hd)?,
+            q_norm: w.vector(&format!("{p}.attn_q_norm.weight"), hd)?,
+            k_norm: w.vector(&format!("{p}.attn_k_norm.weight"), hd)?,
+            indexer,
+            n_head: nh,
+            n_kv: nkv,
+            head_dim: hd,
+            eps: cfg.rms_eps,
+        })
+    }
+
+    /// An empty cache.
+    pub fn new_state(&self) -> AttnState {
+        AttnState { k: Vec::new(), v: Vec::new(), index_k: Vec::new(), pooled: Vec::new() }
+    }
+
+    /// Width of one token's keys.
+    pub fn kv_width(&self) -> usize {
+        self.n_kv * self.head_dim
+    }
+
+    /// (indexer head width, compress ratio), zeros when dense.
+    pub fn index_shape(&self) -> (usize, usize) {
+        self.indexer.as_ref().map_or((0, 0), |i| (i.cfg.head_dim, i.compress_ratio))
+    }
+
+    /// Runs `n` tokens `x` (`[n, d]`) at positions `pos0..pos0+n`, appending to `state`; returns `[n, d]`.
+    pub fn forward(&self, x: &[f32], n: usize, pos0: usize, state: &mut AttnState, rope: &Rope) -> Vec<f32> {
+        let (nh, nkv, hd) = (self.n_head, self.n_kv, self.head_dim);
+        let kvw = nkv * hd;
+        let mut p = vec![0f32; n * nh * hd * 2];
+        self.q_proj.matmul(x, n, &mut p);
+        let mut k = vec![0f32; n * kvw];
+        self.k_proj.matmul(x, n, &mut k);
+        let mut v = vec![0f32; n * kvw];
+        self.v_proj.matmul(x, n, &mut v);
+
+        let angles: Vec<_> = (0..n).map(|t| rope.angles(pos0 + t)).collect();
+        let mut q = vec![0f32; n * nh * hd];
+        let mut gate = vec![0f32; n * nh * hd];
+        for t in 0..n {
+            for h in 0..nh {
+                let src = &p[(t * nh + h) * 2 * hd..(t * nh + h + 1) * 2 * hd];
+                let qh = &mut q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+                qh.copy_from_slice(&src[..hd]);
+                rms_norm(qh, &self.q_norm, self.eps);
+                rope.apply(qh, &angles[t]);
+                gate[(t * nh + h) * hd..(t * nh + h + 1) * hd].copy_from_slice(&src[hd..]);
+            }
+            for kh in k[t * kvw..(t + 1) * kvw].chunks_exact_mut(hd) {
+                rms_norm(kh, &self.k_norm, self.eps);
+                rope.apply(kh, &angles[t]);
+            }
+        }
+        state.k.extend_from_slice(&k);
+        state.v.extend_from_slice(&v);
+
+        let index_q = self.indexer.as_ref().map(|ix| ix.prepare(x, n, &angles, state, rope, self.eps));
+
+        let total = state.k.len() / kvw;
+        let group = nh / nkv;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut attn = vec![0f32; n * nh * hd];
+        attn.par_chunks_mut(nh * hd).enumerate().for_each(|(t, out)| {
+            let pos = pos0 + t;
+            debug_assert!(pos < total);
+            let selected: Vec<usize> = match (&self.indexer, &index_q) {
+                (Some(ix), Some(iq)) => ix.select(&iq[t * ix.cfg.n_heads * ix.cfg.head_dim..(t + 1) * ix.cfg.n_heads * ix.cfg.head_dim], pos, state),
+                _ => (0..=pos).collect(),
+            };
+            let mut scores = vec![0f32; selected.len()];
+            for h in 0..nh {
+                let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+                let kvh = h / group;
+                for (sc, &j) in scores.iter_mut().zip(&selected) {
+                    let kj = &state.k[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+                    *sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+                }
+                softmax(&mut scores);
+                let oh = &mut out[h * hd..(h + 1) * hd];
+                for (&w, &j) in scores.iter().zip(&selected) {
+                    let vj = &state.v[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+                    for (o, &vv) in oh.iter_mut().zip(vj) {
+                        *o += w * vv;
+                    }
+                }
+            }
+        });
+        for (a, g) in attn.iter_mut().zip(&gate) {
+            *a *= sigmoid(*g);
+        }
+        let mut y = vec![0f32; n * self.o_proj.rows()];
+        self.o_proj.matmul(&attn, n, &mut y);
+        y
+    }
+}
+
+impl Indexer {
+    /// Projects and rotates the indexer queries of the new tokens, appends their raw keys to the state and pools
+    /// every newly completed block. Returns the queries, `[n, heads * head_dim]`.
+    fn prepare(&self, x: &[f32], n: usize, angles: &[super::rope::RopeAngles], state: &mut AttnState, rope: &Rope, eps: f32) -> Vec<f32> {
+        let (nih, ihd, r) = (self.cfg.n_heads, self.cfg.head_dim, self.compress_ratio);
+        let mut q = vec![0f32; n * nih * ihd];
+        self.q_proj.matmul(x, n, &mut q);
+        for t in 0..n {
+            for qh in q[t * nih * ihd..(t + 1) * nih * ihd].chunks_exact_mut(ihd) {
+                rms_norm(qh, &self.q_norm, eps);
+                rope.apply(qh, &angles[t]);
+            }
+        }
+        let mut kr = vec![0f32; n * ihd];
+        self.k_proj.matmul(x, n, &mut kr);
+        state.index_k.extend_from_slice(&kr);
+        let len = state.index_k.len() / ihd;
+        let mut blocks = state.pooled.len() / ihd;
+        while (blocks + 1) * r <= len {
+            let mut mean = vec![0f32; ihd];
+            for tok in blocks * r..(blocks + 1) * r {
+                for (m, &kv) in mean.iter_mut().zip(&state.index_k[tok * ihd..(tok + 1) * ihd]) {
+                    *m += kv;
+                }
+            }
+            for m in &mut mean {
+                *m /= r as f32;
+            }
+            rms_norm(&mut mean, &self.k_norm, eps);
+            rope.apply(&mut mean, &rope.angles(blocks * r));
+            state.pooled.extend_from_slice(&mean);
+            blocks += 1;
+        }
+        q
+    }
+
+    /// The key positions query `q` (at `pos`) attends to, ascending within blocks, tail last.
+    fn select(&self, q: &[f32], pos: usize, state: &AttnState) -> Vec<usize> {
+        let (nih, ihd, r) = (self.cfg.n_heads, self.cfg.head_dim, self.compress_ratio);
+        let visible = pos + 1;
+        let complete = visible / r;
+        let keep_blocks = self.cfg.token_budget / r;
+        if complete <= keep_blocks {
+            return (0..visible).collect();
+        }
+        let inv = 1.0 / (ihd as f32).sqrt();
+        let mut scored: Vec<(f32, usize)> = (0..complete)
+            .map(|b| {
+                let kb = &state.pooled[b * ihd..(b + 1) * ihd];
+                let s: f32 = q
+                    .chunks_exact(ihd)
+                    .take(nih)
+                    .map(|qh| qh.iter().zip(kb).map(|(a, c)| a * c).sum::<f32>().max(0.0))
+                    .sum();
+                (s * inv, b)
+            })
+            .collect();
+        // Highest scores first; equal scores keep the lower block first.
+        scored.select_nth_unstable_by(keep_blocks - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut blocks: Vec<usize> = scored[..keep_blocks].iter().map(|s| s.1).collect();
+        blocks.sort_unstable();
+        let mut sel: Vec<usize> = blocks.iter().flat_map(|&b| b * r..(b + 1) * r).collect();
+        sel.extend(complete * r..visible);
+        sel
+    }
+}

@@ -1,0 +1,79 @@
+//! Per-sequence state: everything the model remembers between calls, with snapshot and restore.
+//!
+//! Attention layers keep a KV cache and raw indexer keys that only grow, so a snapshot records their length and
+//! a restore truncates them. Recurrent parts (Gated DeltaNet conv + `S`, PLE context + conv history) are
+//! overwritten in place by every token, so a snapshot copies them. Used for speculative rollback and prefix
+//! caching.
+
+use super::linear_attn::GdnState;
+use super::ple::PleState;
+use super::self_attn::AttnState;
+
+/// The state of one decoder layer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LayerState {
+    /// Gated DeltaNet conv history and recurrent state.
+    LinearAttention(GdnState),
+    /// KV cache and indexer keys.
+    Attention(AttnState),
+}
+
+/// All state of one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceState {
+    /// Tokens consumed so far (the next token's position).
+    pub pos: usize,
+    /// Maximum tokens this sequence may hold.
+    pub max_len: usize,
+    /// One per trunk layer.
+    pub layers: Vec<LayerState>,
+    /// PLE context, if the model has PLE.
+    pub ple: Option<PleState>,
+}
+
+/// A restorable copy of a [`SequenceState`] at some position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub(crate) pos: usize,
+    pub(crate) recurrent: Vec<Option<GdnState>>,
+    pub(crate) ple: Option<PleState>,
+}
+
+impl Snapshot {
+    /// Position the snapshot was taken at.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+}
+
+impl SequenceState {
+    /// Captures the state (copies the recurrent parts; attention caches are remembered by length).
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            pos: self.pos,
+            recurrent: self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::LinearAttention(g) => Some(g.clone()),
+                    LayerState::Attention(_) => None,
+                })
+                .collect(),
+            ple: self.ple.clone(),
+        }
+    }
+
+    /// Approximate bytes held by this state.
+    pub fn bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::LinearAttention(g) => g.conv.len() + g.recurrent.len(),
+                LayerState::Attention(a) => a.k.len() + a.v.len() + a.index_k.len() + a.pooled.len(),
+            })
+            .sum();
+        let ple = self.ple.as_ref().map_or(0, |p| p.conv.len());
+        4 * (layers + ple)
+    }
+}

@@ -1,0 +1,55 @@
+//! `Q8_0`: blocks of 32 values as one `f16` scale `d` and 32 signed bytes `q`; value = `d * q`
+//! (ggml `block_q8_0`; quantizer as `gguf.quants.Q8_0.quantize_blocks`).
+
+use super::BlockFormat;
+use crate::gguf::GgmlType;
+
+/// The `Q8_0` format.
+pub struct Q8_0;
+
+impl BlockFormat for Q8_0 {
+    const TYPE: GgmlType = GgmlType::Q8_0;
+    const BLOCK_ELEMS: usize = 32;
+    const BLOCK_BYTES: usize = 34;
+    fn dequantize_block(block: &[u8], out: &mut [f32]) {
+        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+        for (o, &q) in out.iter_mut().zip(&block[2..34]) {
+            *o = (q as i8) as f32 * d;
+        }
+    }
+}
+
+/// Quantizes a row (`src.len()` a multiple of 32) to Q8_0, bit-exact with `gguf.quants.quantize(.., Q8_0)`:
+/// `d = max|x| / 127`, `q = round_half_away(x / d)`, `d` stored as `f16`.
+pub fn quantize_row_q8_0(src: &[f32], dst: &mut Vec<u8>) {
+    for block in src.chunks_exact(32) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+        dst.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        dst.extend(block.iter().map(|&v| (v * id).round() as i8 as u8));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dequantize_inverts_quantize_within_half_a_step() {
+        let row: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.173).collect();
+        let mut bytes = Vec::new();
+        quantize_row_q8_0(&row, &mut bytes);
+        assert_eq!(bytes.len(), 68);
+        let mut back = vec![0f32; 64];
+        for (b, o) in bytes.chunks_exact(34).zip(back.chunks_exact_mut(32)) {
+            Q8_0::dequantize_block(b, o);
+        }
+        for (blk, bblk) in row.chunks(32).zip(back.chunks(32)) {
+            let step = blk.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            for (a, b) in blk.iter().zip(bblk) {
+                assert!((a - b).abs() <= step * 0.5 + 1e-3 * step, "{a} vs {b}");
+            }
+        }
+    }
+}
