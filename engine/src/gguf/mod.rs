@@ -1,31 +1,55 @@
-//! TEMPORARY interface stub so the model compiles while the real GGUF module is written on its own branch.
-#![allow(missing_docs, dead_code)]
-use std::path::Path;
+//! GGUF v3 reader and streaming writer (also reads v2), with split-model support.
+//!
+//! Source: the GGUF specification, ggml `docs/gguf.md`; split conventions from llama.cpp's `gguf-split` and
+//! gguf-py's `GGUFWriter`. The PyPI `gguf` package (0.19.0) is the outside truth for the tests: fixtures in
+//! `testdata/` are written by `scripts/gguf_fixtures.py`, and `scripts/gguf_check.py` reads files our writer
+//! produced.
+//!
+//! - [`GgufFile::open`] memory-maps a file (or all parts of a split model) and validates it: magic, version 2 or 3,
+//!   little-endian, every metadata value type including nested arrays, unique keys and tensor names,
+//!   `general.alignment` a nonzero power of two, at most [`MAX_DIMS`] dims each >= 1, element count and byte size
+//!   without overflow, `ne0` a multiple of the block size, known tensor types, aligned offsets, every tensor's
+//!   bytes inside its file and not overlapping another's. Hostile counts and lengths are bounded by the bytes that
+//!   remain before anything is allocated. Nothing panics.
+//! - [`GgufWriter`] writes a file (or a split set) with bounded memory: declare metadata and tensors, then stream
+//!   each tensor's bytes in declaration order.
+//!
+//! Shapes are in ggml order throughout: `dims[0]` (ne0) is the contiguous axis.
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[allow(non_camel_case_types)]
-pub enum GgmlType { F32, F16, Q4_0, Q8_0, BF16, Q4_K, IQ4_NL }
-impl GgmlType {
-    pub fn name(self) -> &'static str { "X" }
-    pub fn from_id(_id: u32) -> Option<Self> { None }
-}
-#[derive(Debug, Clone)]
-pub enum ValueType { U8, I8, U16, I16, U32, I32, F32, Bool, String, Array, U64, I64, F64 }
-#[derive(Debug, Clone)]
-pub struct MetadataArray { pub elem_type: ValueType, pub values: Vec<MetadataValue> }
-#[derive(Debug, Clone)]
-pub enum MetadataValue { U8(u8), I8(i8), U16(u16), I16(i16), U32(u32), I32(i32), F32(f32), Bool(bool), String(String), Array(MetadataArray), U64(u64), I64(i64), F64(f64) }
-#[derive(Debug, Clone)]
-pub struct TensorInfo { pub name: String, pub dims: Vec<u64>, pub ggml_type: GgmlType, pub n_bytes: u64 }
-#[derive(Debug, thiserror::Error)]
-#[error("gguf error")]
-pub struct GgufError;
-pub struct GgufFile;
-impl GgufFile {
-    pub fn open(_p: &Path) -> Result<Self, GgufError> { Err(GgufError) }
-    pub fn path(&self) -> &Path { Path::new("") }
-    pub fn get(&self, _k: &str) -> Option<&MetadataValue> { None }
-    pub fn tensor(&self, _n: &str) -> Option<&TensorInfo> { None }
-    pub fn tensors(&self) -> impl Iterator<Item = &TensorInfo> { std::iter::empty() }
-    pub fn tensor_data(&self, _t: &TensorInfo) -> &[u8] { &[] }
-}
+mod error;
+mod metadata;
+mod parse;
+mod reader;
+mod split;
+mod types;
+mod writer;
+
+#[cfg(test)]
+mod tests;
+
+pub use error::{GgufError, GgufErrorKind, Result};
+pub use metadata::Metadata;
+pub use reader::GgufFile;
+pub use split::{KEY_SPLIT_COUNT, KEY_SPLIT_NO, KEY_SPLIT_TENSORS_COUNT, SplitPath, part_path};
+pub use types::{GgmlType, MetadataArray, MetadataValue, TensorInfo, ValueType};
+pub use writer::{GgufWriter, TensorDataWriter};
+
+/// The four bytes every GGUF file starts with.
+pub const GGUF_MAGIC: &[u8; 4] = b"GGUF";
+/// The version the writer produces.
+pub const GGUF_VERSION: u32 = 3;
+/// Data alignment when `general.alignment` is absent, in bytes.
+pub const DEFAULT_ALIGNMENT: u64 = 32;
+/// Most dimensions a tensor may have (ggml's `GGML_MAX_DIMS`).
+pub const MAX_DIMS: usize = 4;
+/// Deepest nesting of metadata arrays the reader accepts (an array of arrays is depth 2).
+pub const MAX_ARRAY_DEPTH: u32 = 8;
+/// Most metadata values (entries plus array elements, counted recursively) one file may hold. A real model holds
+/// about a million (three vocabulary-sized arrays); the cap (16.7 M, at most about 32 bytes each in memory) bounds
+/// what a hostile file can make us allocate.
+pub const MAX_METADATA_VALUES: u64 = 1 << 24;
+
+/// Key: the model architecture, e.g. "qwen4exp".
+pub const KEY_ARCHITECTURE: &str = "general.architecture";
+/// Key: the data alignment (u32).
+pub const KEY_ALIGNMENT: &str = "general.alignment";

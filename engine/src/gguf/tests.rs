@@ -1,0 +1,1 @@
+//! Tests against fixtures written by gguf-py and hand-made hostile files.
