@@ -5,6 +5,8 @@
 //! [`text`] turns text into token ids and back (tokenizer, chat template, output parsing). [`engine`] runs
 //! generation on a worker thread fed by a queue; the HTTP service never touches tensors.
 
+pub mod convert;
 pub mod gguf;
 pub mod model;
 pub mod quant;
+pub mod text;

@@ -1,0 +1,2 @@
+//! TEMPORARY stub until the tokenizer branch lands.
+pub mod tokenizer;

@@ -1,0 +1,174 @@
+//! Golden logits: Nebula's CPU forward pass against the reference implementation.
+//!
+//! `scripts/make_golden.py` ran transformers' `Qwen4ExpForCausalLM` (random init, fixed seeds) on three tiny
+//! checkpoints and stored the checkpoints with the logits of a 64-token prefill followed by 16 single-token
+//! steps. Here `nebula convert` turns each checkpoint into a GGUF and the engine must reproduce those logits:
+//! F32 within 1e-4 x max|logit| at every position with the same top-1; BF16 and Q8_0 with >= 99 % top-1
+//! agreement.
+
+use std::path::{Path, PathBuf};
+
+use nebula_engine::convert::{ConvertOptions, OutType, convert};
+use nebula_engine::model::{ForwardOptions, GdnAlgorithm, LogitsFor, Qwen4Exp};
+
+const CASES: [&str; 3] = ["hc4_moe", "qsa_budget", "ple_eos"];
+
+struct Golden {
+    ids: Vec<u32>,
+    prefill: usize,
+    vocab: usize,
+    logits: Vec<f32>,
+}
+
+fn golden_dir(name: &str) -> PathBuf {
+    nebula_tests::repo_root().join("tests/fixtures/golden").join(name)
+}
+
+fn load_golden(name: &str) -> Golden {
+    let dir = golden_dir(name);
+    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let ids = meta["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let bytes = std::fs::read(dir.join("logits.bin")).unwrap();
+    let logits = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    Golden {
+        ids,
+        prefill: meta["prefill"].as_u64().unwrap() as usize,
+        vocab: meta["vocab_size"].as_u64().unwrap() as usize,
+        logits,
+    }
+}
+
+fn converted(name: &str, out_type: OutType, tmp: &Path) -> Qwen4Exp {
+    let out = tmp.join(format!("{name}-{out_type:?}.gguf"));
+    convert(&golden_dir(name), &out, &ConvertOptions { out_type, ..Default::default() }).expect("convert");
+    Qwen4Exp::load(&out).expect("load converted model")
+}
+
+/// Prefill then single-token steps, as the reference ran it.
+fn run(model: &Qwen4Exp, g: &Golden, opts: ForwardOptions) -> Vec<f32> {
+    let mut state = model.new_state(g.ids.len());
+    let mut out = model.forward_with(&mut state, &g.ids[..g.prefill], LogitsFor::All, opts).unwrap();
+    for &t in &g.ids[g.prefill..] {
+        out.extend(model.forward_with(&mut state, &[t], LogitsFor::All, opts).unwrap());
+    }
+    out
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
+}
+
+/// (max |delta| / max |reference|, positions whose top-1 differs).
+fn compare(ours: &[f32], reference: &[f32], vocab: usize) -> (f32, Vec<usize>) {
+    assert_eq!(ours.len(), reference.len());
+    let max_ref = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let mut worst = 0f32;
+    let mut differ = Vec::new();
+    for (pos, (a, b)) in ours.chunks_exact(vocab).zip(reference.chunks_exact(vocab)).enumerate() {
+        let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        if std::env::var("GOLDEN_VERBOSE").is_ok() { eprintln!("pos {pos}: {d:.3e}"); }
+        assert!(d.is_finite(), "non-finite logits at position {pos}");
+        worst = worst.max(d);
+        if argmax(a) != argmax(b) {
+            differ.push(pos);
+            if std::env::var("GOLDEN_VERBOSE").is_ok() {
+                let mut sorted = b.to_vec();
+                sorted.sort_by(|x, y| y.total_cmp(x));
+                eprintln!("flip at {pos}: reference margin {:.3e} of max {max_ref:.2}", sorted[0] - sorted[1]);
+            }
+        }
+    }
+    (worst / max_ref, differ)
+}
+
+#[test]
+fn f32_gguf_matches_the_reference_at_every_position() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in CASES {
+        let g = load_golden(name);
+        let model = converted(name, OutType::F32, tmp.path());
+        assert_eq!(model.config.vocab, g.vocab);
+        let ours = run(&model, &g, ForwardOptions::default());
+        let (rel, differ) = compare(&ours, &g.logits, g.vocab);
+        println!("{name}: F32 max |delta logit| / max |logit| = {rel:.3e}, top-1 mismatches {differ:?}");
+        assert!(rel <= 1e-4, "{name}: relative logit error {rel:.3e} > 1e-4");
+        assert!(differ.is_empty(), "{name}: top-1 differs at positions {differ:?}");
+    }
+}
+
+#[test]
+fn both_gated_deltanet_algorithms_match_the_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let g = load_golden("hc4_moe");
+    let model = converted("hc4_moe", OutType::F32, tmp.path());
+    for gdn in [GdnAlgorithm::Chunked, GdnAlgorithm::Recurrent] {
+        let ours = run(&model, &g, ForwardOptions { gdn });
+        let (rel, differ) = compare(&ours, &g.logits, g.vocab);
+        println!("hc4_moe with {gdn:?}: {rel:.3e}");
+        assert!(rel <= 1e-4 && differ.is_empty(), "{gdn:?}: {rel:.3e}, top-1 differs at {differ:?}");
+    }
+}
+
+#[test]
+fn bf16_and_q8_0_agree_on_top1() {
+    let tmp = tempfile::tempdir().unwrap();
+    for out_type in [OutType::Bf16, OutType::Q8_0] {
+        let (mut same, mut total) = (0usize, 0usize);
+        for name in CASES {
+            let g = load_golden(name);
+            let model = converted(name, out_type, tmp.path());
+            let ours = run(&model, &g, ForwardOptions::default());
+            let (rel, differ) = compare(&ours, &g.logits, g.vocab);
+            println!("{name} {out_type:?}: max rel error {rel:.3e}, {} top-1 mismatches of {}", differ.len(), g.ids.len());
+            total += g.ids.len();
+            same += g.ids.len() - differ.len();
+        }
+        let agreement = same as f64 / total as f64;
+        println!("{out_type:?}: top-1 agreement {:.2} %", agreement * 100.0);
+        assert!(agreement >= 0.99, "{out_type:?}: top-1 agreement {agreement:.4} < 0.99");
+    }
+}
+
+#[test]
+fn incremental_decode_equals_one_prefill() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in CASES {
+        let g = load_golden(name);
+        let model = converted(name, OutType::F32, tmp.path());
+        let mut whole_state = model.new_state(g.ids.len());
+        let whole = model.forward(&mut whole_state, &g.ids, LogitsFor::All).unwrap();
+        let mut state = model.new_state(g.ids.len());
+        let mut steps = Vec::new();
+        for &t in &g.ids {
+            steps.extend(model.forward(&mut state, &[t], LogitsFor::Last).unwrap());
+        }
+        let (rel, differ) = compare(&steps, &whole, g.vocab);
+        println!("{name}: token-by-token vs one prefill {rel:.3e}");
+        assert!(rel <= 1e-5, "{name}: {rel:.3e}");
+        assert!(differ.is_empty(), "{name}: top-1 differs at {differ:?}");
+    }
+}
+
+#[test]
+fn snapshot_decode_restore_decode_is_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in CASES {
+        let g = load_golden(name);
+        let model = converted(name, OutType::F32, tmp.path());
+        let mut state = model.new_state(g.ids.len());
+        model.forward(&mut state, &g.ids[..g.prefill], LogitsFor::None).unwrap();
+        let snap = state.snapshot();
+        let first: Vec<f32> = g.ids[g.prefill..].iter().flat_map(|&t| model.forward(&mut state, &[t], LogitsFor::Last).unwrap()).collect();
+        let grown = state.clone();
+        model.restore(&mut state, &snap).unwrap();
+        let second: Vec<f32> = g.ids[g.prefill..].iter().flat_map(|&t| model.forward(&mut state, &[t], LogitsFor::Last).unwrap()).collect();
+        assert_eq!(first, second, "{name}: logits after restore differ");
+        assert_eq!(grown, state, "{name}: state after restore + replay differs");
+        // A different continuation after restore leaves no trace of the first one.
+        model.restore(&mut state, &snap).unwrap();
+        model.forward(&mut state, &[1, 2, 3], LogitsFor::None).unwrap();
+        model.restore(&mut state, &snap).unwrap();
+        let third: Vec<f32> = g.ids[g.prefill..].iter().flat_map(|&t| model.forward(&mut state, &[t], LogitsFor::Last).unwrap()).collect();
+        assert_eq!(first, third, "{name}: restore after a different branch differs");
+    }
+}
