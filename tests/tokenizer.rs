@@ -569,24 +569,33 @@ fn report_timings() {
         "load: tokenizer.json {json_load:?}; GgufVocab::from_tokenizer_json {derive:?}; from_gguf_vocab {gguf_load:?}"
     );
 
+    // the whole corpus joined by "\n" (mixed scripts), and its prose/code/JSON part repeated 10 times
     let long: String = corpus()
         .iter()
         .map(|r| r.text.as_str())
         .collect::<Vec<_>>()
         .join("\n");
+    let ascii: String = corpus()
+        .iter()
+        .filter(|r| matches!(r.category.as_str(), "ascii_prose" | "code" | "json"))
+        .map(|r| r.text.as_str())
+        .collect::<Vec<_>>()
+        .join("\n")
+        .repeat(10);
     for (name, t) in [("tokenizer.json", &json), ("GgufVocab", &gguf)] {
-        for pass in ["cold", "warm"] {
-            let start = Instant::now();
-            let ids = t.encode(&long).unwrap();
-            let secs = start.elapsed().as_secs_f64();
-            println!(
-                "encode ({name}, {pass} BPE cache): {} B → {} tokens in {:.3} s = {:.0} tokens/s, {:.1} MB/s",
-                long.len(),
-                ids.len(),
-                secs,
-                ids.len() as f64 / secs,
-                long.len() as f64 / secs / 1e6
-            );
+        for (text_name, text) in [("corpus", &long), ("prose+code+json x10", &ascii)] {
+            for pass in ["cold", "warm"] {
+                let start = Instant::now();
+                let ids = t.encode(text).unwrap();
+                let secs = start.elapsed().as_secs_f64();
+                println!(
+                    "encode ({name}, {text_name}, {pass} BPE cache): {} B, {} tokens, {:.3} s: {:.0} tokens/s",
+                    text.len(),
+                    ids.len(),
+                    secs,
+                    ids.len() as f64 / secs,
+                );
+            }
         }
         let ids = t.encode(&long).unwrap();
         let start = Instant::now();

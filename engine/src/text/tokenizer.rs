@@ -46,6 +46,9 @@ pub use vocab::{
 /// combining marks `\p{M}` kept inside words and out of punctuation runs; digits one per token.
 pub const QWEN35_PRETOKENIZER_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// The most ids a vocabulary may have (Qwen3.8 has 248,320): a guard against allocating for absurd ids or sizes.
+pub const MAX_VOCAB_SIZE: usize = 1 << 24;
+
 /// What can go wrong building, encoding with or decoding with a [`TextTokenizer`] or [`GgufVocab`].
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -61,7 +64,7 @@ pub enum TokenizerError {
     UnsupportedPreTokenizer { pre: String },
     #[error("the vocabulary has {tokens} tokens but {token_types} token types")]
     TokenTypeCount { tokens: usize, token_types: usize },
-    #[error("the vocabulary has {0} tokens, more than u32 ids can name")]
+    #[error("the vocabulary has {0} ids, more than the {MAX_VOCAB_SIZE} this tokenizer accepts")]
     TooManyTokens(usize),
     #[error(
         "token {id} {token:?} has token type {token_type}; a byte-level BPE vocabulary holds only 1 (NORMAL), \
@@ -182,6 +185,9 @@ impl TextTokenizer {
             .map(|&id| id as usize + 1)
             .max()
             .unwrap_or(0);
+        if id_space > MAX_VOCAB_SIZE {
+            return Err(TokenizerError::TooManyTokens(id_space));
+        }
         let mut types = vec![None; id_space];
         for &id in model_vocab.values() {
             types[id as usize] = Some(TokenType::Normal);
@@ -221,7 +227,7 @@ impl TextTokenizer {
                 token_types: vocab.token_types.len(),
             });
         }
-        if u32::try_from(vocab.tokens.len()).is_err() {
+        if vocab.tokens.len() > MAX_VOCAB_SIZE {
             return Err(TokenizerError::TooManyTokens(vocab.tokens.len()));
         }
 

@@ -490,3 +490,14 @@ fn stream_decoder_is_send() {
     assert_send_sync::<TextTokenizer>();
     assert_send_sync::<StreamDecoder<'static>>();
 }
+
+#[test]
+fn absurd_ids_are_errors_not_allocations() {
+    let mut json: serde_json::Value = serde_json::from_slice(&tiny_tokenizer_json(true)).unwrap();
+    json["model"]["vocab"]["zzz"] = serde_json::json!(4_000_000_000u32);
+    let err = TextTokenizer::from_tokenizer_json(&serde_json::to_vec(&json).unwrap()).unwrap_err();
+    assert!(
+        matches!(err, TokenizerError::TooManyTokens(4_000_000_001)),
+        "{err}"
+    );
+}

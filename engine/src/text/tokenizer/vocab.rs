@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 
-use super::{QWEN35_PRETOKENIZER_REGEX, TokenizerError};
+use super::{MAX_VOCAB_SIZE, QWEN35_PRETOKENIZER_REGEX, TokenizerError};
 
 /// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -241,6 +241,9 @@ impl GgufVocab {
             }
         }
 
+        if vocab_size > MAX_VOCAB_SIZE {
+            return Err(TokenizerError::TooManyTokens(vocab_size));
+        }
         let mut slots: Vec<Option<(String, TokenType)>> = vec![None; vocab_size];
         let mut place =
             |id: u32, token: &str, ty: TokenType, replace: bool| -> Result<(), TokenizerError> {
