@@ -143,6 +143,11 @@ CODE = [
     "    def __repr__(self) -> str:\n        return f\"{type(self).__name__}({self.x!r}, {self.y!r})\"\n",
     "match tokens.as_slice() {\n    [first, .., last] => (first, last),\n    [] => unreachable!(),\n}\n",
     "regex = r\"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}\"",
+    '<?xml version="1.0" encoding="UTF-8"?>\n<catalog xmlns:x="urn:x">\n  <book id="bk101" x:lang="en">\n'
+    "    <title>XML &amp; You</title>\n    <price currency='EUR'>44.95</price>\n  </book>\n  <!-- comment -->\n"
+    "  <empty/><![CDATA[<not>markup</not>]]>\n</catalog>\n",
+    "<svg width=\"10\" height=\"10\"><rect x=\"0\" y=\"0\" width=\"10\" height=\"10\" fill=\"#f00\"/></svg>",
+    "<tool_call>\n<function=search>\n<parameter=query>\nrust tokenizers\n</parameter>\n</function>\n</tool_call>",
     "0x7FFF_FFFF 0b1010_1010 0o777 1e-9 3.14159f32 1_000_000u64 .5 5. -0.0 NaN inf",
 ]
 

