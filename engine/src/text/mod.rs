@@ -1,2 +1,3 @@
-//! TEMPORARY stub until the tokenizer branch lands.
+//! Text ↔ token ids: the Qwen3.8 tokenizer (design/tokenizer-and-template.md §1).
+
 pub mod tokenizer;
