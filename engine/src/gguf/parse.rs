@@ -327,7 +327,7 @@ impl<'a> Parser<'a> {
             type_id,
         })?;
         let n_bytes = tensor_bytes(&name, &dims, ggml_type)?;
-        if offset % alignment != 0 {
+        if !offset.is_multiple_of(alignment) {
             return Err(Kind::MisalignedOffset {
                 tensor: name,
                 offset,
@@ -361,7 +361,7 @@ pub(crate) fn tensor_bytes(name: &str, dims: &[u64], ggml_type: GgmlType) -> Res
         return Err(overflow());
     }
     let ne0 = dims.first().copied().unwrap_or(1);
-    if ne0 % ggml_type.block_size() as u64 != 0 {
+    if !ne0.is_multiple_of(ggml_type.block_size() as u64) {
         return Err(Kind::RowNotBlockMultiple {
             tensor: name.to_string(),
             ggml_type,

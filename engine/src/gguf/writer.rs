@@ -234,7 +234,8 @@ impl GgufWriter {
     /// starts when the current one is not empty and the next tensor would take it over the limit.
     fn plan_parts(&self) -> Vec<Range<usize>> {
         let Some(max) = self.max_bytes_per_part else {
-            return vec![0..self.tensors.len()];
+            let everything = 0..self.tensors.len();
+            return vec![everything];
         };
         let mut groups = Vec::new();
         let (mut start, mut bytes) = (0usize, 0u64);
