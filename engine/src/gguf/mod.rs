@@ -44,6 +44,9 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 pub const MAX_DIMS: usize = 4;
 /// Deepest nesting of metadata arrays the reader accepts (an array of arrays is depth 2).
 pub const MAX_ARRAY_DEPTH: u32 = 8;
+/// Longest tensor name ggml accepts, in bytes (`GGML_MAX_NAME` minus the terminator). The writer enforces it; the
+/// reader does not.
+pub const MAX_TENSOR_NAME_BYTES: usize = 63;
 /// Most metadata values (entries plus array elements, counted recursively) one file may hold. A real model holds
 /// about a million (three vocabulary-sized arrays); the cap (16.7 M, at most about 32 bytes each in memory) bounds
 /// what a hostile file can make us allocate.
