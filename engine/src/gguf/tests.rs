@@ -1352,3 +1352,33 @@ fn fuzzer_regressions() {
         assert!(result.is_err(), "{name}: expected an error");
     }
 }
+
+#[test]
+fn vocabulary_sized_metadata_round_trips() {
+    let dir = TempDir::new("vocab");
+    let path = dir.path().join("vocab.gguf");
+    let tokens: Vec<String> = (0..248_320).map(|i| format!("tok{i}")).collect();
+    let merges: Vec<String> = (0..247_587).map(|i| format!("a{i} b{i}")).collect();
+    let mut w = GgufWriter::create(&path, 32).unwrap();
+    w.add_kv("tokenizer.ggml.tokens", tokens.clone()).unwrap();
+    w.add_kv("tokenizer.ggml.merges", merges.clone()).unwrap();
+    w.add_kv("tokenizer.ggml.token_type", vec![1i32; tokens.len()])
+        .unwrap();
+    w.begin_data().unwrap().finish().unwrap();
+    let t = std::time::Instant::now();
+    let f = GgufFile::open(&path).unwrap();
+    let elapsed = t.elapsed();
+    assert_eq!(f.get_string_array("tokenizer.ggml.tokens").unwrap(), tokens);
+    assert_eq!(
+        f.get_string_array("tokenizer.ggml.merges").unwrap()[247_586],
+        "a247586 b247586"
+    );
+    assert_eq!(
+        f.get_u32_array("tokenizer.ggml.token_type").unwrap().len(),
+        248_320
+    );
+    eprintln!(
+        "parsed {} bytes of metadata in {elapsed:?}",
+        std::fs::metadata(&path).unwrap().len()
+    );
+}
