@@ -9,7 +9,7 @@
 //! arrays nest at most [`MAX_ARRAY_DEPTH`] deep, the metadata holds at most [`MAX_METADATA_VALUES`] values, and all
 //! offset arithmetic is checked. The parser never panics and never reads out of bounds.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 
 use super::error::{GgufError, GgufErrorKind, Result};
 use super::metadata::Metadata;
@@ -196,10 +196,10 @@ impl<'a> Parser<'a> {
         let alignment = alignment(&metadata)?;
 
         let mut tensors = Vec::with_capacity(n_tensors.min(PREALLOC_CAP) as usize);
-        let mut names: HashMap<String, ()> = HashMap::with_capacity(tensors.capacity());
+        let mut names: HashSet<String> = HashSet::with_capacity(tensors.capacity());
         for i in 0..n_tensors {
             let tensor = self.tensor_info(i, alignment)?;
-            if names.insert(tensor.name.clone(), ()).is_some() {
+            if !names.insert(tensor.name.clone()) {
                 return Err(Kind::DuplicateTensor { name: tensor.name });
             }
             tensors.push(tensor);
