@@ -345,6 +345,15 @@ pub enum GgufErrorKind {
         detail: String,
     },
 
+    /// Writer: a tensor name of 64 bytes or more, which ggml (`GGML_MAX_NAME` = 64, with the terminator) refuses.
+    #[error("tensor name '{name}' is {len} bytes; ggml allows at most {max}", len = name.len())]
+    TensorNameTooLong {
+        /// The name.
+        name: String,
+        /// The longest allowed, in bytes.
+        max: usize,
+    },
+
     /// Writer: an array element whose type differs from the array's element type.
     #[error(
         "key '{key}': array element {index} has type {found}, but the array's element type is {expected}"

@@ -11,6 +11,12 @@
 //!   without overflow, `ne0` a multiple of the block size, known tensor types, aligned offsets, every tensor's
 //!   bytes inside its file and not overlapping another's. Hostile counts and lengths are bounded by the bytes that
 //!   remain before anything is allocated. Nothing panics.
+//!
+//!   Deliberate differences from ggml's own loader (`gguf.cpp`): we refuse dims of size 0 (ggml only refuses
+//!   negative ones; a zero-size weight is never valid for us), accept tensor data in any order and with gaps as long
+//!   as it is aligned and does not overlap (ggml requires tensors packed densely in directory order), and accept
+//!   tensor names of 64 bytes or more (ggml refuses them; our writer does too). Like ggml and gguf-py we accept
+//!   0-dimensional tensors (one element).
 //! - [`GgufWriter`] writes a file (or a split set) with bounded memory: declare metadata and tensors, then stream
 //!   each tensor's bytes in declaration order.
 //!
@@ -44,6 +50,9 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 pub const MAX_DIMS: usize = 4;
 /// Deepest nesting of metadata arrays the reader accepts (an array of arrays is depth 2).
 pub const MAX_ARRAY_DEPTH: u32 = 8;
+/// Longest tensor name ggml accepts, in bytes (`GGML_MAX_NAME` minus the terminator). The writer enforces it; the
+/// reader does not.
+pub const MAX_TENSOR_NAME_BYTES: usize = 63;
 /// Most metadata values (entries plus array elements, counted recursively) one file may hold. A real model holds
 /// about a million (three vocabulary-sized arrays); the cap (16.7 M, at most about 32 bytes each in memory) bounds
 /// what a hostile file can make us allocate.

@@ -9,7 +9,7 @@
 //! arrays nest at most [`MAX_ARRAY_DEPTH`] deep, the metadata holds at most [`MAX_METADATA_VALUES`] values, and all
 //! offset arithmetic is checked. The parser never panics and never reads out of bounds.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 
 use super::error::{GgufError, GgufErrorKind, Result};
 use super::metadata::Metadata;
@@ -196,10 +196,10 @@ impl<'a> Parser<'a> {
         let alignment = alignment(&metadata)?;
 
         let mut tensors = Vec::with_capacity(n_tensors.min(PREALLOC_CAP) as usize);
-        let mut names: HashMap<String, ()> = HashMap::with_capacity(tensors.capacity());
+        let mut names: HashSet<String> = HashSet::with_capacity(tensors.capacity());
         for i in 0..n_tensors {
             let tensor = self.tensor_info(i, alignment)?;
-            if names.insert(tensor.name.clone(), ()).is_some() {
+            if !names.insert(tensor.name.clone()) {
                 return Err(Kind::DuplicateTensor { name: tensor.name });
             }
             tensors.push(tensor);
@@ -327,7 +327,7 @@ impl<'a> Parser<'a> {
             type_id,
         })?;
         let n_bytes = tensor_bytes(&name, &dims, ggml_type)?;
-        if offset % alignment != 0 {
+        if !offset.is_multiple_of(alignment) {
             return Err(Kind::MisalignedOffset {
                 tensor: name,
                 offset,
@@ -361,7 +361,7 @@ pub(crate) fn tensor_bytes(name: &str, dims: &[u64], ggml_type: GgmlType) -> Res
         return Err(overflow());
     }
     let ne0 = dims.first().copied().unwrap_or(1);
-    if ne0 % ggml_type.block_size() as u64 != 0 {
+    if !ne0.is_multiple_of(ggml_type.block_size() as u64) {
         return Err(Kind::RowNotBlockMultiple {
             tensor: name.to_string(),
             ggml_type,

@@ -146,7 +146,7 @@ impl GgmlType {
     /// Returns `None` when `ne0` is not a multiple of [`Self::block_size`] or the size overflows a u64.
     pub fn row_bytes(self, ne0: u64) -> Option<u64> {
         let block = self.block_size() as u64;
-        if ne0 % block != 0 {
+        if !ne0.is_multiple_of(block) {
             return None;
         }
         (ne0 / block).checked_mul(self.type_size() as u64)

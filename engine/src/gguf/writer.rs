@@ -22,6 +22,7 @@ use super::split::{KEY_SPLIT_COUNT, KEY_SPLIT_NO, KEY_SPLIT_TENSORS_COUNT, part_
 use super::types::{GgmlType, MetadataArray, MetadataValue};
 use super::{
     DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, KEY_ALIGNMENT, MAX_ARRAY_DEPTH, MAX_DIMS,
+    MAX_METADATA_VALUES, MAX_TENSOR_NAME_BYTES,
 };
 
 /// Write buffer per open part.
@@ -58,6 +59,8 @@ pub struct GgufWriter {
     metadata: Metadata,
     tensors: Vec<PlannedTensor>,
     names: HashSet<String>,
+    /// Metadata values so far (entries plus array elements), bounded like the reader's.
+    n_values: u64,
 }
 
 impl GgufWriter {
@@ -82,6 +85,7 @@ impl GgufWriter {
             max_bytes_per_part: None,
             tensors: Vec::new(),
             names: HashSet::new(),
+            n_values: 0,
         })
     }
 
@@ -104,7 +108,8 @@ impl GgufWriter {
     /// # Errors
     /// A duplicate key; a `split.*` key (the writer writes those); `general.alignment` other than
     /// `MetadataValue::U32` equal to the writer's alignment; an array whose elements do not all have its declared
-    /// element type, or nested deeper than [`super::MAX_ARRAY_DEPTH`].
+    /// element type, or nested deeper than [`super::MAX_ARRAY_DEPTH`]; more than [`MAX_METADATA_VALUES`] values in
+    /// total (the reader's limit).
     pub fn add_kv(
         &mut self,
         key: impl Into<String>,
@@ -128,8 +133,22 @@ impl GgufWriter {
             );
             return Err(self.err(GgufErrorKind::ReservedKey { key, detail }));
         }
+        let mut n_values = 1;
         if let MetadataValue::Array(array) = &value {
-            check_array(&key, array, 1).map_err(|kind| self.err(kind))?;
+            n_values += check_array(&key, array, 1).map_err(|kind| self.err(kind))?;
+        }
+        match self
+            .n_values
+            .checked_add(n_values)
+            .filter(|&n| n <= MAX_METADATA_VALUES)
+        {
+            Some(n) => self.n_values = n,
+            None => {
+                return Err(self.err(GgufErrorKind::TooManyValues {
+                    key,
+                    limit: MAX_METADATA_VALUES,
+                }));
+            }
         }
         self.metadata.insert(key, value);
         Ok(())
@@ -139,8 +158,8 @@ impl GgufWriter {
     /// dims. Tensors are written in the order declared.
     ///
     /// # Errors
-    /// A duplicate name, more than [`MAX_DIMS`] dims, a zero dim, `dims[0]` not a multiple of the type's block
-    /// size, or an element count or size beyond `i64::MAX`.
+    /// A duplicate name, a name longer than [`MAX_TENSOR_NAME_BYTES`], more than [`MAX_DIMS`] dims, a zero dim,
+    /// `dims[0]` not a multiple of the type's block size, or an element count or size beyond `i64::MAX`.
     pub fn add_tensor(
         &mut self,
         name: impl Into<String>,
@@ -150,6 +169,13 @@ impl GgufWriter {
         let name = name.into();
         if self.names.contains(&name) {
             return Err(self.err(GgufErrorKind::DuplicateTensor { name }));
+        }
+        if name.len() > MAX_TENSOR_NAME_BYTES {
+            let kind = GgufErrorKind::TensorNameTooLong {
+                name,
+                max: MAX_TENSOR_NAME_BYTES,
+            };
+            return Err(self.err(kind));
         }
         if dims.len() > MAX_DIMS {
             return Err(self.err(GgufErrorKind::TooManyDims {
@@ -234,7 +260,8 @@ impl GgufWriter {
     /// starts when the current one is not empty and the next tensor would take it over the limit.
     fn plan_parts(&self) -> Vec<Range<usize>> {
         let Some(max) = self.max_bytes_per_part else {
-            return vec![0..self.tensors.len()];
+            let everything = 0..self.tensors.len();
+            return vec![everything];
         };
         let mut groups = Vec::new();
         let (mut start, mut bytes) = (0usize, 0u64);
@@ -298,13 +325,15 @@ impl GgufWriter {
 }
 
 /// Checks that every element of `array` has its element type, recursively; `depth` is this array's level.
-fn check_array(key: &str, array: &MetadataArray, depth: u32) -> Result<(), GgufErrorKind> {
+/// Returns the number of elements, counted recursively.
+fn check_array(key: &str, array: &MetadataArray, depth: u32) -> Result<u64, GgufErrorKind> {
     if depth > MAX_ARRAY_DEPTH {
         return Err(GgufErrorKind::NestingTooDeep {
             key: key.to_string(),
             limit: MAX_ARRAY_DEPTH,
         });
     }
+    let mut n = array.values.len() as u64;
     for (index, v) in array.values.iter().enumerate() {
         if v.value_type() != array.elem_type {
             return Err(GgufErrorKind::ArrayElementType {
@@ -315,10 +344,10 @@ fn check_array(key: &str, array: &MetadataArray, depth: u32) -> Result<(), GgufE
             });
         }
         if let MetadataValue::Array(inner) = v {
-            check_array(key, inner, depth + 1)?;
+            n += check_array(key, inner, depth + 1)?;
         }
     }
-    Ok(())
+    Ok(n)
 }
 
 fn put_string(out: &mut Vec<u8>, s: &str) {
@@ -689,6 +718,13 @@ mod tests {
             w.add_kv("deep", deep).unwrap_err().kind(),
             GgufErrorKind::NestingTooDeep { .. }
         ));
+        let big = MetadataValue::from(vec![0u8; MAX_METADATA_VALUES as usize]);
+        let e = w.add_kv("big", big).unwrap_err();
+        assert!(
+            matches!(e.kind(), GgufErrorKind::TooManyValues { .. }),
+            "{e}"
+        );
+        w.add_kv("fits", vec![0u8; 1000]).unwrap();
         w.add_tensor("t", &[32, 2], GgmlType::Q8_0).unwrap();
         assert_eq!(w.tensor_n_bytes("t"), Some(68));
         assert!(matches!(
@@ -706,6 +742,13 @@ mod tests {
                 .kind(),
             GgufErrorKind::ZeroDim { axis: 1, .. }
         ));
+        let long = "x".repeat(64);
+        let e = w.add_tensor(&long, &[1], GgmlType::F32).unwrap_err();
+        assert!(
+            matches!(e.kind(), GgufErrorKind::TensorNameTooLong { max: 63, .. }),
+            "{e}"
+        );
+        w.add_tensor(&long[..63], &[1], GgmlType::F32).unwrap();
         assert!(matches!(
             w.add_tensor("d", &[1; 5], GgmlType::F32)
                 .unwrap_err()
