@@ -1,0 +1,1 @@
+//! Model output parsing (reasoning, content, tool calls).
