@@ -112,3 +112,50 @@ fn worked_example_matches_the_design_note() {
         "<|im_start|>user\nAnd in Lyon?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     ));
 }
+
+#[test]
+fn parser_reads_back_what_the_template_writes() {
+    use nebula_engine::text::output::{ParseOptions, parse_output};
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "book", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}, "nights": {"type": "integer"}, "budget": {"type": "number"},
+            "smoking": {"type": "boolean"}, "guests": {"type": "array"}, "prefs": {"type": "object"},
+            "note": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}]);
+    let arguments = serde_json::json!({"city": "Kyōto\nold town", "nights": 2, "budget": 1e-05, "smoking": false,
+        "guests": [{"name": "Aiko"}, "Ben", null], "prefs": {"z": 1, "a": [true]}, "note": null, "code": "007"});
+    let messages = serde_json::json!([
+        {"role": "user", "content": "Book it."},
+        {"role": "assistant", "content": "Booking.", "reasoning_content": "Use the tool.\nTwice.",
+         "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "book", "arguments": arguments.to_string()}},
+            {"id": "b", "type": "function", "function": {"name": "book", "arguments": "{}"}}]}
+    ]);
+    let source =
+        std::fs::read_to_string(repo_root().join("assets/chat_template.jinja")).expect("template");
+    let mut request = RenderRequest::new(&messages);
+    request.tools = Some(&tools);
+    let text = ChatTemplate::new(&source)
+        .expect("compiles")
+        .render(&request)
+        .expect("renders");
+    let prompt_end = text
+        .rfind("<|im_start|>assistant\n<think>\n")
+        .expect("assistant turn")
+        + 29;
+    let generated = text[prompt_end..]
+        .strip_suffix("<|im_end|>\n")
+        .expect("turn end");
+    let parsed = parse_output(
+        generated,
+        &ParseOptions::for_prompt(&text[..prompt_end]).with_tools(Some(&tools)),
+    );
+    assert_eq!(
+        parsed.reasoning_content.as_deref(),
+        Some("Use the tool.\nTwice.")
+    );
+    assert_eq!(parsed.content.as_deref(), Some("Booking."));
+    assert_eq!(parsed.tool_calls.len(), 2);
+    let first: Value =
+        serde_json::from_str(&parsed.tool_calls[0].function.arguments).expect("JSON");
+    assert_eq!(first, arguments);
+    assert_eq!(parsed.tool_calls[1].function.arguments, "{}");
+}

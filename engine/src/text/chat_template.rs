@@ -286,6 +286,14 @@ fn parse_arguments(
     Ok(())
 }
 
+/// Python `json.dumps(value, ensure_ascii=False)` of a JSON value: `", "`/`": "` separators, key order kept, raw
+/// UTF-8, floats as Python writes them (`1e-05`). This is how vLLM's Qwen tool parsers write `arguments`.
+pub fn python_json(value: &serde_json::Value) -> String {
+    // A `serde_json::Value` always converts to a JSON-representable template value, so this cannot fail.
+    json_dumps(&json_value(value.clone()), &JsonOptions::default())
+        .unwrap_or_else(|_| value.to_string())
+}
+
 /// A JSON value as a template value, keeping object key order.
 pub(crate) fn json_value(value: serde_json::Value) -> Value {
     Value::from(minijinja::value::Serde(value))

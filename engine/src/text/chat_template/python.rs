@@ -250,8 +250,9 @@ fn write_str_repr(out: &mut String, s: &str) {
     out.push(quote);
 }
 
-/// Options of Python's `json.dumps` that transformers' `tojson` filter exposes.
-#[derive(Debug, Clone)]
+/// Options of Python's `json.dumps` that transformers' `tojson` filter exposes; `Default` is transformers'
+/// default (`ensure_ascii=False`, one line, insertion order).
+#[derive(Debug, Clone, Default)]
 pub struct JsonOptions {
     /// Escape every non-ASCII character as `\uXXXX` (transformers' default: `false`).
     pub ensure_ascii: bool,
@@ -261,17 +262,6 @@ pub struct JsonOptions {
     pub separators: Option<(String, String)>,
     /// Sort object keys (transformers' default: `false`, insertion order).
     pub sort_keys: bool,
-}
-
-impl Default for JsonOptions {
-    fn default() -> Self {
-        Self {
-            ensure_ascii: false,
-            indent: None,
-            separators: None,
-            sort_keys: false,
-        }
-    }
 }
 
 /// Python `json.dumps(value, ensure_ascii=.., indent=.., separators=.., sort_keys=..)` of a template value.
@@ -477,7 +467,7 @@ mod tests {
             (1e15, "1000000000000000.0"),
             (123456789012345678.0, "1.2345678901234568e+17"),
             (1.5e-7, "1.5e-07"),
-            (3.14159, "3.14159"),
+            (123.456, "123.456"),
             (1e100, "1e+100"),
             (f64::MAX, "1.7976931348623157e+308"),
             (5e-324, "5e-324"),
