@@ -8,7 +8,9 @@ reasoning aliases) -- rendering the SAME template files the Rust renderer loads:
 
 - `assets/chat_template.jinja` (Qwen3.8-Flash-Next format, the model's template);
 - `tests/fixtures/chat_template/qwen35_style.jinja` (a second, Qwen3.5-style template with plain tags, loop
-  filters, macros, `str.format`, `|map`, `tojson(indent=2)`...), to show the renderer is not tuned to one template.
+  filters, macros, `str.format`, `|map`, `tojson(indent=2)`...), to show the renderer is not tuned to one template;
+- `tests/fixtures/chat_template/jinja_features.jinja` (a probe printing ~250 expressions: tests, filters, Python
+  methods, operators, number and container printing, whitespace control, raw/with/filter/set blocks).
 
 Before rendering, OpenAI `tool_calls[].function.arguments` JSON strings become dicts (json.loads keeps key order), as
 vLLM/SGLang do and as Nebula's `ChatTemplate::render` does; transformers itself expects dicts there.
@@ -35,6 +37,7 @@ OUT = ROOT / "tests" / "fixtures" / "chat_template" / "cases.json"
 TEMPLATES = {
     "qwen3.8": "assets/chat_template.jinja",
     "qwen3.5-style": "tests/fixtures/chat_template/qwen35_style.jinja",
+    "jinja-features": "tests/fixtures/chat_template/jinja_features.jinja",
 }
 
 WEATHER = {
@@ -260,6 +263,14 @@ def cases():
             note="str.format, |map(attribute), tojson(indent=2), |string gives True/None/1e-05, for-else"),
         case("second_template_thinking_off", [{"role": "user", "content": "Hi"}], template="qwen3.5-style",
              enable_thinking=False),
+        case("jinja_features_probe", [
+            {"role": "system", "content": " line one \nline two\x1c"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": ""}, {"role": "user", "content": "q"},
+        ], template="jinja-features"),
+        case("jinja_features_probe_other_messages", [
+            {"role": "system", "content": "ünï\tcödé  "}, {"role": "user", "content": "x", "name": "n"},
+            {"role": "tool", "content": "t"}, {"role": "user", "content": "y"}, {"role": "assistant", "content": "z"},
+        ], template="jinja-features", add_generation_prompt=False),
         case("second_template_bad_role", [{"role": "user", "content": "Hi"}, {"role": "critic", "content": "x"}],
              template="qwen3.5-style"),
     ]

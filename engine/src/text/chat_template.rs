@@ -20,9 +20,14 @@
 //! `_alias_reasoning_fields`), and each tool call's `function.arguments` JSON string becomes an ordered map, as
 //! vLLM and SGLang do, because templates iterate it with `|items`.
 //!
-//! Known differences from jinja2, none of which the Qwen templates reach: the `~` operator and string `+` print
-//! `none`/`true` the minijinja way, not `None`/`True`; error texts of Jinja's own errors (undefined values, type
-//! errors) are minijinja's; `repr()` of a string escapes only the common non-printable characters.
+//! Also jinja2's `int`/`float` filters (fallbacks instead of errors) and `sequence` test (true for strings and
+//! mappings). `tests/fixtures/chat_template/jinja_features.jinja` checks ~250 expressions against jinja2.
+//!
+//! Known differences from jinja2, none of which the Qwen templates reach: the `~` operator prints `none`/`true`
+//! the minijinja way, not `None`/`True`; jinja2 filters minijinja lacks (`wordcount`, `truncate`, `center`,
+//! `wordwrap`, `filesizeformat`, `striptags`, `xmlattr`, `urlize`, `pprint`, `random`) are unknown-filter errors;
+//! error texts of Jinja's own errors (undefined values, type errors) are minijinja's; `repr()` of a string escapes
+//! only the common non-printable characters; `strftime_now` uses UTC, not the local time zone.
 
 mod python;
 
@@ -34,6 +39,9 @@ use minijinja::{AutoEscape, Environment, Error, ErrorKind, State, UndefinedBehav
 use serde_json::Map;
 
 pub use python::{JsonOptions, float_repr, is_python_space, json_dumps};
+
+/// The Qwen3.8-Flash-Next chat template (`assets/chat_template.jinja`), for models that do not bring their own.
+pub const QWEN38_CHAT_TEMPLATE: &str = include_str!("../../../assets/chat_template.jinja");
 
 /// Name under which the template is stored in its environment (appears in error locations).
 const TEMPLATE_NAME: &str = "chat_template";
@@ -152,6 +160,9 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_filter("trim", trim);
         env.add_filter("string", string);
+        env.add_filter("int", int);
+        env.add_test("sequence", is_sequence);
+        env.add_filter("float", float);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
@@ -413,6 +424,89 @@ fn string(value: &Value) -> Value {
     } else {
         Value::from(python::str_of(value))
     }
+}
+
+/// jinja2 `sequence` test: anything with a length and item access, so strings and mappings too.
+fn is_sequence(value: &Value) -> bool {
+    matches!(
+        value.kind(),
+        ValueKind::String | ValueKind::Bytes | ValueKind::Seq | ValueKind::Map
+    )
+}
+
+/// jinja2 `int(value, default=0, base=10)`: Python `int(value)`, else `int(float(value))`, else `default`.
+fn int(value: &Value, default: Option<Value>, base: Option<u32>) -> Value {
+    let default = default.unwrap_or(Value::from(0));
+    match value.kind() {
+        ValueKind::Bool => Value::from(i64::from(value.is_true())),
+        ValueKind::Number if value.is_integer() => value.clone(),
+        ValueKind::Number => match f64::try_from(value.clone()) {
+            Ok(x) if x.is_finite() => Value::from(x.trunc() as i64),
+            _ => default,
+        },
+        ValueKind::String => {
+            let text = python::strip(value.as_str().unwrap_or_default(), None).replace('_', "");
+            let base = base.unwrap_or(10);
+            let (negative, digits) = match text.strip_prefix('-') {
+                Some(rest) => (true, rest),
+                None => (false, text.strip_prefix('+').unwrap_or(&text)),
+            };
+            let prefix = match base {
+                16 => ["0x", "0X"],
+                8 => ["0o", "0O"],
+                2 => ["0b", "0B"],
+                _ => ["", ""],
+            };
+            let digits = prefix
+                .iter()
+                .filter(|p| !p.is_empty())
+                .find_map(|p| digits.strip_prefix(p))
+                .unwrap_or(digits);
+            match (2..=36)
+                .contains(&base)
+                .then(|| i64::from_str_radix(digits, base).ok())
+                .flatten()
+            {
+                Some(n) if !digits.starts_with(['+', '-']) => {
+                    Value::from(if negative { -n } else { n })
+                }
+                _ => match python_float(&text) {
+                    Some(x) if x.is_finite() => Value::from(x.trunc() as i64),
+                    _ => default,
+                },
+            }
+        }
+        _ => default,
+    }
+}
+
+/// jinja2 `float(value, default=0.0)`: Python `float(value)`, else `default`.
+fn float(value: &Value, default: Option<Value>) -> Value {
+    let default = default.unwrap_or(Value::from(0.0));
+    match value.kind() {
+        ValueKind::Bool => Value::from(if value.is_true() { 1.0 } else { 0.0 }),
+        ValueKind::Number => f64::try_from(value.clone())
+            .map(Value::from)
+            .unwrap_or(default),
+        ValueKind::String => python_float(value.as_str().unwrap_or_default())
+            .map(Value::from)
+            .unwrap_or(default),
+        _ => default,
+    }
+}
+
+/// Python `float(str)`: surrounding whitespace allowed, `inf`/`nan` spelled any case, underscores between digits.
+fn python_float(text: &str) -> Option<f64> {
+    let text = python::strip(text, None);
+    let unsigned = text.trim_start_matches(['+', '-']);
+    match unsigned.to_ascii_lowercase().as_str() {
+        "inf" | "infinity" | "nan" => return text.parse().ok(),
+        _ => {}
+    }
+    if unsigned.is_empty() || !unsigned.starts_with(|c: char| c.is_ascii_digit() || c == '.') {
+        return None;
+    }
+    text.replace('_', "").parse().ok()
 }
 
 /// transformers' `strftime_now(format)`: the current time (UTC here) formatted with the common `strftime`
@@ -714,6 +808,55 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, ">b<a>c<b>d|2");
+    }
+
+    #[test]
+    fn int_and_float_filters_follow_jinja2() {
+        let out = render(
+            "{{ '5'|int }} {{ ' 7 '|int }} {{ '2.5'|int }} {{ 'x'|int }} {{ 'x'|int(9) }} {{ '0x1A'|int(0, 16) }} \
+             {{ 3.9|int }} {{ true|int }} {{ '2.5'|float }} {{ 'x'|float }} {{ '1e-5'|float }} {{ 3|float }}",
+            json!([]),
+        )
+        .unwrap();
+        assert_eq!(out, "5 7 2 0 9 26 3 1 2.5 0.0 1e-05 3.0");
+    }
+
+    #[test]
+    fn chat_template_is_shareable_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<ChatTemplate>();
+    }
+
+    /// Malformed requests fail with an error or render; they never panic.
+    #[test]
+    fn malformed_requests_do_not_panic() {
+        let template = ChatTemplate::new(QWEN38_CHAT_TEMPLATE).unwrap();
+        let shapes = [
+            json!(null),
+            json!([null]),
+            json!([{}]),
+            json!([{"role": 5, "content": [1, [2], {"x": null}]}]),
+            json!([{"role": "user", "content": {"text": "x"}}]),
+            json!([{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "tool_calls": "x"}]),
+            json!([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [null, 1, {"function": 2}]}]),
+            json!([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]),
+            json!([{"role": "user", "content": "q"}, {"role": "tool"}, {"role": "tool", "content": [[[[[]]]]]}]),
+            json!([{"role": "user", "content": "q", "reasoning_content": {"deep": [1.5e300, -0.0, 1e-320]}}]),
+        ];
+        for messages in &shapes {
+            for tools in [
+                None,
+                Some(json!("tools")),
+                Some(json!([null, {"function": {}}])),
+            ] {
+                let mut request = RenderRequest::new(messages);
+                request.tools = tools.as_ref();
+                request.reasoning_effort = Some("\u{0}");
+                let _ = template.render(&request);
+                request.reasoning_effort = None;
+                let _ = template.render(&request);
+            }
+        }
     }
 
     #[test]

@@ -150,16 +150,23 @@ fn write_repr(out: &mut String, value: &Value) {
         ValueKind::Number => out.push_str(&number_repr(value)),
         ValueKind::String => write_str_repr(out, value.as_str().unwrap_or_default()),
         ValueKind::Seq | ValueKind::Iterable => {
-            out.push('[');
+            // Pairs from `|items` and `dict.items()` are tuples in Python: `('k', 1)`, `(x,)`.
+            let tuple = value.is_tuple();
+            out.push(if tuple { '(' } else { '[' });
+            let mut count = 0;
             if let Ok(items) = value.try_iter() {
-                for (i, item) in items.enumerate() {
-                    if i > 0 {
+                for item in items {
+                    if count > 0 {
                         out.push_str(", ");
                     }
                     write_repr(out, &item);
+                    count += 1;
                 }
             }
-            out.push(']');
+            if tuple && count == 1 {
+                out.push(',');
+            }
+            out.push(if tuple { ')' } else { ']' });
         }
         ValueKind::Map => {
             out.push('{');
