@@ -649,6 +649,19 @@ mod tests {
     }
 
     #[test]
+    fn tool_calls_serialize_in_openai_shape() {
+        let out = parse_output(
+            "<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n</function>\n</tool_call>",
+            &ParseOptions::default(),
+        );
+        assert_eq!(
+            serde_json::to_value(&out).unwrap(),
+            json!({"reasoning_content": null, "content": null, "tool_calls": [
+                {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{\"a\": \"x\"}"}}]})
+        );
+    }
+
+    #[test]
     fn values_without_tools_are_json_when_they_parse() {
         let text = "<tool_call>\n<function=f>\n<parameter=a>\n42\n</parameter>\n<parameter=b>\n\"q\"\n</parameter>\n\
             <parameter=c>\n[1, {\"x\": true}]\n</parameter>\n<parameter=d>\nhello world\n</parameter>\n\
