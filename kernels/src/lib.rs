@@ -35,11 +35,7 @@ mod tests {
     #[test]
     fn probe_does_not_panic_and_points_at_an_existing_file() {
         if let Some(p) = find_cuda_driver() {
-            assert!(
-                p.exists(),
-                "probe returned {} which does not exist",
-                p.display()
-            );
+            assert!(p.exists(), "probe returned {} which does not exist", p.display());
         }
     }
 }
