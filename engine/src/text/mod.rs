@@ -1,3 +1,7 @@
-//! Text ↔ token ids: the Qwen3.8 tokenizer (design/tokenizer-and-template.md §1).
+//! Text in and out of the model: the Qwen3.8 tokenizer (design/tokenizer-and-template.md §1), the chat template
+//! that turns a conversation into the prompt, and the parser that splits generated text into reasoning, answer
+//! and tool calls.
 
+pub mod chat_template;
+pub mod output;
 pub mod tokenizer;
