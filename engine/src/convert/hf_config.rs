@@ -57,18 +57,20 @@ fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
 impl HfTextConfig {
     /// Parses `config.json` text: either a `qwen4_exp` config with `text_config` or a flat `qwen4_exp_text` one.
     pub fn parse(text: &str) -> Result<Self, ConvertError> {
-        let root: Value = serde_json::from_str(text).map_err(|e| ConvertError::Config(format!("config.json is not JSON: {e}")))?;
+        let root: Value =
+            serde_json::from_str(text).map_err(|e| ConvertError::Config(format!("config.json is not JSON: {e}")))?;
         let tc = get(&root, "text_config").unwrap_or(&root);
         let model_type = get(&root, "model_type").and_then(Value::as_str).unwrap_or("");
         if !matches!(model_type, "qwen4_exp" | "qwen4_exp_text") {
-            return Err(ConvertError::Config(format!("model_type is '{model_type}', expected 'qwen4_exp' or 'qwen4_exp_text'")));
+            return Err(ConvertError::Config(format!(
+                "model_type is '{model_type}', expected 'qwen4_exp' or 'qwen4_exp_text'"
+            )));
         }
         let uint = |key: &str, default: Option<usize>| -> Result<usize, ConvertError> {
             match get(tc, key) {
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|x| usize::try_from(x).ok())
-                    .ok_or_else(|| ConvertError::Config(format!("text_config.{key} is {v}, expected a non-negative integer"))),
+                Some(v) => v.as_u64().and_then(|x| usize::try_from(x).ok()).ok_or_else(|| {
+                    ConvertError::Config(format!("text_config.{key} is {v}, expected a non-negative integer"))
+                }),
                 None => default.ok_or_else(|| ConvertError::Config(format!("text_config.{key} is missing"))),
             }
         };
@@ -83,7 +85,9 @@ impl HfTextConfig {
                 None => Ok(None),
                 Some(Value::Array(a)) => a
                     .iter()
-                    .map(|x| x.as_u64().map(|u| u as usize).ok_or_else(|| ConvertError::Config(format!("{key} holds {x}"))))
+                    .map(|x| {
+                        x.as_u64().map(|u| u as usize).ok_or_else(|| ConvertError::Config(format!("{key} holds {x}")))
+                    })
                     .collect::<Result<Vec<_>, _>>()
                     .map(Some),
                 Some(other) => Err(ConvertError::Config(format!("{key} is {other}, expected a list"))),
@@ -106,10 +110,14 @@ impl HfTextConfig {
             Some(other) => return Err(ConvertError::Config(format!("layer_types is {other}"))),
         };
         if recurrent.len() != num_hidden_layers {
-            return Err(ConvertError::Config(format!("{} layer_types for {num_hidden_layers} layers", recurrent.len())));
+            return Err(ConvertError::Config(format!(
+                "{} layer_types for {num_hidden_layers} layers",
+                recurrent.len()
+            )));
         }
         let rope = get(tc, "rope_parameters").or_else(|| get(tc, "rope_scaling"));
-        let rope_theta = float(rope.and_then(|r| get(r, "rope_theta")).or_else(|| get(tc, "rope_theta")), "rope_theta", 10_000.0)?;
+        let rope_theta =
+            float(rope.and_then(|r| get(r, "rope_theta")).or_else(|| get(tc, "rope_theta")), "rope_theta", 10_000.0)?;
         let partial_rotary_factor = float(
             rope.and_then(|r| get(r, "partial_rotary_factor")).or_else(|| get(tc, "partial_rotary_factor")),
             "partial_rotary_factor",
@@ -130,7 +138,8 @@ impl HfTextConfig {
             return Err(ConvertError::Config("norm_topk_prob=false is not supported by qwen4exp".into()));
         }
         let hidden_act = get(tc, "hidden_act").and_then(Value::as_str).unwrap_or("silu").to_string();
-        let output_gate_type = get(tc, "output_gate_type").and_then(Value::as_str).map(str::to_string).unwrap_or(hidden_act);
+        let output_gate_type =
+            get(tc, "output_gate_type").and_then(Value::as_str).map(str::to_string).unwrap_or(hidden_act);
         if !matches!(output_gate_type.as_str(), "sigmoid" | "silu") {
             return Err(ConvertError::Config(format!("unsupported output_gate_type '{output_gate_type}'")));
         }

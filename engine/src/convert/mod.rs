@@ -151,7 +151,8 @@ struct OutTensor {
 /// Converts the checkpoint in `dir` to `out`.
 pub fn convert(dir: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertReport, ConvertError> {
     let cfg_path = dir.join("config.json");
-    let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| ConvertError::Io { path: cfg_path.clone(), source: e })?;
+    let cfg_text =
+        std::fs::read_to_string(&cfg_path).map_err(|e| ConvertError::Io { path: cfg_path.clone(), source: e })?;
     let cfg = HfTextConfig::parse(&cfg_text)?;
     let ckpt = Checkpoint::open(dir)?;
     let names = Names::detect(&ckpt)?;
@@ -237,7 +238,6 @@ impl Planner<'_> {
         }
     }
     fn push(&mut self, name: String, dims: Vec<u64>, ty: GgmlType, recipe: Recipe, transform: Elementwise) {
-        let ty = match std::env::var("DBG_KEEP") { Ok(p) if ty == GgmlType::Q8_0 && p.split(',').any(|x| name.contains(x)) => GgmlType::F32, _ => ty };
         self.tensors.push(OutTensor { name, dims, ty, recipe, transform });
     }
     /// A 2-D weight `[out, in]` → ggml `[in, out]`, stored in the matrix type.
@@ -270,7 +270,8 @@ fn plan_tensors(
     let (s, r) = (cfg.hc_count, cfg.hc_lowrank);
     let hc = s * d;
     p.matrix("token_embd.weight".into(), names.t("embed_tokens.weight"), v, d)?;
-    let lm = if ckpt.get("lm_head.weight").is_some() { "lm_head.weight".to_string() } else { names.t("lm_head.weight") };
+    let lm =
+        if ckpt.get("lm_head.weight").is_some() { "lm_head.weight".to_string() } else { names.t("lm_head.weight") };
     p.matrix("output.weight".into(), lm, v, d)?;
     let mix = names.t("hyper_connection_mixer.");
     p.vector("output_hc_norm.weight".into(), format!("{mix}hc_norm.weight"), hc, Elementwise::PlusOne)?;
@@ -291,12 +292,43 @@ fn plan_tensors(
             expect_shape(ckpt, n, &[d, d])?;
         }
         let ty = p.matrix_type(2 * d as u64);
-        p.push(format!("blk.{b}.nextn.eh_proj.weight"), vec![2 * d as u64, d as u64], ty, Recipe::ConcatCols { srcs: eh.to_vec() }, Elementwise::None);
-        p.vector(format!("blk.{b}.nextn.enorm.weight"), "mtp.pre_fc_norm_embedding.weight".into(), d, Elementwise::PlusOne)?;
-        p.vector(format!("blk.{b}.nextn.hnorm.weight"), "mtp.pre_fc_norm_hidden.weight".into(), hc, Elementwise::PlusOne)?;
-        p.vector(format!("blk.{b}.nextn.hc_head_norm.weight"), "mtp.hyper_connection_mixer.hc_norm.weight".into(), hc, Elementwise::PlusOne)?;
-        p.matrix(format!("blk.{b}.nextn.hc_head_down.weight"), "mtp.hyper_connection_mixer.input_mix_weight_down.weight".into(), r, hc)?;
-        p.matrix(format!("blk.{b}.nextn.hc_head_up.weight"), "mtp.hyper_connection_mixer.input_mix_weight_up.weight".into(), hc, r)?;
+        p.push(
+            format!("blk.{b}.nextn.eh_proj.weight"),
+            vec![2 * d as u64, d as u64],
+            ty,
+            Recipe::ConcatCols { srcs: eh.to_vec() },
+            Elementwise::None,
+        );
+        p.vector(
+            format!("blk.{b}.nextn.enorm.weight"),
+            "mtp.pre_fc_norm_embedding.weight".into(),
+            d,
+            Elementwise::PlusOne,
+        )?;
+        p.vector(
+            format!("blk.{b}.nextn.hnorm.weight"),
+            "mtp.pre_fc_norm_hidden.weight".into(),
+            hc,
+            Elementwise::PlusOne,
+        )?;
+        p.vector(
+            format!("blk.{b}.nextn.hc_head_norm.weight"),
+            "mtp.hyper_connection_mixer.hc_norm.weight".into(),
+            hc,
+            Elementwise::PlusOne,
+        )?;
+        p.matrix(
+            format!("blk.{b}.nextn.hc_head_down.weight"),
+            "mtp.hyper_connection_mixer.input_mix_weight_down.weight".into(),
+            r,
+            hc,
+        )?;
+        p.matrix(
+            format!("blk.{b}.nextn.hc_head_up.weight"),
+            "mtp.hyper_connection_mixer.input_mix_weight_up.weight".into(),
+            hc,
+            r,
+        )?;
         plan_layer(&mut p, cfg, "mtp.layers.0.", b, false)?;
     }
     Ok(p.tensors)
@@ -321,29 +353,64 @@ fn plan_layer(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize, recurrent
         let la = format!("{hf}linear_attn.");
         expect_shape(p.ckpt, &format!("{la}in_proj_qkv.weight"), &[conv_dim, d])?;
         let mt = p.matrix_type(d as u64);
-        p.push(format!("{b}.attn_qkv.weight"), vec![d as u64, conv_dim as u64], mt,
-            Recipe::RowPermute { src: format!("{la}in_proj_qkv.weight"), offset: 2 * kd, block: dk, perm: perm.clone() }, Elementwise::None);
+        p.push(
+            format!("{b}.attn_qkv.weight"),
+            vec![d as u64, conv_dim as u64],
+            mt,
+            Recipe::RowPermute {
+                src: format!("{la}in_proj_qkv.weight"),
+                offset: 2 * kd,
+                block: dk,
+                perm: perm.clone(),
+            },
+            Elementwise::None,
+        );
         expect_shape(p.ckpt, &format!("{la}in_proj_z.weight"), &[vd, d])?;
-        p.push(format!("{b}.attn_gate.weight"), vec![d as u64, vd as u64], mt,
-            Recipe::RowPermute { src: format!("{la}in_proj_z.weight"), offset: 0, block: dk, perm: perm.clone() }, Elementwise::None);
+        p.push(
+            format!("{b}.attn_gate.weight"),
+            vec![d as u64, vd as u64],
+            mt,
+            Recipe::RowPermute { src: format!("{la}in_proj_z.weight"), offset: 0, block: dk, perm: perm.clone() },
+            Elementwise::None,
+        );
         for (hfn, gg) in [("in_proj_b", "ssm_beta"), ("in_proj_a", "ssm_alpha")] {
             expect_shape(p.ckpt, &format!("{la}{hfn}.weight"), &[nv, d])?;
-            p.push(format!("{b}.{gg}.weight"), vec![d as u64, nv as u64], mt,
-                Recipe::RowPermute { src: format!("{la}{hfn}.weight"), offset: 0, block: 1, perm: perm.clone() }, Elementwise::None);
+            p.push(
+                format!("{b}.{gg}.weight"),
+                vec![d as u64, nv as u64],
+                mt,
+                Recipe::RowPermute { src: format!("{la}{hfn}.weight"), offset: 0, block: 1, perm: perm.clone() },
+                Elementwise::None,
+            );
         }
         expect_shape(p.ckpt, &format!("{la}conv1d.weight"), &[conv_dim, 1, cfg.linear_conv_kernel_dim])?;
-        p.push(format!("{b}.ssm_conv1d.weight"), vec![cfg.linear_conv_kernel_dim as u64, conv_dim as u64], GgmlType::F32,
-            Recipe::RowPermute { src: format!("{la}conv1d.weight"), offset: 2 * kd, block: dk, perm: perm.clone() }, Elementwise::None);
+        p.push(
+            format!("{b}.ssm_conv1d.weight"),
+            vec![cfg.linear_conv_kernel_dim as u64, conv_dim as u64],
+            GgmlType::F32,
+            Recipe::RowPermute { src: format!("{la}conv1d.weight"), offset: 2 * kd, block: dk, perm: perm.clone() },
+            Elementwise::None,
+        );
         for (hfn, gg, tr) in [("dt_bias", "ssm_dt.bias", Elementwise::None), ("A_log", "ssm_a", Elementwise::NegExp)] {
             expect_shape(p.ckpt, &format!("{la}{hfn}"), &[nv])?;
-            p.push(format!("{b}.{gg}"), vec![nv as u64], GgmlType::F32,
-                Recipe::RowPermute { src: format!("{la}{hfn}"), offset: 0, block: 1, perm: perm.clone() }, tr);
+            p.push(
+                format!("{b}.{gg}"),
+                vec![nv as u64],
+                GgmlType::F32,
+                Recipe::RowPermute { src: format!("{la}{hfn}"), offset: 0, block: 1, perm: perm.clone() },
+                tr,
+            );
         }
         p.vector(format!("{b}.ssm_norm.weight"), format!("{la}norm.weight"), dk, Elementwise::None)?;
         expect_shape(p.ckpt, &format!("{la}out_proj.weight"), &[d, vd])?;
         let ot = p.matrix_type(vd as u64);
-        p.push(format!("{b}.ssm_out.weight"), vec![vd as u64, d as u64], ot,
-            Recipe::ColPermute { src: format!("{la}out_proj.weight"), block: dk, perm }, Elementwise::None);
+        p.push(
+            format!("{b}.ssm_out.weight"),
+            vec![vd as u64, d as u64],
+            ot,
+            Recipe::ColPermute { src: format!("{la}out_proj.weight"), block: dk, perm },
+            Elementwise::None,
+        );
     } else {
         let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let sa = format!("{hf}self_attn.");
@@ -357,39 +424,100 @@ fn plan_layer(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize, recurrent
         let qk = format!("{sa}indexer.index_qk_proj.weight");
         expect_shape(p.ckpt, &qk, &[(nih + 1) * ihd, d])?;
         let ft = if p.out_type == OutType::Q8_0 { p.float_type() } else { p.matrix_type(d as u64) };
-        p.push(format!("{b}.indexer.q_proj.weight"), vec![d as u64, (nih * ihd) as u64], ft, Recipe::RowRange { src: qk.clone(), rows: 0..nih * ihd }, Elementwise::None);
-        p.push(format!("{b}.indexer.k_proj.weight"), vec![d as u64, ihd as u64], ft, Recipe::RowRange { src: qk, rows: nih * ihd..(nih + 1) * ihd }, Elementwise::None);
-        p.vector(format!("{b}.indexer.q_norm.weight"), format!("{sa}indexer.q_layernorm.weight"), ihd, Elementwise::PlusOne)?;
-        p.vector(format!("{b}.indexer.k_norm.weight"), format!("{sa}indexer.k_layernorm.weight"), ihd, Elementwise::PlusOne)?;
+        p.push(
+            format!("{b}.indexer.q_proj.weight"),
+            vec![d as u64, (nih * ihd) as u64],
+            ft,
+            Recipe::RowRange { src: qk.clone(), rows: 0..nih * ihd },
+            Elementwise::None,
+        );
+        p.push(
+            format!("{b}.indexer.k_proj.weight"),
+            vec![d as u64, ihd as u64],
+            ft,
+            Recipe::RowRange { src: qk, rows: nih * ihd..(nih + 1) * ihd },
+            Elementwise::None,
+        );
+        p.vector(
+            format!("{b}.indexer.q_norm.weight"),
+            format!("{sa}indexer.q_layernorm.weight"),
+            ihd,
+            Elementwise::PlusOne,
+        )?;
+        p.vector(
+            format!("{b}.indexer.k_norm.weight"),
+            format!("{sa}indexer.k_layernorm.weight"),
+            ihd,
+            Elementwise::PlusOne,
+        )?;
     }
     // MoE.
     let (e, ff, sff) = (cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size);
     let mlp = format!("{hf}mlp.");
     expect_shape(p.ckpt, &format!("{mlp}gate.weight"), &[e, d])?;
-    p.push(format!("{b}.ffn_gate_inp.weight"), vec![d as u64, e as u64], GgmlType::F32, Recipe::Plain { src: format!("{mlp}gate.weight") }, Elementwise::None);
+    p.push(
+        format!("{b}.ffn_gate_inp.weight"),
+        vec![d as u64, e as u64],
+        GgmlType::F32,
+        Recipe::Plain { src: format!("{mlp}gate.weight") },
+        Elementwise::None,
+    );
     let fused = format!("{mlp}experts.gate_up_proj");
     let gt = p.matrix_type(d as u64);
     let dt = p.matrix_type(ff as u64);
     if p.ckpt.get(&fused).is_some() {
         expect_shape(p.ckpt, &fused, &[e, 2 * ff, d])?;
-        p.push(format!("{b}.ffn_gate_exps.weight"), vec![d as u64, ff as u64, e as u64], gt, Recipe::StackRows { src: fused.clone(), n: e, rows_per: 2 * ff, take: 0..ff }, Elementwise::None);
-        p.push(format!("{b}.ffn_up_exps.weight"), vec![d as u64, ff as u64, e as u64], gt, Recipe::StackRows { src: fused, n: e, rows_per: 2 * ff, take: ff..2 * ff }, Elementwise::None);
+        p.push(
+            format!("{b}.ffn_gate_exps.weight"),
+            vec![d as u64, ff as u64, e as u64],
+            gt,
+            Recipe::StackRows { src: fused.clone(), n: e, rows_per: 2 * ff, take: 0..ff },
+            Elementwise::None,
+        );
+        p.push(
+            format!("{b}.ffn_up_exps.weight"),
+            vec![d as u64, ff as u64, e as u64],
+            gt,
+            Recipe::StackRows { src: fused, n: e, rows_per: 2 * ff, take: ff..2 * ff },
+            Elementwise::None,
+        );
         let down = format!("{mlp}experts.down_proj");
         expect_shape(p.ckpt, &down, &[e, d, ff])?;
-        p.push(format!("{b}.ffn_down_exps.weight"), vec![ff as u64, d as u64, e as u64], dt, Recipe::Plain { src: down }, Elementwise::None);
+        p.push(
+            format!("{b}.ffn_down_exps.weight"),
+            vec![ff as u64, d as u64, e as u64],
+            dt,
+            Recipe::Plain { src: down },
+            Elementwise::None,
+        );
     } else {
-        for (proj, gg, rows, cols, ty) in [("gate_proj", "ffn_gate_exps", ff, d, gt), ("up_proj", "ffn_up_exps", ff, d, gt), ("down_proj", "ffn_down_exps", d, ff, dt)] {
+        for (proj, gg, rows, cols, ty) in [
+            ("gate_proj", "ffn_gate_exps", ff, d, gt),
+            ("up_proj", "ffn_up_exps", ff, d, gt),
+            ("down_proj", "ffn_down_exps", d, ff, dt),
+        ] {
             let srcs: Vec<String> = (0..e).map(|x| format!("{mlp}experts.{x}.{proj}.weight")).collect();
             for sname in &srcs {
                 expect_shape(p.ckpt, sname, &[rows, cols])?;
             }
-            p.push(format!("{b}.{gg}.weight"), vec![cols as u64, rows as u64, e as u64], ty, Recipe::Concat { srcs }, Elementwise::None);
+            p.push(
+                format!("{b}.{gg}.weight"),
+                vec![cols as u64, rows as u64, e as u64],
+                ty,
+                Recipe::Concat { srcs },
+                Elementwise::None,
+            );
         }
     }
     p.matrix(format!("{b}.ffn_gate_shexp.weight"), format!("{mlp}shared_expert.gate_proj.weight"), sff, d)?;
     p.matrix(format!("{b}.ffn_up_shexp.weight"), format!("{mlp}shared_expert.up_proj.weight"), sff, d)?;
     p.matrix(format!("{b}.ffn_down_shexp.weight"), format!("{mlp}shared_expert.down_proj.weight"), d, sff)?;
-    p.vector(format!("{b}.ffn_gate_inp_shexp.weight"), format!("{mlp}shared_expert_gate.weight"), d, Elementwise::None)?;
+    p.vector(
+        format!("{b}.ffn_gate_inp_shexp.weight"),
+        format!("{mlp}shared_expert_gate.weight"),
+        d,
+        Elementwise::None,
+    )?;
     Ok(())
 }
 
@@ -409,7 +537,13 @@ fn plan_ple(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize) -> Result<(
         p.vector(format!("{b}.ple_{n}.weight"), format!("{pp}{n}.weight"), hc, Elementwise::PlusOne)?;
     }
     expect_shape(p.ckpt, &format!("{pp}conv1d.weight"), &[hc, 1, cfg.ple_conv_kernel_size])?;
-    p.push(format!("{b}.ple_conv1d.weight"), vec![cfg.ple_conv_kernel_size as u64, hc as u64], GgmlType::F32, Recipe::Plain { src: format!("{pp}conv1d.weight") }, Elementwise::None);
+    p.push(
+        format!("{b}.ple_conv1d.weight"),
+        vec![cfg.ple_conv_kernel_size as u64, hc as u64],
+        GgmlType::F32,
+        Recipe::Plain { src: format!("{pp}conv1d.weight") },
+        Elementwise::None,
+    );
     // The n-gram table: one tensor or shards `shard_{k}` concatenated in shard order.
     let heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram;
     if heads == 0 || pe % heads != 0 {
@@ -438,7 +572,13 @@ fn plan_ple(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize) -> Result<(
         rows += t.shape[0];
     }
     let ty = p.matrix_type(hd as u64);
-    p.push("per_layer_token_embd.weight".into(), vec![hd as u64, rows as u64], ty, Recipe::Concat { srcs }, Elementwise::None);
+    p.push(
+        "per_layer_token_embd.weight".into(),
+        vec![hd as u64, rows as u64],
+        ty,
+        Recipe::Concat { srcs },
+        Elementwise::None,
+    );
     Ok(())
 }
 
@@ -453,8 +593,22 @@ fn write_metadata(
     let a = "qwen4exp";
     let n_blocks = cfg.num_hidden_layers + has_mtp as usize;
     w.add_kv("general.architecture", a)?;
-    w.add_kv("general.name", opts.name.clone().unwrap_or_else(|| ckpt.dir().file_name().map_or("qwen4exp".into(), |n| n.to_string_lossy().into_owned())).as_str())?;
-    w.add_kv("general.file_type", match opts.out_type { OutType::F32 => 0u32, OutType::F16 => 1, OutType::Q8_0 => 7, OutType::Bf16 => 32 })?;
+    w.add_kv(
+        "general.name",
+        opts.name
+            .clone()
+            .unwrap_or_else(|| ckpt.dir().file_name().map_or("qwen4exp".into(), |n| n.to_string_lossy().into_owned()))
+            .as_str(),
+    )?;
+    w.add_kv(
+        "general.file_type",
+        match opts.out_type {
+            OutType::F32 => 0u32,
+            OutType::F16 => 1,
+            OutType::Q8_0 => 7,
+            OutType::Bf16 => 32,
+        },
+    )?;
     let u = |x: usize| x as u32;
     w.add_kv(format!("{a}.block_count"), u(n_blocks))?;
     w.add_kv(format!("{a}.context_length"), u(cfg.max_position_embeddings))?;
@@ -488,14 +642,21 @@ fn write_metadata(
         if has_mtp {
             rec.push(false);
         }
-        w.add_kv(format!("{a}.attention.recurrent_layers"), MetadataValue::Array(MetadataArray::new(ValueType::Bool, rec.into_iter().map(MetadataValue::Bool).collect())))?;
+        w.add_kv(
+            format!("{a}.attention.recurrent_layers"),
+            MetadataValue::Array(MetadataArray::new(
+                ValueType::Bool,
+                rec.into_iter().map(MetadataValue::Bool).collect(),
+            )),
+        )?;
     }
     w.add_kv(format!("{a}.hyper_connection.count"), u(cfg.hc_count))?;
     w.add_kv(format!("{a}.hyper_connection.low_rank"), u(cfg.hc_lowrank))?;
     w.add_kv(format!("{a}.attention.indexer.head_count"), u(cfg.indexer_n_heads))?;
     w.add_kv(format!("{a}.attention.indexer.key_length"), u(cfg.indexer_head_dim))?;
     w.add_kv(format!("{a}.attention.indexer.top_k"), u(cfg.indexer_budget))?;
-    let mut ratios: Vec<i32> = cfg.recurrent.iter().map(|&r| if r { 0 } else { cfg.indexer_compress_ratio as i32 }).collect();
+    let mut ratios: Vec<i32> =
+        cfg.recurrent.iter().map(|&r| if r { 0 } else { cfg.indexer_compress_ratio as i32 }).collect();
     if has_mtp {
         ratios.push(0);
         w.add_kv(format!("{a}.nextn_predict_layers"), 1u32)?;
@@ -503,7 +664,10 @@ fn write_metadata(
     w.add_kv(format!("{a}.attention.compress_ratios"), ratios)?;
     if !cfg.ple_layer_ids.is_empty() {
         if cfg.ple_layer_ids.len() != 1 {
-            return Err(ConvertError::Config(format!("ple_layer_ids {:?}: qwen4exp GGUF supports exactly one PLE layer", cfg.ple_layer_ids)));
+            return Err(ConvertError::Config(format!(
+                "ple_layer_ids {:?}: qwen4exp GGUF supports exactly one PLE layer",
+                cfg.ple_layer_ids
+            )));
         }
         let layer = cfg.ple_layer_ids[0] - 1;
         let eos = cfg.eos_token_id.ok_or_else(|| ConvertError::Config("PLE needs eos_token_id".into()))?;
@@ -516,11 +680,17 @@ fn write_metadata(
         let heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram;
         w.add_kv(format!("{a}.embedding_length_per_layer_input"), u(cfg.ple_embed_dim / heads))?;
         let pp = format!("{}ple_embedding.", ple_prefix(&names.t(&format!("layers.{layer}."))));
-        for (hf, key) in [("layer_multipliers", "layer_multipliers"), ("ngram_heads_offsets", "head_offsets"), ("ngram_heads_vocab_sizes", "head_vocab_sizes")] {
+        for (hf, key) in [
+            ("layer_multipliers", "layer_multipliers"),
+            ("ngram_heads_offsets", "head_offsets"),
+            ("ngram_heads_vocab_sizes", "head_vocab_sizes"),
+        ] {
             let vals = ckpt.read_i64(&format!("{pp}{hf}"))?;
             let vals: Vec<u64> = vals
                 .into_iter()
-                .map(|x| u64::try_from(x).map_err(|_| ConvertError::Config(format!("{pp}{hf} holds a negative value {x}"))))
+                .map(|x| {
+                    u64::try_from(x).map_err(|_| ConvertError::Config(format!("{pp}{hf} holds a negative value {x}")))
+                })
                 .collect::<Result<_, _>>()?;
             w.add_kv(format!("{a}.ple.{key}"), vals)?;
         }
@@ -535,7 +705,8 @@ fn write_tokenizer(w: &mut GgufWriter, dir: &Path, vocab_size: usize) -> Result<
         return Ok(false);
     }
     let bytes = std::fs::read(&tj).map_err(|e| ConvertError::Io { path: tj.clone(), source: e })?;
-    let vocab = crate::text::tokenizer::GgufVocab::from_tokenizer_json(&bytes, vocab_size).map_err(|e| ConvertError::Tokenizer(e.to_string()))?;
+    let vocab = crate::text::tokenizer::GgufVocab::from_tokenizer_json(&bytes, vocab_size)
+        .map_err(|e| ConvertError::Tokenizer(e.to_string()))?;
     w.add_kv("tokenizer.ggml.model", vocab.model.as_str())?;
     w.add_kv("tokenizer.ggml.pre", vocab.pre.as_str())?;
     w.add_kv("tokenizer.ggml.tokens", vocab.tokens.iter().map(String::as_str).collect::<Vec<_>>())?;

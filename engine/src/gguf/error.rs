@@ -18,10 +18,7 @@ pub struct GgufError {
 impl GgufError {
     /// An error about `file` (a path or a label).
     pub fn new(file: impl Into<String>, kind: GgufErrorKind) -> Self {
-        Self {
-            file: file.into(),
-            kind,
-        }
+        Self { file: file.into(), kind }
     }
 
     /// What went wrong.
@@ -60,9 +57,7 @@ pub enum GgufErrorKind {
     },
 
     /// The version field reads as a byte-swapped small number: a big-endian GGUF file.
-    #[error(
-        "big-endian GGUF file (version {version} byte-swapped); only little-endian files are supported"
-    )]
+    #[error("big-endian GGUF file (version {version} byte-swapped); only little-endian files are supported")]
     BigEndian {
         /// The version, once byte-swapped.
         version: u32,
@@ -89,9 +84,7 @@ pub enum GgufErrorKind {
     },
 
     /// A string length is larger than what remains of the file.
-    #[error(
-        "{what} at offset {offset} claims {length} bytes, but only {remaining} bytes remain in the file"
-    )]
+    #[error("{what} at offset {offset} claims {length} bytes, but only {remaining} bytes remain in the file")]
     LengthBeyondEnd {
         /// Which string, e.g. "the name of tensor #3".
         what: String,
@@ -253,9 +246,7 @@ pub enum GgufErrorKind {
     },
 
     /// A tensor's bytes extend past the end of the file (or its end overflows).
-    #[error(
-        "tensor '{tensor}' data [{start}..{end}) lies beyond the end of the file ({file_size} bytes)"
-    )]
+    #[error("tensor '{tensor}' data [{start}..{end}) lies beyond the end of the file ({file_size} bytes)")]
     TensorBeyondEnd {
         /// The tensor name.
         tensor: String,
@@ -268,9 +259,7 @@ pub enum GgufErrorKind {
     },
 
     /// Two tensors share bytes.
-    #[error(
-        "tensor '{tensor}' data [{start}..{end}) overlaps tensor '{other}' data [{other_start}..{other_end})"
-    )]
+    #[error("tensor '{tensor}' data [{start}..{end}) overlaps tensor '{other}' data [{other_start}..{other_end})")]
     TensorOverlap {
         /// The later tensor (by offset).
         tensor: String,
@@ -355,9 +344,7 @@ pub enum GgufErrorKind {
     },
 
     /// Writer: an array element whose type differs from the array's element type.
-    #[error(
-        "key '{key}': array element {index} has type {found}, but the array's element type is {expected}"
-    )]
+    #[error("key '{key}': array element {index} has type {found}, but the array's element type is {expected}")]
     ArrayElementType {
         /// The key.
         key: String,
@@ -409,9 +396,6 @@ pub enum GgufErrorKind {
 
 impl GgufErrorKind {
     pub(crate) fn io(op: impl Into<String>, source: std::io::Error) -> Self {
-        Self::Io {
-            op: op.into(),
-            source,
-        }
+        Self::Io { op: op.into(), source }
     }
 }

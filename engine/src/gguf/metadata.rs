@@ -22,11 +22,7 @@ pub struct Metadata {
 impl Metadata {
     /// An empty store whose errors name `label` (a path or a label).
     pub fn new(label: impl Into<String>) -> Self {
-        Self {
-            label: label.into(),
-            entries: Vec::new(),
-            index: HashMap::new(),
-        }
+        Self { label: label.into(), entries: Vec::new(), index: HashMap::new() }
     }
 
     /// Appends an entry; returns `false` (and changes nothing) if the key is already present.
@@ -74,11 +70,7 @@ impl Metadata {
     }
 
     fn wrong_type(&self, key: &str, value: &MetadataValue, expected: &'static str) -> GgufError {
-        self.err(GgufErrorKind::WrongType {
-            key: key.to_string(),
-            found: value.type_description(),
-            expected,
-        })
+        self.err(GgufErrorKind::WrongType { key: key.to_string(), found: value.type_description(), expected })
     }
 
     /// Looks `key` up and converts it; `Ok(None)` when absent.
@@ -94,20 +86,14 @@ impl Metadata {
         };
         convert(value).map(Some).map_err(|problem| match problem {
             Problem::WrongType => self.wrong_type(key, value, expected),
-            Problem::OutOfRange(shown) => self.err(GgufErrorKind::OutOfRange {
-                key: key.to_string(),
-                value: shown,
-                target,
-            }),
+            Problem::OutOfRange(shown) => {
+                self.err(GgufErrorKind::OutOfRange { key: key.to_string(), value: shown, target })
+            }
         })
     }
 
     fn required<T>(&self, key: &str, value: Result<Option<T>>) -> Result<T> {
-        value?.ok_or_else(|| {
-            self.err(GgufErrorKind::MissingKey {
-                key: key.to_string(),
-            })
-        })
+        value?.ok_or_else(|| self.err(GgufErrorKind::MissingKey { key: key.to_string() }))
     }
 }
 
@@ -185,11 +171,7 @@ fn typed_array<'a, T>(
     elem: impl Fn(&'a MetadataValue) -> Option<T>,
 ) -> Result<Vec<T>, Problem> {
     let array = value.as_array().ok_or(Problem::WrongType)?;
-    array
-        .values
-        .iter()
-        .map(|e| elem(e).ok_or(Problem::WrongType))
-        .collect()
+    array.values.iter().map(|e| elem(e).ok_or(Problem::WrongType)).collect()
 }
 
 /// Generates a required getter and its `_opt` twin for each line. Used for [`Metadata`] and, delegating, for
@@ -270,10 +252,7 @@ mod tests {
         assert!(m.insert("negs".into(), vec![1i32, -2].into()));
         assert!(m.insert("strs".into(), vec!["a", "b"].into()));
         assert!(m.insert("bools".into(), vec![true, false].into()));
-        assert!(
-            !m.insert("s".into(), MetadataValue::Bool(true)),
-            "duplicate insert must be refused"
-        );
+        assert!(!m.insert("s".into(), MetadataValue::Bool(true)), "duplicate insert must be refused");
         m
     }
 
@@ -293,61 +272,30 @@ mod tests {
     fn out_of_range_and_wrong_type_errors_name_the_key() {
         let m = store();
         let e = m.get_u32("neg").unwrap_err();
-        assert!(
-            matches!(e.kind(), GgufErrorKind::OutOfRange { key, target: "u32", .. } if key == "neg")
-        );
-        assert_eq!(
-            e.to_string(),
-            "t.gguf: key 'neg' holds -1, which does not fit in u32"
-        );
+        assert!(matches!(e.kind(), GgufErrorKind::OutOfRange { key, target: "u32", .. } if key == "neg"));
+        assert_eq!(e.to_string(), "t.gguf: key 'neg' holds -1, which does not fit in u32");
         let e = m.get_u32("big").unwrap_err();
         assert!(matches!(e.kind(), GgufErrorKind::OutOfRange { .. }));
         let e = m.get_u32("s").unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "t.gguf: key 's' has type string, expected an integer"
-        );
+        assert_eq!(e.to_string(), "t.gguf: key 's' has type string, expected an integer");
         let e = m.get_u32_array("negs").unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "t.gguf: key 'negs' holds element 1 = -2, which does not fit in u32"
-        );
+        assert_eq!(e.to_string(), "t.gguf: key 'negs' holds element 1 = -2, which does not fit in u32");
         let e = m.get_string_array("i32s").unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "t.gguf: key 'i32s' has type array of i32, expected an array of strings"
-        );
-        assert!(matches!(
-            m.get_f32("u16").unwrap_err().kind(),
-            GgufErrorKind::WrongType { .. }
-        ));
-        assert!(matches!(
-            m.get_bool("u16").unwrap_err().kind(),
-            GgufErrorKind::WrongType { .. }
-        ));
-        assert!(matches!(
-            m.get_f32_array("i32s").unwrap_err().kind(),
-            GgufErrorKind::WrongType { .. }
-        ));
+        assert_eq!(e.to_string(), "t.gguf: key 'i32s' has type array of i32, expected an array of strings");
+        assert!(matches!(m.get_f32("u16").unwrap_err().kind(), GgufErrorKind::WrongType { .. }));
+        assert!(matches!(m.get_bool("u16").unwrap_err().kind(), GgufErrorKind::WrongType { .. }));
+        assert!(matches!(m.get_f32_array("i32s").unwrap_err().kind(), GgufErrorKind::WrongType { .. }));
     }
 
     #[test]
     fn missing_keys_error_or_give_none() {
         let m = store();
         let e = m.get_u32("qwen4exp.block_count").unwrap_err();
-        assert!(
-            matches!(e.kind(), GgufErrorKind::MissingKey { key } if key == "qwen4exp.block_count")
-        );
-        assert_eq!(
-            e.to_string(),
-            "t.gguf: missing metadata key 'qwen4exp.block_count'"
-        );
+        assert!(matches!(e.kind(), GgufErrorKind::MissingKey { key } if key == "qwen4exp.block_count"));
+        assert_eq!(e.to_string(), "t.gguf: missing metadata key 'qwen4exp.block_count'");
         assert_eq!(m.get_u32_opt("absent").unwrap(), None);
         assert_eq!(m.get_u32_opt("u16").unwrap(), Some(7));
-        assert!(
-            m.get_u32_opt("s").is_err(),
-            "a present key of the wrong type is an error even for _opt"
-        );
+        assert!(m.get_u32_opt("s").is_err(), "a present key of the wrong type is an error even for _opt");
     }
 
     #[test]
@@ -360,11 +308,6 @@ mod tests {
         assert_eq!(m.get_bool_array("bools").unwrap(), vec![true, false]);
         assert_eq!(m.get_array("strs").unwrap().elem_type, ValueType::String);
         let keys: Vec<&str> = m.iter().map(|(k, _)| k).collect();
-        assert_eq!(
-            keys,
-            [
-                "u16", "neg", "big", "s", "f", "i32s", "negs", "strs", "bools"
-            ]
-        );
+        assert_eq!(keys, ["u16", "neg", "big", "s", "f", "i32s", "negs", "strs", "bools"]);
     }
 }

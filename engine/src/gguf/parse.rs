@@ -40,14 +40,9 @@ pub(crate) struct ParsedFile {
 
 /// Parses `bytes`; errors name `label`.
 pub(crate) fn parse(label: &str, bytes: &[u8]) -> Result<ParsedFile> {
-    Parser {
-        label,
-        buf: bytes,
-        pos: 0,
-        values_left: MAX_METADATA_VALUES,
-    }
-    .file()
-    .map_err(|kind| GgufError::new(label, kind))
+    Parser { label, buf: bytes, pos: 0, values_left: MAX_METADATA_VALUES }
+        .file()
+        .map_err(|kind| GgufError::new(label, kind))
 }
 
 type Kind = GgufErrorKind;
@@ -76,10 +71,7 @@ impl<'a> Parser<'a> {
                 self.pos += n;
                 Ok(bytes)
             }
-            None => Err(Kind::Truncated {
-                what: what(),
-                offset: self.offset(),
-            }),
+            None => Err(Kind::Truncated { what: what(), offset: self.offset() }),
         }
     }
 
@@ -115,10 +107,7 @@ impl<'a> Parser<'a> {
         let bytes = self.take(len as usize, what)?;
         match std::str::from_utf8(bytes) {
             Ok(s) => Ok(s.to_owned()),
-            Err(_) => Err(Kind::InvalidUtf8 {
-                what: what(),
-                offset: start,
-            }),
+            Err(_) => Err(Kind::InvalidUtf8 { what: what(), offset: start }),
         }
     }
 
@@ -127,17 +116,8 @@ impl<'a> Parser<'a> {
         let offset = self.offset();
         let count = self.u64(what)?;
         let remaining = self.remaining();
-        if count
-            .checked_mul(min_entry_bytes)
-            .is_none_or(|need| need > remaining)
-        {
-            return Err(Kind::CountBeyondEnd {
-                what: what(),
-                offset,
-                count,
-                min_entry_bytes,
-                remaining,
-            });
+        if count.checked_mul(min_entry_bytes).is_none_or(|need| need > remaining) {
+            return Err(Kind::CountBeyondEnd { what: what(), offset, count, min_entry_bytes, remaining });
         }
         Ok(count)
     }
@@ -148,28 +128,21 @@ impl<'a> Parser<'a> {
                 self.values_left = left;
                 Ok(())
             }
-            None => Err(Kind::TooManyValues {
-                key: key.to_string(),
-                limit: MAX_METADATA_VALUES,
-            }),
+            None => Err(Kind::TooManyValues { key: key.to_string(), limit: MAX_METADATA_VALUES }),
         }
     }
 
     fn file(mut self) -> Result<ParsedFile, Kind> {
         let magic = self.buf.get(..4).unwrap_or(self.buf);
         if magic != GGUF_MAGIC {
-            return Err(Kind::BadMagic {
-                found: magic.to_vec(),
-            });
+            return Err(Kind::BadMagic { found: magic.to_vec() });
         }
         self.pos = 4;
         let version = self.u32(&|| "the version".into())?;
         match version {
             2 | 3 => {}
             v if v & 0xffff == 0 && (1..=3).contains(&v.swap_bytes()) => {
-                return Err(Kind::BigEndian {
-                    version: v.swap_bytes(),
-                });
+                return Err(Kind::BigEndian { version: v.swap_bytes() });
             }
             v => return Err(Kind::UnsupportedVersion { version: v }),
         }
@@ -182,10 +155,8 @@ impl<'a> Parser<'a> {
             self.spend_values(1, &key)?;
             let what_type = || format!("the value type of key '{key}'");
             let type_id = self.u32(&what_type)?;
-            let value_type = ValueType::from_id(type_id).ok_or_else(|| Kind::UnknownValueType {
-                key: key.clone(),
-                type_id,
-            })?;
+            let value_type =
+                ValueType::from_id(type_id).ok_or_else(|| Kind::UnknownValueType { key: key.clone(), type_id })?;
             let value = self.value(&key, value_type, 0)?;
             if metadata.contains_key(&key) {
                 return Err(Kind::DuplicateKey { key });
@@ -225,21 +196,10 @@ impl<'a> Parser<'a> {
         }
         check_overlaps(&tensors)?;
 
-        Ok(ParsedFile {
-            version,
-            alignment,
-            data_offset,
-            metadata,
-            tensors,
-        })
+        Ok(ParsedFile { version, alignment, data_offset, metadata, tensors })
     }
 
-    fn value(
-        &mut self,
-        key: &str,
-        value_type: ValueType,
-        depth: u32,
-    ) -> Result<MetadataValue, Kind> {
+    fn value(&mut self, key: &str, value_type: ValueType, depth: u32) -> Result<MetadataValue, Kind> {
         let what = || format!("the value of key '{key}'");
         Ok(match value_type {
             ValueType::U8 => MetadataValue::U8(u8::from_le_bytes(self.array(&what)?)),
@@ -258,38 +218,23 @@ impl<'a> Parser<'a> {
                     0 => MetadataValue::Bool(false),
                     1 => MetadataValue::Bool(true),
                     byte => {
-                        return Err(Kind::InvalidBool {
-                            key: key.to_string(),
-                            byte,
-                            offset,
-                        });
+                        return Err(Kind::InvalidBool { key: key.to_string(), byte, offset });
                     }
                 }
             }
             ValueType::String => MetadataValue::String(self.string(&what)?),
             ValueType::Array => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(Kind::NestingTooDeep {
-                        key: key.to_string(),
-                        limit: MAX_ARRAY_DEPTH,
-                    });
+                    return Err(Kind::NestingTooDeep { key: key.to_string(), limit: MAX_ARRAY_DEPTH });
                 }
                 let type_id = self.u32(&|| format!("the element type of array key '{key}'"))?;
-                let elem_type =
-                    ValueType::from_id(type_id).ok_or_else(|| Kind::UnknownValueType {
-                        key: key.to_string(),
-                        type_id,
-                    })?;
-                let n = self.count(elem_type.min_encoded_size(), &|| {
-                    format!("the element count of array key '{key}'")
-                })?;
+                let elem_type = ValueType::from_id(type_id)
+                    .ok_or_else(|| Kind::UnknownValueType { key: key.to_string(), type_id })?;
+                let n =
+                    self.count(elem_type.min_encoded_size(), &|| format!("the element count of array key '{key}'"))?;
                 self.spend_values(n, key)?;
                 // Fixed-size elements: the count was checked exactly against the remaining bytes.
-                let cap = if elem_type.min_encoded_size() >= 8 {
-                    n.min(PREALLOC_CAP)
-                } else {
-                    n
-                };
+                let cap = if elem_type.min_encoded_size() >= 8 { n.min(PREALLOC_CAP) } else { n };
                 let mut values = Vec::with_capacity(cap as usize);
                 for _ in 0..n {
                     values.push(self.value(key, elem_type, depth + 1)?);
@@ -303,10 +248,7 @@ impl<'a> Parser<'a> {
         let name = self.string(&|| format!("the name of tensor #{i}"))?;
         let n_dims = self.u32(&|| format!("the dimension count of tensor '{name}'"))?;
         if n_dims as usize > MAX_DIMS {
-            return Err(Kind::TooManyDims {
-                tensor: name,
-                n_dims,
-            });
+            return Err(Kind::TooManyDims { tensor: name, n_dims });
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -316,57 +258,29 @@ impl<'a> Parser<'a> {
         let offset = self.u64(&|| format!("the data offset of tensor '{name}'"))?;
 
         if let Some(axis) = dims.iter().position(|&d| d == 0) {
-            return Err(Kind::ZeroDim {
-                tensor: name,
-                axis,
-                dims,
-            });
+            return Err(Kind::ZeroDim { tensor: name, axis, dims });
         }
-        let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| Kind::UnknownTensorType {
-            tensor: name.clone(),
-            type_id,
-        })?;
+        let ggml_type =
+            GgmlType::from_id(type_id).ok_or_else(|| Kind::UnknownTensorType { tensor: name.clone(), type_id })?;
         let n_bytes = tensor_bytes(&name, &dims, ggml_type)?;
         if !offset.is_multiple_of(alignment) {
-            return Err(Kind::MisalignedOffset {
-                tensor: name,
-                offset,
-                alignment,
-            });
+            return Err(Kind::MisalignedOffset { tensor: name, offset, alignment });
         }
-        Ok(TensorInfo {
-            name,
-            dims,
-            ggml_type,
-            n_bytes,
-            index: i as usize,
-            split: 0,
-            offset,
-        })
+        Ok(TensorInfo { name, dims, ggml_type, n_bytes, index: i as usize, split: 0, offset })
     }
 }
 
 /// Validates a tensor shape (as ggml does) and returns its size in bytes: each dim >= 1 (checked by the caller),
 /// element count and byte size within `i64::MAX`, `dims[0]` a multiple of the block size.
 pub(crate) fn tensor_bytes(name: &str, dims: &[u64], ggml_type: GgmlType) -> Result<u64, Kind> {
-    let overflow = || Kind::TensorSizeOverflow {
-        tensor: name.to_string(),
-        dims: dims.to_vec(),
-    };
-    let n_elements = dims
-        .iter()
-        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(overflow)?;
+    let overflow = || Kind::TensorSizeOverflow { tensor: name.to_string(), dims: dims.to_vec() };
+    let n_elements = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).ok_or_else(overflow)?;
     if n_elements > i64::MAX as u64 {
         return Err(overflow());
     }
     let ne0 = dims.first().copied().unwrap_or(1);
     if !ne0.is_multiple_of(ggml_type.block_size() as u64) {
-        return Err(Kind::RowNotBlockMultiple {
-            tensor: name.to_string(),
-            ggml_type,
-            ne0,
-        });
+        return Err(Kind::RowNotBlockMultiple { tensor: name.to_string(), ggml_type, ne0 });
     }
     match ggml_type.tensor_bytes(dims) {
         Some(n) if n <= i64::MAX as u64 => Ok(n),
@@ -381,18 +295,11 @@ fn alignment(metadata: &Metadata) -> Result<u64, Kind> {
     };
     let bad = |detail: String| Kind::BadAlignment { detail };
     let v = value.as_integer().ok_or_else(|| {
-        bad(format!(
-            "'{}' has type {}, expected u32",
-            super::KEY_ALIGNMENT,
-            value.type_description()
-        ))
+        bad(format!("'{}' has type {}, expected u32", super::KEY_ALIGNMENT, value.type_description()))
     })?;
     match u32::try_from(v) {
         Ok(a) if a.is_power_of_two() => Ok(u64::from(a)),
-        _ => Err(bad(format!(
-            "'{}' = {v} is not a nonzero power of two that fits in a u32",
-            super::KEY_ALIGNMENT
-        ))),
+        _ => Err(bad(format!("'{}' = {v} is not a nonzero power of two that fits in a u32", super::KEY_ALIGNMENT))),
     }
 }
 

@@ -56,14 +56,7 @@ impl fmt::Debug for GgufFile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GgufFile")
             .field("path", &self.path)
-            .field(
-                "parts",
-                &self
-                    .parts
-                    .iter()
-                    .map(|p| (&p.path, p.bytes.as_slice().len()))
-                    .collect::<Vec<_>>(),
-            )
+            .field("parts", &self.parts.iter().map(|p| (&p.path, p.bytes.as_slice().len())).collect::<Vec<_>>())
             .field("metadata_entries", &self.metadata.len())
             .field("tensors", &self.tensors.len())
             .finish()
@@ -75,10 +68,7 @@ fn map_file(path: &Path) -> Result<Bytes> {
     let label = path.display().to_string();
     let io = |op: &str, e| GgufError::new(&label, GgufErrorKind::io(op, e));
     let file = File::open(path).map_err(|e| io("open the file", e))?;
-    let len = file
-        .metadata()
-        .map_err(|e| io("read the file's size", e))?
-        .len();
+    let len = file.metadata().map_err(|e| io("read the file's size", e))?.len();
     if len == 0 {
         return Ok(Bytes::Owned(Vec::new()));
     }
@@ -122,10 +112,7 @@ impl GgufFile {
                         },
                     ));
                 }
-                Ok(Self::assemble(
-                    path.to_path_buf(),
-                    vec![(path.to_path_buf(), bytes, parsed)],
-                ))
+                Ok(Self::assemble(path.to_path_buf(), vec![(path.to_path_buf(), bytes, parsed)]))
             }
         }
     }
@@ -137,10 +124,7 @@ impl GgufFile {
     /// As [`Self::open`], without the I/O and split errors.
     pub fn from_bytes(label: &str, bytes: Vec<u8>) -> Result<Self> {
         let parsed = parse(label, &bytes)?;
-        Ok(Self::assemble(
-            PathBuf::from(label),
-            vec![(PathBuf::from(label), Bytes::Owned(bytes), parsed)],
-        ))
+        Ok(Self::assemble(PathBuf::from(label), vec![(PathBuf::from(label), Bytes::Owned(bytes), parsed)]))
     }
 
     fn open_split(given: &Path, split: &SplitPath) -> Result<Self> {
@@ -152,9 +136,7 @@ impl GgufFile {
                 Ok(false) => {
                     return Err(GgufError::new(
                         given_label,
-                        GgufErrorKind::MissingSplitPart {
-                            part: p.display().to_string(),
-                        },
+                        GgufErrorKind::MissingSplitPart { part: p.display().to_string() },
                     ));
                 }
                 Err(e) => {
@@ -170,8 +152,7 @@ impl GgufFile {
         let mut total_tensors: u64 = 0;
         for (i, p) in paths.iter().enumerate() {
             let label = p.display().to_string();
-            let mismatch =
-                |detail: String| GgufError::new(&label, GgufErrorKind::SplitMismatch { detail });
+            let mismatch = |detail: String| GgufError::new(&label, GgufErrorKind::SplitMismatch { detail });
             let bytes = map_file(p)?;
             let parsed = parse(&label, bytes.as_slice())?;
             let count = parsed.metadata.get_u64_opt(KEY_SPLIT_COUNT)?;
@@ -216,9 +197,7 @@ impl GgufFile {
                 if seen.insert(&t.name, i).is_some() {
                     return Err(GgufError::new(
                         p.display().to_string(),
-                        GgufErrorKind::DuplicateTensor {
-                            name: t.name.clone(),
-                        },
+                        GgufErrorKind::DuplicateTensor { name: t.name.clone() },
                     ));
                 }
             }
@@ -249,17 +228,8 @@ impl GgufFile {
                 data_offset: parsed.data_offset,
             });
         }
-        let by_name = tensors
-            .iter()
-            .map(|t: &TensorInfo| (t.name.clone(), t.index))
-            .collect();
-        Self {
-            path,
-            parts,
-            metadata: metadata.unwrap_or_default(),
-            tensors,
-            by_name,
-        }
+        let by_name = tensors.iter().map(|t: &TensorInfo| (t.name.clone(), t.index)).collect();
+        Self { path, parts, metadata: metadata.unwrap_or_default(), tensors, by_name }
     }
 
     /// The path opened (part 1 for a split model), or the label given to [`Self::from_bytes`].
@@ -284,9 +254,7 @@ impl GgufFile {
 
     /// Data alignment of part 1 in bytes (`general.alignment`, default 32).
     pub fn alignment(&self) -> u64 {
-        self.parts
-            .first()
-            .map_or(super::DEFAULT_ALIGNMENT, |p| p.alignment)
+        self.parts.first().map_or(super::DEFAULT_ALIGNMENT, |p| p.alignment)
     }
 
     /// Absolute offset of the data section of part `split` (0-based), if that part exists.
@@ -339,13 +307,7 @@ impl GgufFile {
             .tensors
             .get(info.index)
             .filter(|t| t.name == info.name)
-            .unwrap_or_else(|| {
-                panic!(
-                    "tensor '{}' does not belong to {}",
-                    info.name,
-                    self.path.display()
-                )
-            });
+            .unwrap_or_else(|| panic!("tensor '{}' does not belong to {}", info.name, self.path.display()));
         self.data_of(own)
     }
 

@@ -38,11 +38,7 @@ impl SplitPath {
         if name.is_empty() || no == 0 || no > count {
             return None;
         }
-        Some(SplitPath {
-            prefix: path.with_file_name(name),
-            no,
-            count,
-        })
+        Some(SplitPath { prefix: path.with_file_name(name), no, count })
     }
 
     /// The path of part `no` (1-based) of this set.
@@ -53,10 +49,7 @@ impl SplitPath {
 
 /// `<prefix>-{no:05}-of-{count:05}.gguf`.
 pub fn part_path(prefix: &Path, no: u32, count: u32) -> PathBuf {
-    let mut name = prefix
-        .file_name()
-        .map(|n| n.to_os_string())
-        .unwrap_or_default();
+    let mut name = prefix.file_name().map(|n| n.to_os_string()).unwrap_or_default();
     name.push(format!("-{no:05}-of-{count:05}.gguf"));
     prefix.with_file_name(name)
 }
@@ -77,31 +70,11 @@ mod tests {
     #[test]
     fn parses_and_prints_split_names() {
         let p = SplitPath::parse(Path::new("/m/qwen-00002-of-00004.gguf")).unwrap();
-        assert_eq!(
-            p,
-            SplitPath {
-                prefix: "/m/qwen".into(),
-                no: 2,
-                count: 4
-            }
-        );
+        assert_eq!(p, SplitPath { prefix: "/m/qwen".into(), no: 2, count: 4 });
         assert_eq!(p.part(1), Path::new("/m/qwen-00001-of-00004.gguf"));
-        assert_eq!(
-            part_path(Path::new("x"), 123456, 123456),
-            Path::new("x-123456-of-123456.gguf")
-        );
-        assert_eq!(
-            SplitPath::parse(Path::new("x-123456-of-123456.gguf"))
-                .unwrap()
-                .no,
-            123456
-        );
-        assert_eq!(
-            SplitPath::parse(Path::new("a-b-00001-of-00001.gguf"))
-                .unwrap()
-                .prefix,
-            Path::new("a-b")
-        );
+        assert_eq!(part_path(Path::new("x"), 123456, 123456), Path::new("x-123456-of-123456.gguf"));
+        assert_eq!(SplitPath::parse(Path::new("x-123456-of-123456.gguf")).unwrap().no, 123456);
+        assert_eq!(SplitPath::parse(Path::new("a-b-00001-of-00001.gguf")).unwrap().prefix, Path::new("a-b"));
     }
 
     #[test]

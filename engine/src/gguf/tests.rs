@@ -94,18 +94,12 @@ fn assert_same_dump(ours: &Value, truth: &Value) {
     for field in ["name", "version", "alignment", "data_offset"] {
         assert_eq!(ours[field], truth[field], "{name}: {field}");
     }
-    let (ok, tk) = (
-        ours["kv"].as_array().unwrap(),
-        truth["kv"].as_array().unwrap(),
-    );
+    let (ok, tk) = (ours["kv"].as_array().unwrap(), truth["kv"].as_array().unwrap());
     for (o, t) in ok.iter().zip(tk) {
         assert_eq!(o, t, "{name}: metadata entry");
     }
     assert_eq!(ok.len(), tk.len(), "{name}: number of metadata entries");
-    let (ot, tt) = (
-        ours["tensors"].as_array().unwrap(),
-        truth["tensors"].as_array().unwrap(),
-    );
+    let (ot, tt) = (ours["tensors"].as_array().unwrap(), truth["tensors"].as_array().unwrap());
     for (o, t) in ot.iter().zip(tt) {
         assert_eq!(o, t, "{name}: tensor");
     }
@@ -123,37 +117,18 @@ fn ggml_types_match_gguf_py() {
     for t in types {
         let id = t["id"].as_u64().unwrap() as u32;
         known.insert(id);
-        let ty = GgmlType::from_id(id)
-            .unwrap_or_else(|| panic!("id {id} ({}) unknown to GgmlType", t["name"]));
+        let ty = GgmlType::from_id(id).unwrap_or_else(|| panic!("id {id} ({}) unknown to GgmlType", t["name"]));
         assert_eq!(ty.id(), id);
         assert_eq!(ty.name(), t["name"].as_str().unwrap(), "name of id {id}");
-        assert_eq!(
-            ty.block_size() as u64,
-            t["block_size"].as_u64().unwrap(),
-            "block size of {ty}"
-        );
-        assert_eq!(
-            ty.type_size() as u64,
-            t["type_size"].as_u64().unwrap(),
-            "block bytes of {ty}"
-        );
+        assert_eq!(ty.block_size() as u64, t["block_size"].as_u64().unwrap(), "block size of {ty}");
+        assert_eq!(ty.type_size() as u64, t["type_size"].as_u64().unwrap(), "block bytes of {ty}");
     }
     for id in 0..=1024u32 {
-        assert_eq!(
-            GgmlType::from_id(id).is_some(),
-            known.contains(&id),
-            "id {id}"
-        );
+        assert_eq!(GgmlType::from_id(id).is_some(), known.contains(&id), "id {id}");
     }
     assert_eq!(GgmlType::ALL.len(), types.len());
-    assert_eq!(
-        u64::from(GGUF_VERSION),
-        table["gguf_version"].as_u64().unwrap()
-    );
-    assert_eq!(
-        DEFAULT_ALIGNMENT,
-        table["default_alignment"].as_u64().unwrap()
-    );
+    assert_eq!(u64::from(GGUF_VERSION), table["gguf_version"].as_u64().unwrap());
+    assert_eq!(DEFAULT_ALIGNMENT, table["default_alignment"].as_u64().unwrap());
 
     let py_names = |vt: ValueType| match vt {
         ValueType::U8 => "UINT8",
@@ -182,17 +157,10 @@ fn ggml_types_match_gguf_py() {
 #[test]
 fn row_bytes() {
     assert_eq!(GgmlType::Q4_K.row_bytes(2560), Some(10 * 144));
-    assert_eq!(
-        GgmlType::Q4_K.row_bytes(160),
-        None,
-        "160 is not a multiple of 256"
-    );
+    assert_eq!(GgmlType::Q4_K.row_bytes(160), None, "160 is not a multiple of 256");
     assert_eq!(GgmlType::IQ4_NL.row_bytes(160), Some(5 * 18));
     assert_eq!(GgmlType::F32.row_bytes(u64::MAX), None, "overflow");
-    assert_eq!(
-        GgmlType::BF16.tensor_bytes(&[160, 320_001_536]),
-        Some(102_400_491_520)
-    );
+    assert_eq!(GgmlType::BF16.tensor_bytes(&[160, 320_001_536]), Some(102_400_491_520));
     assert_eq!(GgmlType::F32.tensor_bytes(&[]), Some(4));
     assert_eq!(GgmlType::F32.tensor_bytes(&[1 << 40, 1 << 40]), None);
 }
@@ -221,51 +189,30 @@ fn opens_with_mmap_and_reads_through_the_getters() {
     assert_eq!(f.n_parts(), 1);
     assert_eq!(f.architecture().unwrap(), "qwen4exp");
     assert_eq!(f.get_u32("qwen4exp.block_count").unwrap(), 48);
-    assert_eq!(
-        f.get_u32_array("qwen4exp.rope.dimension_sections").unwrap(),
-        [11, 11, 10, 0]
-    );
+    assert_eq!(f.get_u32_array("qwen4exp.rope.dimension_sections").unwrap(), [11, 11, 10, 0]);
     assert_eq!(
         f.get_u64_array("qwen4exp.ple.layer_multipliers").unwrap(),
         [23703573157769, 20109073645365, 8052911324071]
     );
-    assert_eq!(
-        f.get_string_array("tokenizer.ggml.tokens").unwrap()[1],
-        "<|im_start|>"
-    );
+    assert_eq!(f.get_string_array("tokenizer.ggml.tokens").unwrap()[1], "<|im_start|>");
     assert_eq!(f.get_str("test.string").unwrap(), "héllo ✓ 世界 \u{1f600}");
     assert_eq!(f.get_str("test.string_empty").unwrap(), "");
     assert!(f.get_f32("test.f32_nan").unwrap().is_nan());
-    assert_eq!(
-        f.get_f32("test.f32_neg_zero").unwrap().to_bits(),
-        (-0.0f32).to_bits()
-    );
+    assert_eq!(f.get_f32("test.f32_neg_zero").unwrap().to_bits(), (-0.0f32).to_bits());
     assert_eq!(f.get_f64("test.f64").unwrap(), std::f64::consts::PI);
     assert_eq!(f.get_u64("test.u64").unwrap(), u64::MAX);
     assert_eq!(f.get_i64("test.i64").unwrap(), i64::MIN);
     assert_eq!(f.get_i32("test.i8").unwrap(), -128);
     assert!(f.get_bool("test.bool_true").unwrap());
-    assert_eq!(
-        f.get_bool_array("test.arr_bool").unwrap(),
-        [true, false, true]
-    );
-    assert_eq!(
-        f.get_f32_array("test.arr_f32").unwrap(),
-        [1.5, -2.25, f32::INFINITY]
-    );
+    assert_eq!(f.get_bool_array("test.arr_bool").unwrap(), [true, false, true]);
+    assert_eq!(f.get_f32_array("test.arr_f32").unwrap(), [1.5, -2.25, f32::INFINITY]);
     assert_eq!(f.get_i32_array("test.arr_i8").unwrap(), [-128, 0, 127]);
     let nested = f.get_array("test.arr_arr_str").unwrap();
     assert_eq!(nested.elem_type, ValueType::Array);
     assert_eq!(nested.values[1], MetadataValue::from(vec!["y", "z"]));
     assert_eq!(f.get_u32_opt("qwen4exp.absent").unwrap(), None);
     let e = f.get_u32("test.string").unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        format!(
-            "{}: key 'test.string' has type string, expected an integer",
-            path.display()
-        )
-    );
+    assert_eq!(e.to_string(), format!("{}: key 'test.string' has type string, expected an integer", path.display()));
 
     let t = f.tensor("q8_0_3d.weight").unwrap();
     assert_eq!(
@@ -289,13 +236,8 @@ fn opens_with_mmap_and_reads_through_the_getters() {
 #[test]
 #[should_panic(expected = "does not belong to")]
 fn tensor_data_refuses_a_tensor_info_from_another_file() {
-    let a = GgufFile::from_bytes(
-        "a",
-        std::fs::read(testdata().join("all_types.gguf")).unwrap(),
-    )
-    .unwrap();
-    let b =
-        GgufFile::from_bytes("b", std::fs::read(testdata().join("align64.gguf")).unwrap()).unwrap();
+    let a = GgufFile::from_bytes("a", std::fs::read(testdata().join("all_types.gguf")).unwrap()).unwrap();
+    let b = GgufFile::from_bytes("b", std::fs::read(testdata().join("align64.gguf")).unwrap()).unwrap();
     let foreign = a.tensors().nth(5).unwrap().clone();
     let _ = b.tensor_data(&foreign);
 }
@@ -309,10 +251,7 @@ fn version_2_is_read_and_big_endian_is_refused() {
     assert_eq!(f.n_tensors(), 15);
 
     let e = GgufFile::open(testdata().join("big_endian.gguf")).unwrap_err();
-    assert!(
-        matches!(e.kind(), GgufErrorKind::BigEndian { version: 3 }),
-        "{e}"
-    );
+    assert!(matches!(e.kind(), GgufErrorKind::BigEndian { version: 3 }), "{e}");
     assert!(e.to_string().contains("big-endian GGUF file"), "{e}");
 }
 
@@ -341,21 +280,10 @@ fn opens_a_gguf_py_split_model_from_any_part() {
     assert_eq!(parts.len(), 3);
     for start in 1..=3 {
         let f = GgufFile::open(testdata().join(format!("split-{start:05}-of-00003.gguf"))).unwrap();
-        assert_eq!(
-            f.path(),
-            testdata().join("split-00001-of-00003.gguf"),
-            "path() is part 1"
-        );
+        assert_eq!(f.path(), testdata().join("split-00001-of-00003.gguf"), "path() is part 1");
         assert_eq!(f.n_parts(), 3);
-        assert_eq!(
-            f.part_paths().nth(2).unwrap(),
-            testdata().join("split-00003-of-00003.gguf")
-        );
-        assert_eq!(
-            f.get_str("general.name").unwrap(),
-            "split test",
-            "metadata comes from part 1"
-        );
+        assert_eq!(f.part_paths().nth(2).unwrap(), testdata().join("split-00003-of-00003.gguf"));
+        assert_eq!(f.get_str("general.name").unwrap(), "split test", "metadata comes from part 1");
         assert_eq!(f.get_u32("split.count").unwrap(), 3);
         let names: Vec<&str> = f.tensors().map(|t| t.name.as_str()).collect();
         assert_eq!(names, ["t0", "t1", "t2", "t3", "t4"]);
@@ -366,10 +294,7 @@ fn opens_a_gguf_py_split_model_from_any_part() {
                 let ours = f.tensor(t["name"].as_str().unwrap()).unwrap();
                 assert_eq!(ours.split_index(), part);
                 assert_eq!(hex(f.tensor_data(ours)), t["data_hex"].as_str().unwrap());
-                assert_eq!(
-                    ours.file_offset() - f.data_offset(part).unwrap(),
-                    t["offset"].as_u64().unwrap()
-                );
+                assert_eq!(ours.file_offset() - f.data_offset(part).unwrap(), t["offset"].as_u64().unwrap());
             }
         }
     }
@@ -385,28 +310,14 @@ fn split_errors_name_the_part_and_the_problem() {
     assert!(
         matches!(e.kind(), GgufErrorKind::MissingSplitPart { part } if part.ends_with("missing-00002-of-00003.gguf"))
     );
-    assert_eq!(
-        e.to_string(),
-        format!(
-            "{}: missing split part '{}'",
-            parts[0].display(),
-            parts[1].display()
-        )
-    );
+    assert_eq!(e.to_string(), format!("{}: missing split part '{}'", parts[0].display(), parts[1].display()));
 
     // Part 2's bytes under part 3's name: split.no says 1 where 2 is due.
     let parts = copy_split_fixture(dir.path(), "swapped");
     std::fs::copy(&parts[1], &parts[2]).unwrap();
     let e = GgufFile::open(&parts[0]).unwrap_err();
-    assert!(
-        matches!(e.kind(), GgufErrorKind::SplitMismatch { .. }),
-        "{e}"
-    );
-    assert!(
-        e.to_string()
-            .contains("'split.no' should be 2, but it is 1"),
-        "{e}"
-    );
+    assert!(matches!(e.kind(), GgufErrorKind::SplitMismatch { .. }), "{e}");
+    assert!(e.to_string().contains("'split.no' should be 2, but it is 1"), "{e}");
 
     // The file name says 4 parts, the keys say 3.
     for i in 1..=4 {
@@ -417,22 +328,14 @@ fn split_errors_name_the_part_and_the_problem() {
         .unwrap();
     }
     let e = GgufFile::open(dir.path().join("four-00001-of-00004.gguf")).unwrap_err();
-    assert!(
-        e.to_string()
-            .contains("the file name says 4 parts, but 'split.count' is 3"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("the file name says 4 parts, but 'split.count' is 3"), "{e}");
 
     // Part 1 renamed so that the others cannot be found.
     let lone = dir.path().join("renamed.gguf");
     std::fs::copy(testdata().join("split-00001-of-00003.gguf"), &lone).unwrap();
     let e = GgufFile::open(&lone).unwrap_err();
     assert!(matches!(e.kind(), GgufErrorKind::SplitMismatch { .. }));
-    assert!(
-        e.to_string()
-            .contains("'split.count' = 3, but the file name does not follow"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("'split.count' = 3, but the file name does not follow"), "{e}");
 
     // split.tensors.count that disagrees with the parts.
     let parts = copy_split_fixture(dir.path(), "count");
@@ -442,11 +345,7 @@ fn split_errors_name_the_part_and_the_problem() {
     bytes[at..at + 4].copy_from_slice(&6i32.to_le_bytes());
     std::fs::write(&parts[0], bytes).unwrap();
     let e = GgufFile::open(&parts[0]).unwrap_err();
-    assert!(
-        e.to_string()
-            .contains("'split.tensors.count' is 6, but the 3 parts hold 5 tensors"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("'split.tensors.count' is 6, but the 3 parts hold 5 tensors"), "{e}");
 
     // A tensor name in two parts.
     let dup = dir.path().join("dup");
@@ -459,18 +358,11 @@ fn split_errors_name_the_part_and_the_problem() {
     d.write_tensor("b", &[0; 16]).unwrap();
     let paths = d.finish().unwrap();
     let mut bytes = std::fs::read(&paths[1]).unwrap();
-    let at = bytes
-        .windows(9)
-        .position(|w| w == b"\x01\x00\x00\x00\x00\x00\x00\x00b")
-        .unwrap()
-        + 8;
+    let at = bytes.windows(9).position(|w| w == b"\x01\x00\x00\x00\x00\x00\x00\x00b").unwrap() + 8;
     bytes[at] = b'a';
     std::fs::write(&paths[1], bytes).unwrap();
     let e = GgufFile::open(&paths[0]).unwrap_err();
-    assert!(
-        matches!(e.kind(), GgufErrorKind::DuplicateTensor { name } if name == "a"),
-        "{e}"
-    );
+    assert!(matches!(e.kind(), GgufErrorKind::DuplicateTensor { name } if name == "a"), "{e}");
 
     let e = GgufFile::open(dir.path().join("absent.gguf")).unwrap_err();
     assert!(matches!(e.kind(), GgufErrorKind::Io { .. }), "{e}");
@@ -485,11 +377,7 @@ fn rewrite(file: &GgufFile, path: &Path, split_max_bytes: Option<u64>) -> Vec<Pa
     if let Some(max) = split_max_bytes {
         w.split_max_bytes(max);
     }
-    for (k, v) in file
-        .metadata()
-        .iter()
-        .filter(|(k, _)| !k.starts_with("split."))
-    {
+    for (k, v) in file.metadata().iter().filter(|(k, _)| !k.starts_with("split.")) {
         w.add_kv(k, v.clone()).unwrap();
     }
     for t in file.tensors() {
@@ -515,10 +403,7 @@ fn our_writer_reproduces_gguf_py_files_byte_for_byte() {
         let file = GgufFile::from_bytes(name, original.clone()).unwrap();
         let written = rewrite(&file, &dir.path().join(name), None);
         assert_eq!(written, [dir.path().join(name)]);
-        assert!(
-            std::fs::read(&written[0]).unwrap() == original,
-            "{name}: our bytes differ from gguf-py's"
-        );
+        assert!(std::fs::read(&written[0]).unwrap() == original, "{name}: our bytes differ from gguf-py's");
     }
     let split = GgufFile::open(testdata().join("split-00001-of-00003.gguf")).unwrap();
     let written = rewrite(&split, &dir.path().join("split.gguf"), Some(128));
@@ -527,10 +412,7 @@ fn our_writer_reproduces_gguf_py_files_byte_for_byte() {
         let name = format!("split-{:05}-of-00003.gguf", i + 1);
         assert_eq!(path, &dir.path().join(&name));
         let original = std::fs::read(testdata().join(&name)).unwrap();
-        assert!(
-            std::fs::read(path).unwrap() == original,
-            "{name}: our bytes differ from gguf-py's"
-        );
+        assert!(std::fs::read(path).unwrap() == original, "{name}: our bytes differ from gguf-py's");
     }
 }
 
@@ -568,13 +450,7 @@ fn rust_fixture_metadata() -> Vec<(&'static str, MetadataValue)> {
         ("t.f64", (-0.0f64).into()),
         ("t.arr_empty_u32", arr(ValueType::U32, vec![])),
         ("t.arr_empty_string", arr(ValueType::String, vec![])),
-        (
-            "t.arr_of_empty",
-            arr(
-                ValueType::Array,
-                vec![arr(ValueType::F32, vec![]), arr(ValueType::F32, vec![])],
-            ),
-        ),
+        ("t.arr_of_empty", arr(ValueType::Array, vec![arr(ValueType::F32, vec![]), arr(ValueType::F32, vec![])])),
         ("t.arr_i16", vec![1i16, -1, i16::MAX].into()),
         ("t.arr_u16", vec![7u16, 8].into()),
         ("t.arr_i64", vec![i64::MIN, 0].into()),
@@ -583,22 +459,10 @@ fn rust_fixture_metadata() -> Vec<(&'static str, MetadataValue)> {
         ("t.arr_bool", vec![false, true].into()),
         (
             "t.arr_arr_arr",
-            arr(
-                ValueType::Array,
-                vec![arr(
-                    ValueType::Array,
-                    vec![vec![1u8, 2].into(), vec!["x"].into()],
-                )],
-            ),
+            arr(ValueType::Array, vec![arr(ValueType::Array, vec![vec![1u8, 2].into(), vec!["x"].into()])]),
         ),
-        (
-            "qwen4exp.attention.compress_ratios",
-            vec![0i32, 0, 0, 4].into(),
-        ),
-        (
-            "qwen4exp.attention.recurrent_layers",
-            vec![true, true, true, false].into(),
-        ),
+        ("qwen4exp.attention.compress_ratios", vec![0i32, 0, 0, 4].into()),
+        ("qwen4exp.attention.recurrent_layers", vec![true, true, true, false].into()),
     ]
 }
 
@@ -611,13 +475,7 @@ fn write_rust_fixtures(dir: &Path) -> Vec<PathBuf> {
     }
     let mut tensors: Vec<(String, Vec<u64>, GgmlType)> = GgmlType::ALL
         .iter()
-        .map(|&t| {
-            (
-                format!("{}.weight", t.name().to_lowercase()),
-                vec![2 * t.block_size() as u64, 3],
-                t,
-            )
-        })
+        .map(|&t| (format!("{}.weight", t.name().to_lowercase()), vec![2 * t.block_size() as u64, 3], t))
         .collect();
     tensors.push(("scalar".into(), vec![], GgmlType::I32));
     tensors.push(("four_d".into(), vec![2, 3, 1, 2], GgmlType::F16));
@@ -627,8 +485,7 @@ fn write_rust_fixtures(dir: &Path) -> Vec<PathBuf> {
     let mut d = w.begin_data().unwrap();
     for (i, (name, dims, ty)) in tensors.iter().enumerate() {
         let n = ty.tensor_bytes(dims).unwrap() as usize;
-        d.write_tensor(name, &pseudo_random(i as u64 + 1, n))
-            .unwrap();
+        d.write_tensor(name, &pseudo_random(i as u64 + 1, n)).unwrap();
     }
     let mut paths = d.finish().unwrap();
 
@@ -646,11 +503,7 @@ fn write_rust_fixtures(dir: &Path) -> Vec<PathBuf> {
     }
     let mut d = w.begin_data().unwrap();
     for (i, (name, ne0, ty)) in split_tensors.into_iter().enumerate() {
-        d.write_tensor(
-            name,
-            &pseudo_random(100 + i as u64, ty.row_bytes(ne0).unwrap() as usize),
-        )
-        .unwrap();
+        d.write_tensor(name, &pseudo_random(100 + i as u64, ty.row_bytes(ne0).unwrap() as usize)).unwrap();
     }
     paths.extend(d.finish().unwrap());
     paths
@@ -665,16 +518,9 @@ fn write_rust_fixtures(dir: &Path) -> Vec<PathBuf> {
 fn our_writer_output_matches_what_gguf_py_read() {
     let dir = TempDir::new("rust-fixtures");
     let regen = std::env::var_os("NEBULA_REGEN_GGUF_FIXTURES").is_some();
-    let out = if regen {
-        testdata()
-    } else {
-        dir.path().to_path_buf()
-    };
+    let out = if regen { testdata() } else { dir.path().to_path_buf() };
     let written = write_rust_fixtures(&out);
-    let names: Vec<String> = written
-        .iter()
-        .map(|p| p.file_name().unwrap().to_str().unwrap().to_string())
-        .collect();
+    let names: Vec<String> = written.iter().map(|p| p.file_name().unwrap().to_str().unwrap().to_string()).collect();
     assert_eq!(
         names,
         [
@@ -686,43 +532,30 @@ fn our_writer_output_matches_what_gguf_py_read() {
     );
     for name in &names {
         let committed = std::fs::read(testdata().join(name)).unwrap();
-        assert!(
-            std::fs::read(out.join(name)).unwrap() == committed,
-            "{name}: writer output changed"
-        );
+        assert!(std::fs::read(out.join(name)).unwrap() == committed, "{name}: writer output changed");
     }
     let truth = read_json("rust_writer.py.json");
     let files = truth["files"].as_array().unwrap();
     assert_eq!(files.len(), names.len());
     for (name, truth) in names.iter().zip(files) {
-        let file =
-            GgufFile::from_bytes(name, std::fs::read(testdata().join(name)).unwrap()).unwrap();
+        let file = GgufFile::from_bytes(name, std::fs::read(testdata().join(name)).unwrap()).unwrap();
         assert_same_dump(&dump(&file), truth);
     }
     // The split set as a whole.
     let f = GgufFile::open(testdata().join("rust_writer_split-00002-of-00003.gguf")).unwrap();
     assert_eq!(f.n_parts(), 3);
-    assert_eq!(
-        f.tensors().map(|t| t.split_index()).collect::<Vec<_>>(),
-        [0, 0, 1, 2]
-    );
+    assert_eq!(f.tensors().map(|t| t.split_index()).collect::<Vec<_>>(), [0, 0, 1, 2]);
     assert_eq!(f.get_u32("general.alignment").unwrap(), 64);
     for i in 0..3 {
         assert_eq!(f.data_offset(i).unwrap() % 64, 0);
     }
-    assert_eq!(
-        f.tensor_data_by_name("s2").unwrap(),
-        pseudo_random(102, 300)
-    );
+    assert_eq!(f.tensor_data_by_name("s2").unwrap(), pseudo_random(102, 300));
     // The metadata values survive the round trip exactly (NaN compared by bits through the dump).
     let single = GgufFile::open(testdata().join("rust_writer.gguf")).unwrap();
     for (k, v) in rust_fixture_metadata() {
         assert_eq!(value_json(single.get(k).unwrap()), value_json(&v), "{k}");
     }
-    assert_eq!(
-        single.metadata().entries().last().unwrap().0,
-        "general.alignment"
-    );
+    assert_eq!(single.metadata().entries().last().unwrap().0, "general.alignment");
 }
 
 /// Live cross-check with gguf-py: writes our fixtures to a temp dir and runs `scripts/gguf_check.py --expect` on
@@ -741,25 +574,11 @@ fn gguf_py_reads_our_writer_live() {
         })
         .collect();
     let expect = dir.path().join("ours.json");
-    std::fs::write(
-        &expect,
-        serde_json::to_string(&json!({ "files": ours })).unwrap(),
-    )
-    .unwrap();
+    std::fs::write(&expect, serde_json::to_string(&json!({ "files": ours })).unwrap()).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/gguf_check.py");
-    let out = std::process::Command::new("python3")
-        .arg(script)
-        .arg("--expect")
-        .arg(&expect)
-        .args(&written)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out =
+        std::process::Command::new("python3").arg(script).arg("--expect").arg(&expect).args(&written).output().unwrap();
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]
@@ -787,15 +606,9 @@ fn split_writer_handles_oversized_tensors_and_chunks_across_parts() {
     assert_eq!(paths.len(), 4);
     assert_eq!(paths[3], dir.path().join("big-00004-of-00004.gguf"));
     let f = GgufFile::open(&paths[0]).unwrap();
-    assert_eq!(
-        f.tensors().map(|t| t.split_index()).collect::<Vec<_>>(),
-        [0, 0, 1, 2, 3, 3]
-    );
+    assert_eq!(f.tensors().map(|t| t.split_index()).collect::<Vec<_>>(), [0, 0, 1, 2, 3, 3]);
     for (i, n) in sizes.iter().enumerate() {
-        assert_eq!(
-            f.tensor_data_by_name(&format!("t{i}")).unwrap(),
-            pseudo_random(i as u64, *n as usize)
-        );
+        assert_eq!(f.tensor_data_by_name(&format!("t{i}")).unwrap(), pseudo_random(i as u64, *n as usize));
     }
     assert_eq!(f.get_u32("split.tensors.count").unwrap(), 6);
     for p in &paths[1..] {
@@ -871,9 +684,7 @@ impl Raw {
 #[test]
 fn a_hand_made_minimal_file_is_valid() {
     let mut r = Raw::header(3, 1, 1);
-    r.kv_u32("k", 1)
-        .tensor("t", &[8], GgmlType::F32.id(), 0)
-        .data(32);
+    r.kv_u32("k", 1).tensor("t", &[8], GgmlType::F32.id(), 0).data(32);
     let f = r.parse().unwrap();
     assert_eq!(f.tensor_data_by_name("t").unwrap(), [0xAB; 32]);
 }
@@ -885,45 +696,21 @@ fn bad_magic_and_versions() {
         assert!(matches!(e.kind(), GgufErrorKind::BadMagic { .. }), "{e}");
     }
     let e = GgufFile::from_bytes("x.gguf", b"GGML\x03\0\0\0".to_vec()).unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "x.gguf: not a GGUF file: the first bytes are [47, 47, 4d, 4c], expected \"GGUF\""
-    );
+    assert_eq!(e.to_string(), "x.gguf: not a GGUF file: the first bytes are [47, 47, 4d, 4c], expected \"GGUF\"");
     let e = Raw::header(1, 0, 0).err();
-    assert!(matches!(
-        e.kind(),
-        GgufErrorKind::UnsupportedVersion { version: 1 }
-    ));
+    assert!(matches!(e.kind(), GgufErrorKind::UnsupportedVersion { version: 1 }));
     assert!(e.to_string().contains("v1 used 32-bit counts"), "{e}");
-    assert!(matches!(
-        Raw::header(4, 0, 0).err().kind(),
-        GgufErrorKind::UnsupportedVersion { version: 4 }
-    ));
-    assert!(matches!(
-        Raw::header(0, 0, 0).err().kind(),
-        GgufErrorKind::UnsupportedVersion { version: 0 }
-    ));
-    assert!(matches!(
-        Raw::header(3u32.swap_bytes(), 0, 0).err().kind(),
-        GgufErrorKind::BigEndian { version: 3 }
-    ));
-    assert!(
-        Raw::header(3, 0, 0).parse().is_ok(),
-        "an empty v3 file is valid"
-    );
+    assert!(matches!(Raw::header(4, 0, 0).err().kind(), GgufErrorKind::UnsupportedVersion { version: 4 }));
+    assert!(matches!(Raw::header(0, 0, 0).err().kind(), GgufErrorKind::UnsupportedVersion { version: 0 }));
+    assert!(matches!(Raw::header(3u32.swap_bytes(), 0, 0).err().kind(), GgufErrorKind::BigEndian { version: 3 }));
+    assert!(Raw::header(3, 0, 0).parse().is_ok(), "an empty v3 file is valid");
 }
 
 /// Every prefix of valid files must be an error, except those that still hold every tensor's bytes (only the
 /// trailing padding is cut), which must parse. Nothing may panic.
 #[test]
 fn every_truncation_of_valid_files_is_an_error() {
-    for name in [
-        "all_types.gguf",
-        "align64.gguf",
-        "split-00002-of-00003.gguf",
-        "no_tensors.gguf",
-        "rust_writer.gguf",
-    ] {
+    for name in ["all_types.gguf", "align64.gguf", "split-00002-of-00003.gguf", "no_tensors.gguf", "rust_writer.gguf"] {
         let bytes = std::fs::read(testdata().join(name)).unwrap();
         let full = GgufFile::from_bytes(name, bytes.clone()).unwrap();
         let data_end = full.tensors().map(|t| t.file_offset() + t.n_bytes).max();
@@ -934,10 +721,7 @@ fn every_truncation_of_valid_files_is_an_error() {
                     first_ok.get_or_insert(len);
                 }
                 Err(e) => {
-                    assert!(
-                        first_ok.is_none(),
-                        "{name}: prefix {len} fails ({e}) after a shorter one parsed"
-                    );
+                    assert!(first_ok.is_none(), "{name}: prefix {len} fails ({e}) after a shorter one parsed");
                     assert!(
                         matches!(
                             e.kind(),
@@ -953,11 +737,7 @@ fn every_truncation_of_valid_files_is_an_error() {
             }
         }
         if let Some(end) = data_end {
-            assert_eq!(
-                first_ok.map(|l| l as u64),
-                Some(end),
-                "{name}: shortest valid prefix"
-            );
+            assert_eq!(first_ok.map(|l| l as u64), Some(end), "{name}: shortest valid prefix");
         }
     }
 }
@@ -971,9 +751,7 @@ fn truncation_messages_name_the_key_and_offset() {
     let e = GgufFile::from_bytes("model.gguf", bytes[..value_at + 2].to_vec()).unwrap_err();
     assert_eq!(
         e.to_string(),
-        format!(
-            "model.gguf: truncated while reading the value of key 'qwen4exp.block_count' at offset {value_at}"
-        )
+        format!("model.gguf: truncated while reading the value of key 'qwen4exp.block_count' at offset {value_at}")
     );
     // Inside the last token string ("\u{120}hello", 7 bytes) of tokenizer.ggml.tokens.
     let last = find("\u{120}hello".as_bytes()) - 7;
@@ -991,93 +769,50 @@ fn truncation_messages_name_the_key_and_offset() {
 #[test]
 fn huge_counts_and_lengths_are_refused_before_allocating() {
     let e = Raw::header(3, u64::MAX, 0).err();
-    assert!(
-        matches!(
-            e.kind(),
-            GgufErrorKind::CountBeyondEnd {
-                count: u64::MAX,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e.kind(), GgufErrorKind::CountBeyondEnd { count: u64::MAX, .. }), "{e}");
     assert_eq!(
         e.to_string(),
         "hostile.gguf: the tensor count at offset 8 claims 18446744073709551615 entries of at least 24 bytes each, \
          but only 8 bytes remain in the file"
     );
     let e = Raw::header(3, 1 << 63, 0).err();
-    assert!(
-        matches!(e.kind(), GgufErrorKind::CountBeyondEnd { .. }),
-        "{e}"
-    );
+    assert!(matches!(e.kind(), GgufErrorKind::CountBeyondEnd { .. }), "{e}");
     let e = Raw::header(3, 0, 1 << 62).err();
-    assert!(
-        matches!(e.kind(), GgufErrorKind::CountBeyondEnd { .. }),
-        "{e}"
-    );
+    assert!(matches!(e.kind(), GgufErrorKind::CountBeyondEnd { .. }), "{e}");
 
     let mut r = Raw::header(3, 0, 1);
     r.u64(1 << 63).u64(0).u64(0);
     let e = r.err();
+    assert!(matches!(e.kind(), GgufErrorKind::LengthBeyondEnd { length, .. } if *length == 1 << 63), "{e}");
     assert!(
-        matches!(e.kind(), GgufErrorKind::LengthBeyondEnd { length, .. } if *length == 1 << 63),
-        "{e}"
-    );
-    assert!(
-        e.to_string()
-            .contains("the key of metadata entry #0 at offset 24 claims 9223372036854775808 bytes"),
+        e.to_string().contains("the key of metadata entry #0 at offset 24 claims 9223372036854775808 bytes"),
         "{e}"
     );
 
     let mut r = Raw::header(3, 0, 1);
     r.str("s").u32(ValueType::String.id()).u64(u64::MAX).u64(0);
     let e = r.err();
-    assert!(
-        matches!(e.kind(), GgufErrorKind::LengthBeyondEnd { what, .. } if what == "the value of key 's'"),
-        "{e}"
-    );
+    assert!(matches!(e.kind(), GgufErrorKind::LengthBeyondEnd { what, .. } if what == "the value of key 's'"), "{e}");
 
-    for (elem, count) in [
-        (ValueType::U8, 1u64 << 40),
-        (ValueType::String, 1 << 60),
-        (ValueType::Array, u64::MAX / 2),
-    ] {
+    for (elem, count) in [(ValueType::U8, 1u64 << 40), (ValueType::String, 1 << 60), (ValueType::Array, u64::MAX / 2)] {
         let mut r = Raw::header(3, 0, 1);
-        r.str("arr")
-            .u32(ValueType::Array.id())
-            .u32(elem.id())
-            .u64(count)
-            .u64(0)
-            .u64(0);
+        r.str("arr").u32(ValueType::Array.id()).u32(elem.id()).u64(count).u64(0).u64(0);
         let e = r.err();
-        assert!(
-            matches!(e.kind(), GgufErrorKind::CountBeyondEnd { what, .. } if what.contains("'arr'")),
-            "{e}"
-        );
+        assert!(matches!(e.kind(), GgufErrorKind::CountBeyondEnd { what, .. } if what.contains("'arr'")), "{e}");
     }
 
     let mut r = Raw::header(3, 1, 0);
     r.u64(u64::MAX - 3).u64(0).u64(0).u64(0);
-    assert!(matches!(
-        r.err().kind(),
-        GgufErrorKind::LengthBeyondEnd { .. }
-    ));
+    assert!(matches!(r.err().kind(), GgufErrorKind::LengthBeyondEnd { .. }));
 }
 
 #[test]
 fn the_metadata_value_cap_is_enforced() {
     let mut r = Raw::header(3, 0, 1);
-    r.str("tokenizer.ggml.token_type")
-        .u32(ValueType::Array.id())
-        .u32(ValueType::U8.id())
-        .u64(MAX_METADATA_VALUES);
+    r.str("tokenizer.ggml.token_type").u32(ValueType::Array.id()).u32(ValueType::U8.id()).u64(MAX_METADATA_VALUES);
     r.0.resize(r.0.len() + MAX_METADATA_VALUES as usize, 0);
     let e = r.err();
-    assert!(
-        matches!(e.kind(), GgufErrorKind::TooManyValues { key, .. } if key == "tokenizer.ggml.token_type"),
-        "{e}"
-    );
+    assert!(matches!(e.kind(), GgufErrorKind::TooManyValues { key, .. } if key == "tokenizer.ggml.token_type"), "{e}");
 }
 
 #[test]
@@ -1129,8 +864,7 @@ fn tensor_shape_errors() {
         (
             {
                 let mut r = Raw::header(3, 1, 0);
-                r.tensor("elems_ovf", &[1 << 62, 2, 1, 1], GgmlType::I8.id(), 0)
-                    .data(16);
+                r.tensor("elems_ovf", &[1 << 62, 2, 1, 1], GgmlType::I8.id(), 0).data(16);
                 r
             },
             &|k| matches!(k, GgufErrorKind::TensorSizeOverflow { .. }),
@@ -1141,16 +875,7 @@ fn tensor_shape_errors() {
                 r.tensor("q", &[48], GgmlType::Q4_0.id(), 0).data(64);
                 r
             },
-            &|k| {
-                matches!(
-                    k,
-                    GgufErrorKind::RowNotBlockMultiple {
-                        ne0: 48,
-                        ggml_type: GgmlType::Q4_0,
-                        ..
-                    }
-                )
-            },
+            &|k| matches!(k, GgufErrorKind::RowNotBlockMultiple { ne0: 48, ggml_type: GgmlType::Q4_0, .. }),
         ),
     ];
     for (raw, check) in cases {
@@ -1163,34 +888,25 @@ fn tensor_shape_errors() {
 fn unknown_type_ids_are_named() {
     for retired in [4u32, 5, 31, 36, 42, u32::MAX] {
         let mut r = Raw::header(3, 1, 0);
-        r.tensor("blk.0.attn_qkv.weight", &[32], retired, 0)
-            .data(64);
+        r.tensor("blk.0.attn_qkv.weight", &[32], retired, 0).data(64);
         let e = r.err();
         assert_eq!(
             e.to_string(),
-            format!(
-                "hostile.gguf: tensor 'blk.0.attn_qkv.weight' has unknown ggml type id {retired}"
-            )
+            format!("hostile.gguf: tensor 'blk.0.attn_qkv.weight' has unknown ggml type id {retired}")
         );
     }
     let mut r = Raw::header(3, 0, 1);
     r.str("qwen4exp.block_count").u32(13).u32(48);
-    assert_eq!(
-        r.err().to_string(),
-        "hostile.gguf: key 'qwen4exp.block_count' has unknown value type id 13"
-    );
+    assert_eq!(r.err().to_string(), "hostile.gguf: key 'qwen4exp.block_count' has unknown value type id 13");
     let mut r = Raw::header(3, 0, 1);
     r.str("arr").u32(ValueType::Array.id()).u32(99).u64(0);
-    assert!(
-        matches!(r.err().kind(), GgufErrorKind::UnknownValueType { type_id: 99, key } if key == "arr")
-    );
+    assert!(matches!(r.err().kind(), GgufErrorKind::UnknownValueType { type_id: 99, key } if key == "arr"));
 }
 
 #[test]
 fn data_beyond_the_end_misaligned_or_overlapping_is_refused() {
     let mut r = Raw::header(3, 1, 0);
-    r.tensor("blk.3.attn_q.weight", &[16], GgmlType::F32.id(), 32)
-        .data(64);
+    r.tensor("blk.3.attn_q.weight", &[16], GgmlType::F32.id(), 32).data(64);
     let e = r.err();
     // Header 24 + tensor info (8 + 19 + 4 + 8 + 4 + 8 = 51) = 75, data section at 96, tensor at 128..192.
     assert_eq!(
@@ -1199,32 +915,15 @@ fn data_beyond_the_end_misaligned_or_overlapping_is_refused() {
     );
 
     let mut r = Raw::header(3, 1, 0);
-    r.tensor("t", &[16], GgmlType::F32.id(), u64::MAX - 31)
-        .data(64);
-    assert!(matches!(
-        r.err().kind(),
-        GgufErrorKind::TensorBeyondEnd {
-            start: u64::MAX,
-            end: u64::MAX,
-            ..
-        }
-    ));
+    r.tensor("t", &[16], GgmlType::F32.id(), u64::MAX - 31).data(64);
+    assert!(matches!(r.err().kind(), GgufErrorKind::TensorBeyondEnd { start: u64::MAX, end: u64::MAX, .. }));
 
     let mut r = Raw::header(3, 1, 0);
     r.tensor("t", &[1], GgmlType::F32.id(), 4).data(64);
-    assert!(matches!(
-        r.err().kind(),
-        GgufErrorKind::MisalignedOffset {
-            offset: 4,
-            alignment: 32,
-            ..
-        }
-    ));
+    assert!(matches!(r.err().kind(), GgufErrorKind::MisalignedOffset { offset: 4, alignment: 32, .. }));
 
     let mut r = Raw::header(3, 2, 0);
-    r.tensor("a", &[16], GgmlType::F32.id(), 0)
-        .tensor("b", &[4], GgmlType::F32.id(), 32)
-        .data(96);
+    r.tensor("a", &[16], GgmlType::F32.id(), 0).tensor("b", &[4], GgmlType::F32.id(), 32).data(96);
     let e = r.err();
     assert!(
         matches!(e.kind(), GgufErrorKind::TensorOverlap { tensor, other, .. } if tensor == "b" && other == "a"),
@@ -1232,9 +931,7 @@ fn data_beyond_the_end_misaligned_or_overlapping_is_refused() {
     );
 
     let mut r = Raw::header(3, 2, 0);
-    r.tensor("a", &[8], GgmlType::F32.id(), 0)
-        .tensor("b", &[4], GgmlType::F32.id(), 32)
-        .data(64);
+    r.tensor("a", &[8], GgmlType::F32.id(), 0).tensor("b", &[4], GgmlType::F32.id(), 32).data(64);
     assert!(r.parse().is_ok(), "adjacent tensors do not overlap");
 }
 
@@ -1242,18 +939,10 @@ fn data_beyond_the_end_misaligned_or_overlapping_is_refused() {
 fn duplicates_are_refused() {
     let mut r = Raw::header(3, 0, 2);
     r.kv_u32("general.x", 1).kv_u32("general.x", 2);
-    assert_eq!(
-        r.err().to_string(),
-        "hostile.gguf: duplicate metadata key 'general.x'"
-    );
+    assert_eq!(r.err().to_string(), "hostile.gguf: duplicate metadata key 'general.x'");
     let mut r = Raw::header(3, 2, 0);
-    r.tensor("t", &[8], GgmlType::F32.id(), 0)
-        .tensor("t", &[8], GgmlType::F32.id(), 32)
-        .data(64);
-    assert_eq!(
-        r.err().to_string(),
-        "hostile.gguf: duplicate tensor name 't'"
-    );
+    r.tensor("t", &[8], GgmlType::F32.id(), 0).tensor("t", &[8], GgmlType::F32.id(), 32).data(64);
+    assert_eq!(r.err().to_string(), "hostile.gguf: duplicate tensor name 't'");
 }
 
 #[test]
@@ -1274,14 +963,8 @@ fn nesting_is_capped() {
     }
     assert_eq!(v, &MetadataValue::U8(7));
     let e = nested(MAX_ARRAY_DEPTH + 1).err();
-    assert!(
-        matches!(e.kind(), GgufErrorKind::NestingTooDeep { .. }),
-        "{e}"
-    );
-    assert_eq!(
-        e.to_string(),
-        "hostile.gguf: key 'deep': arrays nested deeper than 8 levels"
-    );
+    assert!(matches!(e.kind(), GgufErrorKind::NestingTooDeep { .. }), "{e}");
+    assert_eq!(e.to_string(), "hostile.gguf: key 'deep': arrays nested deeper than 8 levels");
 }
 
 #[test]
@@ -1294,26 +977,14 @@ fn alignment_must_be_a_power_of_two() {
         let mut r = Raw::header(3, 0, 1);
         r.str("general.alignment").u32(value_type);
         r.0.extend_from_slice(&bytes);
-        assert!(
-            matches!(r.err().kind(), GgufErrorKind::BadAlignment { .. }),
-            "type {value_type} {bytes:?}"
-        );
+        assert!(matches!(r.err().kind(), GgufErrorKind::BadAlignment { .. }), "type {value_type} {bytes:?}");
     }
     let mut r = Raw::header(3, 0, 1);
-    r.str("general.alignment")
-        .u32(ValueType::String.id())
-        .str("32");
-    assert!(
-        r.err()
-            .to_string()
-            .contains("'general.alignment' has type string, expected u32")
-    );
+    r.str("general.alignment").u32(ValueType::String.id()).str("32");
+    assert!(r.err().to_string().contains("'general.alignment' has type string, expected u32"));
     // Any integer type holding a power of two is accepted.
     let mut r = Raw::header(3, 1, 1);
-    r.str("general.alignment")
-        .u32(ValueType::U64.id())
-        .u64(8)
-        .tensor("t", &[1], GgmlType::F32.id(), 0);
+    r.str("general.alignment").u32(ValueType::U64.id()).u64(8).tensor("t", &[1], GgmlType::F32.id(), 0);
     r.0.resize(r.0.len().next_multiple_of(8) + 8, 0);
     assert_eq!(r.parse().unwrap().alignment(), 8);
 }
@@ -1322,17 +993,11 @@ fn alignment_must_be_a_power_of_two() {
 fn invalid_bools_and_utf8_are_refused() {
     let mut r = Raw::header(3, 0, 1);
     r.str("b").u32(ValueType::Bool.id()).u8(2);
-    assert!(matches!(
-        r.err().kind(),
-        GgufErrorKind::InvalidBool { byte: 2, .. }
-    ));
+    assert!(matches!(r.err().kind(), GgufErrorKind::InvalidBool { byte: 2, .. }));
     let mut r = Raw::header(3, 0, 1);
     r.u64(2).u8(0xff).u8(0xfe).u32(4).u32(0);
     let e = r.err();
-    assert!(
-        matches!(e.kind(), GgufErrorKind::InvalidUtf8 { offset: 32, .. }),
-        "{e}"
-    );
+    assert!(matches!(e.kind(), GgufErrorKind::InvalidUtf8 { offset: 32, .. }), "{e}");
 }
 
 /// Inputs that crashed, hung or exhausted memory under the fuzzer (`engine/fuzz`), kept as regressions: each must
@@ -1354,16 +1019,10 @@ fn fuzzer_regressions() {
         eprintln!("{e}");
         // The inputs found by the mutation check (README.md) must hit the guard that the mutant had removed.
         if name.starts_with("oom-98d02ef2") {
-            assert!(
-                matches!(e.kind(), GgufErrorKind::CountBeyondEnd { .. }),
-                "{e}"
-            );
+            assert!(matches!(e.kind(), GgufErrorKind::CountBeyondEnd { .. }), "{e}");
         }
         if name.starts_with("crash-0cbe0150") {
-            assert!(
-                matches!(e.kind(), GgufErrorKind::TensorBeyondEnd { .. }),
-                "{e}"
-            );
+            assert!(matches!(e.kind(), GgufErrorKind::TensorBeyondEnd { .. }), "{e}");
         }
         n += 1;
     }
@@ -1380,23 +1039,13 @@ fn vocabulary_sized_metadata_round_trips() {
     let mut w = GgufWriter::create(&path, 32).unwrap();
     w.add_kv("tokenizer.ggml.tokens", tokens.clone()).unwrap();
     w.add_kv("tokenizer.ggml.merges", merges.clone()).unwrap();
-    w.add_kv("tokenizer.ggml.token_type", vec![1i32; tokens.len()])
-        .unwrap();
+    w.add_kv("tokenizer.ggml.token_type", vec![1i32; tokens.len()]).unwrap();
     w.begin_data().unwrap().finish().unwrap();
     let t = std::time::Instant::now();
     let f = GgufFile::open(&path).unwrap();
     let elapsed = t.elapsed();
     assert_eq!(f.get_string_array("tokenizer.ggml.tokens").unwrap(), tokens);
-    assert_eq!(
-        f.get_string_array("tokenizer.ggml.merges").unwrap()[247_586],
-        "a247586 b247586"
-    );
-    assert_eq!(
-        f.get_u32_array("tokenizer.ggml.token_type").unwrap().len(),
-        248_320
-    );
-    eprintln!(
-        "parsed {} bytes of metadata in {elapsed:?}",
-        std::fs::metadata(&path).unwrap().len()
-    );
+    assert_eq!(f.get_string_array("tokenizer.ggml.merges").unwrap()[247_586], "a247586 b247586");
+    assert_eq!(f.get_u32_array("tokenizer.ggml.token_type").unwrap().len(), 248_320);
+    eprintln!("parsed {} bytes of metadata in {elapsed:?}", std::fs::metadata(&path).unwrap().len());
 }

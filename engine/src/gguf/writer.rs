@@ -21,8 +21,8 @@ use super::parse::tensor_bytes;
 use super::split::{KEY_SPLIT_COUNT, KEY_SPLIT_NO, KEY_SPLIT_TENSORS_COUNT, part_path};
 use super::types::{GgmlType, MetadataArray, MetadataValue};
 use super::{
-    DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, KEY_ALIGNMENT, MAX_ARRAY_DEPTH, MAX_DIMS,
-    MAX_METADATA_VALUES, MAX_TENSOR_NAME_BYTES,
+    DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, KEY_ALIGNMENT, MAX_ARRAY_DEPTH, MAX_DIMS, MAX_METADATA_VALUES,
+    MAX_TENSOR_NAME_BYTES,
 };
 
 /// Write buffer per open part.
@@ -73,10 +73,7 @@ impl GgufWriter {
         let path = path.as_ref().to_path_buf();
         let label = path.display().to_string();
         if !alignment.is_power_of_two() {
-            return Err(GgufError::new(
-                label,
-                GgufErrorKind::WriterAlignment { alignment },
-            ));
+            return Err(GgufError::new(label, GgufErrorKind::WriterAlignment { alignment }));
         }
         Ok(Self {
             metadata: Metadata::new(label),
@@ -110,11 +107,7 @@ impl GgufWriter {
     /// `MetadataValue::U32` equal to the writer's alignment; an array whose elements do not all have its declared
     /// element type, or nested deeper than [`super::MAX_ARRAY_DEPTH`]; more than [`MAX_METADATA_VALUES`] values in
     /// total (the reader's limit).
-    pub fn add_kv(
-        &mut self,
-        key: impl Into<String>,
-        value: impl Into<MetadataValue>,
-    ) -> Result<()> {
+    pub fn add_kv(&mut self, key: impl Into<String>, value: impl Into<MetadataValue>) -> Result<()> {
         let key = key.into();
         let value = value.into();
         if self.metadata.contains_key(&key) {
@@ -137,17 +130,10 @@ impl GgufWriter {
         if let MetadataValue::Array(array) = &value {
             n_values += check_array(&key, array, 1).map_err(|kind| self.err(kind))?;
         }
-        match self
-            .n_values
-            .checked_add(n_values)
-            .filter(|&n| n <= MAX_METADATA_VALUES)
-        {
+        match self.n_values.checked_add(n_values).filter(|&n| n <= MAX_METADATA_VALUES) {
             Some(n) => self.n_values = n,
             None => {
-                return Err(self.err(GgufErrorKind::TooManyValues {
-                    key,
-                    limit: MAX_METADATA_VALUES,
-                }));
+                return Err(self.err(GgufErrorKind::TooManyValues { key, limit: MAX_METADATA_VALUES }));
             }
         }
         self.metadata.insert(key, value);
@@ -160,53 +146,30 @@ impl GgufWriter {
     /// # Errors
     /// A duplicate name, a name longer than [`MAX_TENSOR_NAME_BYTES`], more than [`MAX_DIMS`] dims, a zero dim,
     /// `dims[0]` not a multiple of the type's block size, or an element count or size beyond `i64::MAX`.
-    pub fn add_tensor(
-        &mut self,
-        name: impl Into<String>,
-        dims: &[u64],
-        ggml_type: GgmlType,
-    ) -> Result<()> {
+    pub fn add_tensor(&mut self, name: impl Into<String>, dims: &[u64], ggml_type: GgmlType) -> Result<()> {
         let name = name.into();
         if self.names.contains(&name) {
             return Err(self.err(GgufErrorKind::DuplicateTensor { name }));
         }
         if name.len() > MAX_TENSOR_NAME_BYTES {
-            let kind = GgufErrorKind::TensorNameTooLong {
-                name,
-                max: MAX_TENSOR_NAME_BYTES,
-            };
+            let kind = GgufErrorKind::TensorNameTooLong { name, max: MAX_TENSOR_NAME_BYTES };
             return Err(self.err(kind));
         }
         if dims.len() > MAX_DIMS {
-            return Err(self.err(GgufErrorKind::TooManyDims {
-                tensor: name,
-                n_dims: dims.len() as u32,
-            }));
+            return Err(self.err(GgufErrorKind::TooManyDims { tensor: name, n_dims: dims.len() as u32 }));
         }
         if let Some(axis) = dims.iter().position(|&d| d == 0) {
-            return Err(self.err(GgufErrorKind::ZeroDim {
-                tensor: name,
-                axis,
-                dims: dims.to_vec(),
-            }));
+            return Err(self.err(GgufErrorKind::ZeroDim { tensor: name, axis, dims: dims.to_vec() }));
         }
         let n_bytes = tensor_bytes(&name, dims, ggml_type).map_err(|kind| self.err(kind))?;
         self.names.insert(name.clone());
-        self.tensors.push(PlannedTensor {
-            name,
-            dims: dims.to_vec(),
-            ggml_type,
-            n_bytes,
-        });
+        self.tensors.push(PlannedTensor { name, dims: dims.to_vec(), ggml_type, n_bytes });
         Ok(())
     }
 
     /// Size in bytes of a declared tensor, if declared.
     pub fn tensor_n_bytes(&self, name: &str) -> Option<u64> {
-        self.tensors
-            .iter()
-            .find(|t| t.name == name)
-            .map(|t| t.n_bytes)
+        self.tensors.iter().find(|t| t.name == name).map(|t| t.n_bytes)
     }
 
     /// Creates the (first) output file, writes its header and returns the writer for tensor data.
@@ -217,8 +180,7 @@ impl GgufWriter {
         let groups = self.plan_parts();
         let split = self.max_bytes_per_part.is_some();
         let n_parts = groups.len();
-        if split && (u16::try_from(n_parts).is_err() || i32::try_from(self.tensors.len()).is_err())
-        {
+        if split && (u16::try_from(n_parts).is_err() || i32::try_from(self.tensors.len()).is_err()) {
             return Err(self.err(GgufErrorKind::WriterState {
                 detail: format!(
                     "{n_parts} parts / {} tensors exceed what split.count (u16) / split.tensors.count (i32) can hold",
@@ -229,18 +191,9 @@ impl GgufWriter {
         let prefix = self.path.with_extension("");
         let mut parts = Vec::with_capacity(n_parts);
         for (i, tensors) in groups.into_iter().enumerate() {
-            let path = if split {
-                part_path(&prefix, i as u32 + 1, n_parts as u32)
-            } else {
-                self.path.clone()
-            };
+            let path = if split { part_path(&prefix, i as u32 + 1, n_parts as u32) } else { self.path.clone() };
             let header = self.header(i, n_parts, split, tensors.clone());
-            parts.push(PartPlan {
-                partial: partial_path(&path),
-                path,
-                header: Some(header),
-                tensors,
-            });
+            parts.push(PartPlan { partial: partial_path(&path), path, header: Some(header), tensors });
         }
         let mut writer = TensorDataWriter {
             alignment: u64::from(self.alignment),
@@ -283,18 +236,13 @@ impl GgufWriter {
             kv.extend(self.metadata.iter().map(|(k, v)| (k, v.clone())));
         }
         let alignment_value = MetadataValue::U32(self.alignment);
-        if u64::from(self.alignment) != DEFAULT_ALIGNMENT
-            && (part != 0 || !self.metadata.contains_key(KEY_ALIGNMENT))
-        {
+        if u64::from(self.alignment) != DEFAULT_ALIGNMENT && (part != 0 || !self.metadata.contains_key(KEY_ALIGNMENT)) {
             kv.push((KEY_ALIGNMENT, alignment_value));
         }
         if split {
             kv.push((KEY_SPLIT_NO, MetadataValue::U16(part as u16)));
             kv.push((KEY_SPLIT_COUNT, MetadataValue::U16(n_parts as u16)));
-            kv.push((
-                KEY_SPLIT_TENSORS_COUNT,
-                MetadataValue::I32(self.tensors.len() as i32),
-            ));
+            kv.push((KEY_SPLIT_TENSORS_COUNT, MetadataValue::I32(self.tensors.len() as i32)));
         }
 
         let mut out = Vec::new();
@@ -328,10 +276,7 @@ impl GgufWriter {
 /// Returns the number of elements, counted recursively.
 fn check_array(key: &str, array: &MetadataArray, depth: u32) -> Result<u64, GgufErrorKind> {
     if depth > MAX_ARRAY_DEPTH {
-        return Err(GgufErrorKind::NestingTooDeep {
-            key: key.to_string(),
-            limit: MAX_ARRAY_DEPTH,
-        });
+        return Err(GgufErrorKind::NestingTooDeep { key: key.to_string(), limit: MAX_ARRAY_DEPTH });
     }
     let mut n = array.values.len() as u64;
     for (index, v) in array.values.iter().enumerate() {
@@ -416,23 +361,12 @@ pub struct TensorDataWriter {
 
 impl TensorDataWriter {
     fn err_for(&self, part: usize, kind: GgufErrorKind) -> GgufError {
-        GgufError::new(
-            self.parts[part.min(self.parts.len() - 1)]
-                .path
-                .display()
-                .to_string(),
-            kind,
-        )
+        GgufError::new(self.parts[part.min(self.parts.len() - 1)].path.display().to_string(), kind)
     }
 
     fn state_err(&self, detail: impl Into<String>) -> GgufError {
         let part = self.current.as_ref().map_or(0, |(p, _)| *p);
-        self.err_for(
-            part,
-            GgufErrorKind::WriterState {
-                detail: detail.into(),
-            },
-        )
+        self.err_for(part, GgufErrorKind::WriterState { detail: detail.into() })
     }
 
     fn check_usable(&self) -> Result<()> {
@@ -443,19 +377,11 @@ impl TensorDataWriter {
     }
 
     fn part_of(&self, tensor: usize) -> usize {
-        self.parts
-            .iter()
-            .position(|p| p.tensors.contains(&tensor))
-            .unwrap_or(0)
+        self.parts.iter().position(|p| p.tensors.contains(&tensor)).unwrap_or(0)
     }
 
     /// Runs an I/O step on part `part`, poisoning the writer on failure.
-    fn io<T>(
-        &mut self,
-        part: usize,
-        op: &str,
-        f: impl FnOnce(&mut Self) -> std::io::Result<T>,
-    ) -> Result<T> {
+    fn io<T>(&mut self, part: usize, op: &str, f: impl FnOnce(&mut Self) -> std::io::Result<T>) -> Result<T> {
         f(self).map_err(|e| {
             self.poisoned = true;
             self.err_for(part, GgufErrorKind::io(op, e))
@@ -503,11 +429,7 @@ impl TensorDataWriter {
         let index = self.expect_next(name)?;
         let expected = self.tensors[index].n_bytes;
         if data.len() as u64 != expected {
-            let kind = GgufErrorKind::TensorSizeMismatch {
-                tensor: name.to_string(),
-                expected,
-                got: data.len() as u64,
-            };
+            let kind = GgufErrorKind::TensorSizeMismatch { tensor: name.to_string(), expected, got: data.len() as u64 };
             return Err(self.err_for(self.part_of(index), kind));
         }
         self.begin_tensor(name)?;
@@ -533,24 +455,16 @@ impl TensorDataWriter {
 
     fn expect_next(&self, name: &str) -> Result<usize> {
         if let Some((i, _)) = self.open_tensor {
-            return Err(self.state_err(format!(
-                "tensor '{}' is still open; call end_tensor first",
-                self.tensors[i].name
-            )));
+            return Err(
+                self.state_err(format!("tensor '{}' is still open; call end_tensor first", self.tensors[i].name))
+            );
         }
         match self.tensors.get(self.next) {
             Some(t) if t.name == name => Ok(self.next),
             other => {
-                let expected =
-                    other.map_or("no more tensors".to_string(), |t| format!("'{}'", t.name));
+                let expected = other.map_or("no more tensors".to_string(), |t| format!("'{}'", t.name));
                 let part = self.part_of(self.next.min(self.tensors.len().saturating_sub(1)));
-                Err(self.err_for(
-                    part,
-                    GgufErrorKind::UnexpectedTensor {
-                        got: name.to_string(),
-                        expected,
-                    },
-                ))
+                Err(self.err_for(part, GgufErrorKind::UnexpectedTensor { got: name.to_string(), expected }))
             }
         }
     }
@@ -568,11 +482,7 @@ impl TensorDataWriter {
         let got = written.saturating_add(chunk.len() as u64);
         let part = self.part_of(index);
         if got > expected {
-            let kind = GgufErrorKind::TensorSizeMismatch {
-                tensor: self.tensors[index].name.clone(),
-                expected,
-                got,
-            };
+            let kind = GgufErrorKind::TensorSizeMismatch { tensor: self.tensors[index].name.clone(), expected, got };
             return Err(self.err_for(part, kind));
         }
         self.io(part, "write tensor data", |w| match &mut w.current {
@@ -595,11 +505,8 @@ impl TensorDataWriter {
         let expected = self.tensors[index].n_bytes;
         let part = self.part_of(index);
         if written != expected {
-            let kind = GgufErrorKind::TensorSizeMismatch {
-                tensor: self.tensors[index].name.clone(),
-                expected,
-                got: written,
-            };
+            let kind =
+                GgufErrorKind::TensorSizeMismatch { tensor: self.tensors[index].name.clone(), expected, got: written };
             return Err(self.err_for(part, kind));
         }
         let padding = (expected.next_multiple_of(self.alignment) - expected) as usize;
@@ -638,13 +545,8 @@ impl TensorDataWriter {
         }
         self.close_current()?;
         for part in 0..self.parts.len() {
-            let (from, to) = (
-                self.parts[part].partial.clone(),
-                self.parts[part].path.clone(),
-            );
-            self.io(part, "rename the finished file into place", |_| {
-                std::fs::rename(&from, &to)
-            })?;
+            let (from, to) = (self.parts[part].partial.clone(), self.parts[part].path.clone());
+            self.io(part, "rename the finished file into place", |_| std::fs::rename(&from, &to))?;
         }
         self.finished = true;
         Ok(self.parts.iter().map(|p| p.path.clone()).collect())
@@ -669,8 +571,7 @@ mod tests {
     use crate::gguf::{GgufFile, ValueType};
 
     fn temp_dir(name: &str) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("nebula-gguf-writer-{}-{name}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("nebula-gguf-writer-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         dir
@@ -679,32 +580,14 @@ mod tests {
     #[test]
     fn declaration_errors() {
         let mut w = GgufWriter::create("x.gguf", 32).unwrap();
-        assert!(matches!(
-            GgufWriter::create("x.gguf", 48).unwrap_err().kind(),
-            GgufErrorKind::WriterAlignment { .. }
-        ));
-        assert!(matches!(
-            GgufWriter::create("x.gguf", 0).unwrap_err().kind(),
-            GgufErrorKind::WriterAlignment { .. }
-        ));
+        assert!(matches!(GgufWriter::create("x.gguf", 48).unwrap_err().kind(), GgufErrorKind::WriterAlignment { .. }));
+        assert!(matches!(GgufWriter::create("x.gguf", 0).unwrap_err().kind(), GgufErrorKind::WriterAlignment { .. }));
         w.add_kv("a", 1u32).unwrap();
-        assert!(matches!(
-            w.add_kv("a", 2u32).unwrap_err().kind(),
-            GgufErrorKind::DuplicateKey { .. }
-        ));
-        assert!(matches!(
-            w.add_kv("split.count", 2u16).unwrap_err().kind(),
-            GgufErrorKind::ReservedKey { .. }
-        ));
-        assert!(matches!(
-            w.add_kv("general.alignment", 64u32).unwrap_err().kind(),
-            GgufErrorKind::ReservedKey { .. }
-        ));
+        assert!(matches!(w.add_kv("a", 2u32).unwrap_err().kind(), GgufErrorKind::DuplicateKey { .. }));
+        assert!(matches!(w.add_kv("split.count", 2u16).unwrap_err().kind(), GgufErrorKind::ReservedKey { .. }));
+        assert!(matches!(w.add_kv("general.alignment", 64u32).unwrap_err().kind(), GgufErrorKind::ReservedKey { .. }));
         w.add_kv("general.alignment", 32u32).unwrap();
-        let bad = MetadataArray::new(
-            ValueType::U32,
-            vec![MetadataValue::U32(1), MetadataValue::I32(2)],
-        );
+        let bad = MetadataArray::new(ValueType::U32, vec![MetadataValue::U32(1), MetadataValue::I32(2)]);
         let e = w.add_kv("arr", bad).unwrap_err();
         assert_eq!(
             e.to_string(),
@@ -714,16 +597,10 @@ mod tests {
         for _ in 0..MAX_ARRAY_DEPTH {
             deep = MetadataArray::new(ValueType::Array, vec![MetadataValue::Array(deep)]);
         }
-        assert!(matches!(
-            w.add_kv("deep", deep).unwrap_err().kind(),
-            GgufErrorKind::NestingTooDeep { .. }
-        ));
+        assert!(matches!(w.add_kv("deep", deep).unwrap_err().kind(), GgufErrorKind::NestingTooDeep { .. }));
         let big = MetadataValue::from(vec![0u8; MAX_METADATA_VALUES as usize]);
         let e = w.add_kv("big", big).unwrap_err();
-        assert!(
-            matches!(e.kind(), GgufErrorKind::TooManyValues { .. }),
-            "{e}"
-        );
+        assert!(matches!(e.kind(), GgufErrorKind::TooManyValues { .. }), "{e}");
         w.add_kv("fits", vec![0u8; 1000]).unwrap();
         w.add_tensor("t", &[32, 2], GgmlType::Q8_0).unwrap();
         assert_eq!(w.tensor_n_bytes("t"), Some(68));
@@ -732,36 +609,21 @@ mod tests {
             GgufErrorKind::DuplicateTensor { .. }
         ));
         let e = w.add_tensor("q", &[33], GgmlType::Q8_0).unwrap_err();
-        assert!(
-            matches!(e.kind(), GgufErrorKind::RowNotBlockMultiple { ne0: 33, .. }),
-            "{e}"
-        );
+        assert!(matches!(e.kind(), GgufErrorKind::RowNotBlockMultiple { ne0: 33, .. }), "{e}");
         assert!(matches!(
-            w.add_tensor("z", &[4, 0], GgmlType::F32)
-                .unwrap_err()
-                .kind(),
+            w.add_tensor("z", &[4, 0], GgmlType::F32).unwrap_err().kind(),
             GgufErrorKind::ZeroDim { axis: 1, .. }
         ));
         let long = "x".repeat(64);
         let e = w.add_tensor(&long, &[1], GgmlType::F32).unwrap_err();
-        assert!(
-            matches!(e.kind(), GgufErrorKind::TensorNameTooLong { max: 63, .. }),
-            "{e}"
-        );
+        assert!(matches!(e.kind(), GgufErrorKind::TensorNameTooLong { max: 63, .. }), "{e}");
         w.add_tensor(&long[..63], &[1], GgmlType::F32).unwrap();
         assert!(matches!(
-            w.add_tensor("d", &[1; 5], GgmlType::F32)
-                .unwrap_err()
-                .kind(),
+            w.add_tensor("d", &[1; 5], GgmlType::F32).unwrap_err().kind(),
             GgufErrorKind::TooManyDims { .. }
         ));
-        let e = w
-            .add_tensor("o", &[1 << 32, 1 << 31], GgmlType::F32)
-            .unwrap_err();
-        assert!(
-            matches!(e.kind(), GgufErrorKind::TensorSizeOverflow { .. }),
-            "{e}"
-        );
+        let e = w.add_tensor("o", &[1 << 32, 1 << 31], GgmlType::F32).unwrap_err();
+        assert!(matches!(e.kind(), GgufErrorKind::TensorSizeOverflow { .. }), "{e}");
     }
 
     #[test]
@@ -774,53 +636,21 @@ mod tests {
         let mut d = w.begin_data().unwrap();
         assert_eq!(d.next_tensor(), Some("a"));
         let e = d.write_tensor("b", &[0; 6]).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            format!(
-                "{}: tensor data out of order: got 'b', expected 'a'",
-                path.display()
-            )
-        );
+        assert_eq!(e.to_string(), format!("{}: tensor data out of order: got 'b', expected 'a'", path.display()));
         let e = d.write_tensor("a", &[0; 15]).unwrap_err();
-        assert!(matches!(
-            e.kind(),
-            GgufErrorKind::TensorSizeMismatch {
-                expected: 16,
-                got: 15,
-                ..
-            }
-        ));
-        assert!(matches!(
-            d.write_chunk(&[0]).unwrap_err().kind(),
-            GgufErrorKind::WriterState { .. }
-        ));
+        assert!(matches!(e.kind(), GgufErrorKind::TensorSizeMismatch { expected: 16, got: 15, .. }));
+        assert!(matches!(d.write_chunk(&[0]).unwrap_err().kind(), GgufErrorKind::WriterState { .. }));
         d.begin_tensor("a").unwrap();
         d.write_chunk(&[1; 10]).unwrap();
         let e = d.write_chunk(&[1; 7]).unwrap_err();
-        assert!(matches!(
-            e.kind(),
-            GgufErrorKind::TensorSizeMismatch {
-                expected: 16,
-                got: 17,
-                ..
-            }
-        ));
-        assert!(matches!(
-            d.end_tensor().unwrap_err().kind(),
-            GgufErrorKind::TensorSizeMismatch { got: 10, .. }
-        ));
+        assert!(matches!(e.kind(), GgufErrorKind::TensorSizeMismatch { expected: 16, got: 17, .. }));
+        assert!(matches!(d.end_tensor().unwrap_err().kind(), GgufErrorKind::TensorSizeMismatch { got: 10, .. }));
         d.write_chunk(&[1; 6]).unwrap();
         d.end_tensor().unwrap();
         assert!(dir.join("m.gguf.partial").exists());
         let e = d.finish().unwrap_err();
-        assert!(
-            matches!(e.kind(), GgufErrorKind::MissingTensors { missing: 1, first } if first == "b"),
-            "{e}"
-        );
-        assert!(
-            !dir.join("m.gguf.partial").exists(),
-            "dropping an unfinished writer removes its partial file"
-        );
+        assert!(matches!(e.kind(), GgufErrorKind::MissingTensors { missing: 1, first } if first == "b"), "{e}");
+        assert!(!dir.join("m.gguf.partial").exists(), "dropping an unfinished writer removes its partial file");
         assert!(!path.exists());
 
         let mut w = GgufWriter::create(&path, 32).unwrap();
@@ -828,9 +658,7 @@ mod tests {
         let mut d = w.begin_data().unwrap();
         d.write_tensor("a", &[7; 16]).unwrap();
         let e = d.write_tensor("a", &[7; 16]).unwrap_err();
-        assert!(
-            matches!(e.kind(), GgufErrorKind::UnexpectedTensor { expected, .. } if expected == "no more tensors")
-        );
+        assert!(matches!(e.kind(), GgufErrorKind::UnexpectedTensor { expected, .. } if expected == "no more tensors"));
         assert_eq!(d.finish().unwrap(), vec![path.clone()]);
         let f = GgufFile::open(&path).unwrap();
         assert_eq!(f.tensor_data_by_name("a").unwrap(), &[7; 16]);

@@ -177,10 +177,14 @@ impl ModelConfig {
         let head_dim = m.usize("qwen4exp.attention.key_length")?;
         let value_len = m.opt_usize("qwen4exp.attention.value_length")?.unwrap_or(head_dim);
         if value_len != head_dim {
-            return Err(m.bad("qwen4exp.attention.value_length", format!("{value_len} differs from key_length {head_dim}")));
+            return Err(
+                m.bad("qwen4exp.attention.value_length", format!("{value_len} differs from key_length {head_dim}"))
+            );
         }
         if n_head_kv == 0 || n_head % n_head_kv != 0 {
-            return Err(m.bad("qwen4exp.attention.head_count_kv", format!("{n_head} heads are not a multiple of {n_head_kv}")));
+            return Err(
+                m.bad("qwen4exp.attention.head_count_kv", format!("{n_head} heads are not a multiple of {n_head_kv}"))
+            );
         }
         let rope_dim = m.usize("qwen4exp.rope.dimension_count")?;
         if rope_dim % 2 != 0 || rope_dim > head_dim {
@@ -234,14 +238,19 @@ impl ModelConfig {
             }
         }
         if rope_dim > indexer.head_dim {
-            return Err(m.bad("qwen4exp.attention.indexer.key_length", format!("{} is narrower than the rotary dims {rope_dim}", indexer.head_dim)));
+            return Err(m.bad(
+                "qwen4exp.attention.indexer.key_length",
+                format!("{} is narrower than the rotary dims {rope_dim}", indexer.head_dim),
+            ));
         }
 
         let ssm_head_dim = m.usize("qwen4exp.ssm.state_size")?;
         let ssm_k_heads = m.usize("qwen4exp.ssm.group_count")?;
         let ssm_v_heads = m.usize("qwen4exp.ssm.time_step_rank")?;
         if ssm_k_heads == 0 || ssm_v_heads % ssm_k_heads != 0 {
-            return Err(m.bad("qwen4exp.ssm.time_step_rank", format!("{ssm_v_heads} value heads for {ssm_k_heads} key heads")));
+            return Err(
+                m.bad("qwen4exp.ssm.time_step_rank", format!("{ssm_v_heads} value heads for {ssm_k_heads} key heads"))
+            );
         }
         if let Some(inner) = m.opt_usize("qwen4exp.ssm.inner_size")?
             && inner != ssm_v_heads * ssm_head_dim
@@ -255,7 +264,9 @@ impl ModelConfig {
         };
         let hc_count = m.usize("qwen4exp.hyper_connection.count")?;
         if hc_count <= 1 {
-            return Err(m.bad("qwen4exp.hyper_connection.count", format!("{hc_count}; qwen4exp needs at least 2 streams")));
+            return Err(
+                m.bad("qwen4exp.hyper_connection.count", format!("{hc_count}; qwen4exp needs at least 2 streams"))
+            );
         }
         let n_expert = m.usize("qwen4exp.expert_count")?;
         let n_expert_used = m.usize("qwen4exp.expert_used_count")?;
@@ -277,7 +288,10 @@ impl ModelConfig {
                 let ngram_size = m.usize("qwen4exp.ple.ngram_size")?;
                 let heads_per_ngram = m.usize("qwen4exp.ple.heads_per_ngram")?;
                 if ngram_size < 2 || heads_per_ngram == 0 {
-                    return Err(m.bad("qwen4exp.ple.ngram_size", format!("{ngram_size} with {heads_per_ngram} heads per n-gram")));
+                    return Err(m.bad(
+                        "qwen4exp.ple.ngram_size",
+                        format!("{ngram_size} with {heads_per_ngram} heads per n-gram"),
+                    ));
                 }
                 let cfg = PleConfig {
                     layer,
@@ -294,9 +308,15 @@ impl ModelConfig {
                     return Err(m.bad("qwen4exp.ple.conv_kernel", "0".into()));
                 }
                 if cfg.multipliers.len() != ngram_size {
-                    return Err(m.bad("qwen4exp.ple.layer_multipliers", format!("{} values for n-gram size {ngram_size}", cfg.multipliers.len())));
+                    return Err(m.bad(
+                        "qwen4exp.ple.layer_multipliers",
+                        format!("{} values for n-gram size {ngram_size}", cfg.multipliers.len()),
+                    ));
                 }
-                for (key, v) in [("qwen4exp.ple.head_offsets", &cfg.head_offsets), ("qwen4exp.ple.head_vocab_sizes", &cfg.head_sizes)] {
+                for (key, v) in [
+                    ("qwen4exp.ple.head_offsets", &cfg.head_offsets),
+                    ("qwen4exp.ple.head_vocab_sizes", &cfg.head_sizes),
+                ] {
                     if v.len() != cfg.n_heads() {
                         return Err(m.bad(key, format!("{} values for {} hash heads", v.len(), cfg.n_heads())));
                     }
@@ -449,17 +469,6 @@ impl<'a> Meta<'a> {
             .map(|x| match x {
                 MetadataValue::Bool(b) => Ok(*b),
                 other => Err(self.wrong(key, "an array of bools", other)),
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map(Some)
-    }
-    pub(crate) fn opt_string_array(&self, key: &str) -> Result<Option<Vec<&'a str>>, ModelError> {
-        let Some(v) = self.file.get(key) else { return Ok(None) };
-        self.array(key, v)?
-            .iter()
-            .map(|x| match x {
-                MetadataValue::String(s) => Ok(s.as_str()),
-                other => Err(self.wrong(key, "an array of strings", other)),
             })
             .collect::<Result<Vec<_>, _>>()
             .map(Some)

@@ -178,7 +178,9 @@ impl GatedDeltaNet {
             .map(|(j, s)| {
                 let kh = j % nk;
                 let gather = |src: &[f32], width: usize, head: usize| -> Vec<f32> {
-                    (0..n).flat_map(|t| src[t * width + head * dk..t * width + (head + 1) * dk].iter().copied()).collect()
+                    (0..n)
+                        .flat_map(|t| src[t * width + head * dk..t * width + (head + 1) * dk].iter().copied())
+                        .collect()
                 };
                 let qh = gather(&q, kd, kh);
                 let kh_ = gather(&k, kd, kh);
@@ -279,7 +281,8 @@ pub fn chunked_rule(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: &[f32]
         let mut amat = vec![0f32; c * c];
         for i in 0..c {
             for j in 0..i {
-                amat[i * c + j] = bc[i] * dot(&kc[i * d..(i + 1) * d], &kc[j * d..(j + 1) * d]) * (gcum[i] - gcum[j]).exp();
+                amat[i * c + j] =
+                    bc[i] * dot(&kc[i * d..(i + 1) * d], &kc[j * d..(j + 1) * d]) * (gcum[i] - gcum[j]).exp();
             }
         }
         // Forward substitution for U and W.

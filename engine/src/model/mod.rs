@@ -270,8 +270,12 @@ impl Qwen4Exp {
             }
             let mixed = layer.attn_hyper_connection.mix(&x, n);
             let y = match (&layer.mixer, ls) {
-                (TokenMixer::LinearAttention(g), LayerState::LinearAttention(st)) => g.forward(&mixed.mixed, n, st, opts.gdn),
-                (TokenMixer::SelfAttention(a), LayerState::Attention(st)) => a.forward(&mixed.mixed, n, pos0, st, &self.rope),
+                (TokenMixer::LinearAttention(g), LayerState::LinearAttention(st)) => {
+                    g.forward(&mixed.mixed, n, st, opts.gdn)
+                }
+                (TokenMixer::SelfAttention(a), LayerState::Attention(st)) => {
+                    a.forward(&mixed.mixed, n, pos0, st, &self.rope)
+                }
                 _ => unreachable!("state layout always follows the model's layers"),
             };
             layer.attn_hyper_connection.inject(&mut x, &y, &mixed.inject);
@@ -314,68 +318,4 @@ fn unassigned_token_ranges(file: &GgufFile, vocab: usize) -> Result<Vec<Range<us
         }
     }
     Ok(ranges)
-}
-
-
-#[cfg(test)]
-mod debug_tests {
-    use super::*;
-    #[test]
-    fn debug_gdn_algorithms() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/golden/hc4_moe");
-        let out = std::env::temp_dir().join("dbg_hc4.gguf");
-        crate::convert::convert(&dir, &out, &crate::convert::ConvertOptions { out_type: crate::convert::OutType::F32, ..Default::default() }).unwrap();
-        let m = Qwen4Exp::load(&out).unwrap();
-        let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-        let ids: Vec<u32> = g["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let n = ids.len();
-        let (d, s) = (m.config.hidden, m.config.hc_count);
-        let dim = s * d;
-        let mut x = vec![0f32; n * dim];
-        let mut e = vec![0f32; d];
-        for (t, &tok) in ids.iter().enumerate() {
-            m.embed_tokens.dequantize_row(tok as usize, &mut e);
-            for st in 0..s { x[t * dim + st * d..t * dim + (st + 1) * d].copy_from_slice(&e); }
-        }
-        let run = |algo: GdnAlgorithm| {
-            let mut x = x.clone();
-            let mut state = m.new_state(n);
-            let mut trace = Vec::new();
-            for (layer, ls) in m.layers.iter().zip(state.layers.iter_mut()) {
-                if let Some(ple) = &layer.ple {
-                    let delta = ple.forward(&x, &ids, state.ple.as_mut().unwrap());
-                    for (a, b) in x.iter_mut().zip(&delta) { *a += b; }
-                }
-                trace.push(("ple", x.clone()));
-                let mixed = layer.attn_hyper_connection.mix(&x, n);
-                let y = match (&layer.mixer, ls) {
-                    (TokenMixer::LinearAttention(g), LayerState::LinearAttention(st)) => g.forward(&mixed.mixed, n, st, algo),
-                    (TokenMixer::SelfAttention(a), LayerState::Attention(st)) => a.forward(&mixed.mixed, n, 0, st, &m.rope),
-                    _ => unreachable!(),
-                };
-                trace.push(("mixer", y.clone()));
-                layer.attn_hyper_connection.inject(&mut x, &y, &mixed.inject);
-                let mixed = layer.mlp_hyper_connection.mix(&x, n);
-                let r = layer.mlp.route(&mixed.mixed, n);
-                trace.push(("route", r.iter().flat_map(|r| r.experts.iter().map(|&e| e as f32)).collect()));
-                let y = layer.mlp.forward(&mixed.mixed, n);
-                trace.push(("moe", y.clone()));
-                layer.mlp_hyper_connection.inject(&mut x, &y, &mixed.inject);
-            }
-            trace
-        };
-        let t1 = run(GdnAlgorithm::Chunked);
-        let t2 = run(GdnAlgorithm::Recurrent);
-        for (i, ((n1, a), (_, b))) in t1.iter().zip(&t2).enumerate() {
-            let w = a.len() / n;
-            let mut first = None;
-            for t in 0..n {
-                let dd = (0..w).map(|k| (a[t * w + k] - b[t * w + k]).abs()).fold(0f32, f32::max);
-                if dd > 1e-3 && first.is_none() { first = Some((t, dd)); }
-            }
-            println!("step {i} {n1}: first big diff {first:?}");
-        }
-        let _ = d;
-        panic!();
-    }
 }

@@ -87,17 +87,18 @@ pub struct PleLayer {
 
 impl PleLayer {
     /// Loads `blk.{layer}.ple_*` and `per_layer_token_embd.weight`.
-    pub fn load(w: &TensorLoader, cfg: &PleConfig, streams: usize, hidden: usize, eps: f32) -> Result<Self, ModelError> {
+    pub fn load(
+        w: &TensorLoader,
+        cfg: &PleConfig,
+        streams: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<Self, ModelError> {
         let p = format!("blk.{}", cfg.layer);
         let dim = streams * hidden;
         let pe = cfg.embed_dim();
-        let table_rows = cfg
-            .head_offsets
-            .iter()
-            .zip(&cfg.head_sizes)
-            .map(|(o, s)| o.saturating_add(*s))
-            .max()
-            .unwrap_or(0);
+        let table_rows =
+            cfg.head_offsets.iter().zip(&cfg.head_sizes).map(|(o, s)| o.saturating_add(*s)).max().unwrap_or(0);
         let table = w.matrix_min_rows("per_layer_token_embd.weight", cfg.head_dim, table_rows)?;
         Ok(Self {
             cfg: cfg.clone(),
@@ -153,8 +154,9 @@ impl PleLayer {
             grouped_rms_norm_into(&x[t * dim..(t + 1) * dim], &self.norm_query, d, self.eps, &mut qn);
             let v = &value[t * d..(t + 1) * d];
             for st in 0..s {
-                let c: f32 = kn[st * d..(st + 1) * d].iter().zip(&qn[st * d..(st + 1) * d]).map(|(a, b)| a * b).sum::<f32>()
-                    * inv_sqrt_d;
+                let c: f32 =
+                    kn[st * d..(st + 1) * d].iter().zip(&qn[st * d..(st + 1) * d]).map(|(a, b)| a * b).sum::<f32>()
+                        * inv_sqrt_d;
                 let gamma = c.abs().max(1e-6).sqrt() * c.signum() * if c == 0.0 { 0.0 } else { 1.0 };
                 let gs = sigmoid(gamma);
                 for (o, &vi) in gated[t * dim + st * d..t * dim + (st + 1) * d].iter_mut().zip(v) {

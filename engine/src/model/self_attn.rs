@@ -163,7 +163,11 @@ impl Attention {
             let pos = pos0 + t;
             debug_assert!(pos < total);
             let selected: Vec<usize> = match (&self.indexer, &index_q) {
-                (Some(ix), Some(iq)) => ix.select(&iq[t * ix.cfg.n_heads * ix.cfg.head_dim..(t + 1) * ix.cfg.n_heads * ix.cfg.head_dim], pos, state),
+                (Some(ix), Some(iq)) => ix.select(
+                    &iq[t * ix.cfg.n_heads * ix.cfg.head_dim..(t + 1) * ix.cfg.n_heads * ix.cfg.head_dim],
+                    pos,
+                    state,
+                ),
                 _ => (0..=pos).collect(),
             };
             let mut scores = vec![0f32; selected.len()];
@@ -196,7 +200,15 @@ impl Attention {
 impl Indexer {
     /// Projects and rotates the indexer queries of the new tokens, appends their raw keys to the state and pools
     /// every newly completed block. Returns the queries, `[n, heads * head_dim]`.
-    fn prepare(&self, x: &[f32], n: usize, angles: &[super::rope::RopeAngles], state: &mut AttnState, rope: &Rope, eps: f32) -> Vec<f32> {
+    fn prepare(
+        &self,
+        x: &[f32],
+        n: usize,
+        angles: &[super::rope::RopeAngles],
+        state: &mut AttnState,
+        rope: &Rope,
+        eps: f32,
+    ) -> Vec<f32> {
         let (nih, ihd, r) = (self.cfg.n_heads, self.cfg.head_dim, self.compress_ratio);
         let mut q = vec![0f32; n * nih * ihd];
         self.q_proj.matmul(x, n, &mut q);

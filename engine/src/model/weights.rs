@@ -109,7 +109,8 @@ impl TensorLoader {
         }
         self.check_matrix_type(info)?;
         let bytes = self.bytes(info)?;
-        Matrix::new(info.ggml_type, info.dims[1] as usize, cols, bytes).map_err(|source| ModelError::Quant { name: name.into(), source })
+        Matrix::new(info.ggml_type, info.dims[1] as usize, cols, bytes)
+            .map_err(|source| ModelError::Quant { name: name.into(), source })
     }
 
     /// Like [`TensorLoader::matrix`] but must be `F32` (routers and gates that llama.cpp never quantizes).
@@ -172,14 +173,21 @@ impl TensorLoader {
         if bytes.len() != per * n {
             return Err(ModelError::Quant {
                 name: info.name.clone(),
-                source: crate::quant::QuantError::WrongSize { what: "stack".into(), expected: per * n, found: bytes.len() },
+                source: crate::quant::QuantError::WrongSize {
+                    what: "stack".into(),
+                    expected: per * n,
+                    found: bytes.len(),
+                },
             });
         }
         (0..n)
             .map(|e| {
                 let start = e * per + row0 * rb;
-                let b = bytes.slice(start..start + rows * rb).map_err(|source| ModelError::Quant { name: info.name.clone(), source })?;
-                Matrix::new(info.ggml_type, rows, cols, b).map_err(|source| ModelError::Quant { name: info.name.clone(), source })
+                let b = bytes
+                    .slice(start..start + rows * rb)
+                    .map_err(|source| ModelError::Quant { name: info.name.clone(), source })?;
+                Matrix::new(info.ggml_type, rows, cols, b)
+                    .map_err(|source| ModelError::Quant { name: info.name.clone(), source })
             })
             .collect()
     }
@@ -187,12 +195,23 @@ impl TensorLoader {
     /// Expert gate and up projections: separate `ffn_gate_exps` / `ffn_up_exps` tensors, or one fused
     /// `ffn_gate_up_exps` of `2 * rows` rows per expert with the gate rows first (llama.cpp
     /// `create_tensor_gate_up_exps`, HF `gate_up_proj`).
-    pub fn expert_gate_up(&self, prefix: &str, rows: usize, cols: usize, n: usize) -> Result<(Vec<Matrix>, Vec<Matrix>), ModelError> {
+    pub fn expert_gate_up(
+        &self,
+        prefix: &str,
+        rows: usize,
+        cols: usize,
+        n: usize,
+    ) -> Result<(Vec<Matrix>, Vec<Matrix>), ModelError> {
         let fused = format!("{prefix}.ffn_gate_up_exps.weight");
         if let Some(info) = self.file.tensor(&fused) {
             let expected = [cols as u64, 2 * rows as u64, n as u64];
             if info.dims != expected {
-                return Err(ModelError::TensorShape { file: self.file_name(), name: fused, expected: expected.to_vec(), actual: info.dims.clone() });
+                return Err(ModelError::TensorShape {
+                    file: self.file_name(),
+                    name: fused,
+                    expected: expected.to_vec(),
+                    actual: info.dims.clone(),
+                });
             }
             let gate = self.split_stack(info, 0, rows, 2 * rows, cols, n)?;
             let up = self.split_stack(info, rows, rows, 2 * rows, cols, n)?;

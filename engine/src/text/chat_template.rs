@@ -70,12 +70,7 @@ pub enum TemplateError {
     #[error(
         "message {message_index} tool call {call_index}: arguments must be a JSON object, got {arguments:?}: {reason}"
     )]
-    InvalidToolArguments {
-        message_index: usize,
-        call_index: usize,
-        arguments: String,
-        reason: String,
-    },
+    InvalidToolArguments { message_index: usize, call_index: usize, arguments: String, reason: String },
 }
 
 impl TemplateError {
@@ -146,15 +141,12 @@ impl ChatTemplate {
             .lstrip_blocks(true)
             .keep_trailing_newline(false)
             .build()
-            .map_err(|e| TemplateError::Syntax {
-                message: e.to_string(),
-            })?;
+            .map_err(|e| TemplateError::Syntax { message: e.to_string() })?;
         env.set_syntax(syntax);
         env.set_undefined_behavior(UndefinedBehavior::Lenient);
         env.set_auto_escape_callback(|_| AutoEscape::None);
         env.set_formatter(|out, _state, value| {
-            out.write_str(&python::str_of(value))
-                .map_err(|_| Error::from(ErrorKind::WriteFailure))
+            out.write_str(&python::str_of(value)).map_err(|_| Error::from(ErrorKind::WriteFailure))
         });
         env.set_unknown_method_callback(python_methods);
         env.add_filter("tojson", tojson);
@@ -166,9 +158,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
-            .map_err(|e| TemplateError::Syntax {
-                message: e.to_string(),
-            })?;
+            .map_err(|e| TemplateError::Syntax { message: e.to_string() })?;
         Ok(Self { env })
     }
 
@@ -181,15 +171,9 @@ impl ChatTemplate {
         let messages = prepare_messages(req.messages)?;
         let mut ctx = Map::new();
         ctx.insert("messages".into(), messages);
-        ctx.insert(
-            "tools".into(),
-            req.tools.cloned().unwrap_or(serde_json::Value::Null),
-        );
+        ctx.insert("tools".into(), req.tools.cloned().unwrap_or(serde_json::Value::Null));
         ctx.insert("documents".into(), serde_json::Value::Null);
-        ctx.insert(
-            "add_generation_prompt".into(),
-            req.add_generation_prompt.into(),
-        );
+        ctx.insert("add_generation_prompt".into(), req.add_generation_prompt.into());
         for (key, value) in &req.extra {
             ctx.insert(key.clone(), value.clone());
         }
@@ -207,26 +191,16 @@ impl ChatTemplate {
 
 /// Applies transformers' message normalization and converts tool-call argument strings to ordered maps.
 fn prepare_messages(messages: &serde_json::Value) -> Result<serde_json::Value, TemplateError> {
-    let list = messages
-        .as_array()
-        .ok_or_else(|| TemplateError::InvalidMessages {
-            message: format!("messages must be an array, got {}", json_kind(messages)),
-        })?;
+    let list = messages.as_array().ok_or_else(|| TemplateError::InvalidMessages {
+        message: format!("messages must be an array, got {}", json_kind(messages)),
+    })?;
     let mut prepared = Vec::with_capacity(list.len());
     for (index, message) in list.iter().enumerate() {
-        let object = message
-            .as_object()
-            .ok_or_else(|| TemplateError::InvalidMessages {
-                message: format!(
-                    "message {index} must be an object, got {}",
-                    json_kind(message)
-                ),
-            })?;
-        let mut message: Map<String, serde_json::Value> = object
-            .iter()
-            .filter(|(_, v)| !v.is_null())
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let object = message.as_object().ok_or_else(|| TemplateError::InvalidMessages {
+            message: format!("message {index} must be an object, got {}", json_kind(message)),
+        })?;
+        let mut message: Map<String, serde_json::Value> =
+            object.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
         alias_reasoning(&mut message);
         if let Some(serde_json::Value::Array(calls)) = message.get_mut("tool_calls") {
             for (call_index, call) in calls.iter_mut().enumerate() {
@@ -241,9 +215,8 @@ fn prepare_messages(messages: &serde_json::Value) -> Result<serde_json::Value, T
 /// transformers `_alias_reasoning_fields`: `{"thinking": r, **message, "reasoning_content": r}` where `r` is the
 /// first of `reasoning_content`, `thinking`, `reasoning` that is present.
 fn alias_reasoning(message: &mut Map<String, serde_json::Value>) {
-    let Some(reasoning) = ["reasoning_content", "thinking", "reasoning"]
-        .iter()
-        .find_map(|key| message.get(*key).cloned())
+    let Some(reasoning) =
+        ["reasoning_content", "thinking", "reasoning"].iter().find_map(|key| message.get(*key).cloned())
     else {
         return;
     };
@@ -259,18 +232,12 @@ fn alias_reasoning(message: &mut Map<String, serde_json::Value>) {
 /// Replaces a tool call's `arguments` JSON string (OpenAI wire format) by the object it encodes, keeping key
 /// order. The call is `{"function": {"name", "arguments"}}` or, unwrapped, `{"name", "arguments"}`. An empty
 /// string stays (templates skip it); a string that is not a JSON object is an error.
-fn parse_arguments(
-    call: &mut serde_json::Value,
-    message_index: usize,
-    call_index: usize,
-) -> Result<(), TemplateError> {
+fn parse_arguments(call: &mut serde_json::Value, message_index: usize, call_index: usize) -> Result<(), TemplateError> {
     let Some(call) = call.as_object_mut() else {
         return Ok(());
     };
     let target = match call.get("function") {
-        Some(serde_json::Value::Object(_)) => {
-            call.get_mut("function").and_then(|f| f.as_object_mut())
-        }
+        Some(serde_json::Value::Object(_)) => call.get_mut("function").and_then(|f| f.as_object_mut()),
         _ => Some(call),
     };
     let Some(function) = target else {
@@ -288,8 +255,7 @@ fn parse_arguments(
         arguments: text.clone(),
         reason,
     };
-    let parsed: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| invalid(e.to_string()))?;
+    let parsed: serde_json::Value = serde_json::from_str(text).map_err(|e| invalid(e.to_string()))?;
     if !parsed.is_object() {
         return Err(invalid(format!("it is a JSON {}", json_kind(&parsed))));
     }
@@ -301,8 +267,7 @@ fn parse_arguments(
 /// UTF-8, floats as Python writes them (`1e-05`). This is how vLLM's Qwen tool parsers write `arguments`.
 pub fn python_json(value: &serde_json::Value) -> String {
     // A `serde_json::Value` always converts to a JSON-representable template value, so this cannot fail.
-    json_dumps(&json_value(value.clone()), &JsonOptions::default())
-        .unwrap_or_else(|_| value.to_string())
+    json_dumps(&json_value(value.clone()), &JsonOptions::default()).unwrap_or_else(|_| value.to_string())
 }
 
 /// A JSON value as a template value, keeping object key order.
@@ -337,9 +302,7 @@ fn classify(error: Error) -> TemplateError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&error);
     while let Some(e) = source {
         if let Some(raised) = e.downcast_ref::<RaisedException>() {
-            return TemplateError::Raised {
-                message: raised.0.clone(),
-            };
+            return TemplateError::Raised { message: raised.0.clone() };
         }
         source = e.source();
     }
@@ -354,8 +317,7 @@ fn classify(error: Error) -> TemplateError {
 /// `raise_exception(message)`: transformers raises `jinja2.exceptions.TemplateError(message)`.
 fn raise_exception(message: Value) -> Result<Value, Error> {
     let message = python::str_of(&message);
-    Err(Error::new(ErrorKind::InvalidOperation, message.clone())
-        .with_source(RaisedException(message)))
+    Err(Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(RaisedException(message)))
 }
 
 /// transformers' `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`.
@@ -380,10 +342,7 @@ fn tojson(value: &Value, positional: &[Value], kwargs: Kwargs) -> Result<Value, 
             Some(s) => s.to_owned(),
             None => {
                 let n = v.as_i64().ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson indent must be an int or a string",
-                    )
+                    Error::new(ErrorKind::InvalidOperation, "tojson indent must be an int or a string")
                 })?;
                 " ".repeat(n.clamp(0, 64) as usize)
             }
@@ -394,10 +353,7 @@ fn tojson(value: &Value, positional: &[Value], kwargs: Kwargs) -> Result<Value, 
         match parts.as_slice() {
             [item, key] => opts.separators = Some((python::str_of(item), python::str_of(key))),
             _ => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    "tojson separators must be a pair",
-                ));
+                return Err(Error::new(ErrorKind::InvalidOperation, "tojson separators must be a pair"));
             }
         }
     }
@@ -411,27 +367,18 @@ fn tojson(value: &Value, positional: &[Value], kwargs: Kwargs) -> Result<Value, 
 /// jinja2 `trim(value, chars=None)`: `str(value).strip(chars)` with Python whitespace.
 fn trim(value: &Value, chars: Option<Value>) -> Result<Value, Error> {
     let text = python::str_of(value);
-    let chars = chars
-        .filter(|c| !c.is_none() && !c.is_undefined())
-        .map(|c| python::str_of(&c));
+    let chars = chars.filter(|c| !c.is_none() && !c.is_undefined()).map(|c| python::str_of(&c));
     Ok(Value::from(python::strip(&text, chars.as_deref())))
 }
 
 /// jinja2 `string(value)`: Python `str(value)`; strings pass unchanged (safe strings stay safe).
 fn string(value: &Value) -> Value {
-    if value.kind() == ValueKind::String {
-        value.clone()
-    } else {
-        Value::from(python::str_of(value))
-    }
+    if value.kind() == ValueKind::String { value.clone() } else { Value::from(python::str_of(value)) }
 }
 
 /// jinja2 `sequence` test: anything with a length and item access, so strings and mappings too.
 fn is_sequence(value: &Value) -> bool {
-    matches!(
-        value.kind(),
-        ValueKind::String | ValueKind::Bytes | ValueKind::Seq | ValueKind::Map
-    )
+    matches!(value.kind(), ValueKind::String | ValueKind::Bytes | ValueKind::Seq | ValueKind::Map)
 }
 
 /// jinja2 `int(value, default=0, base=10)`: Python `int(value)`, else `int(float(value))`, else `default`.
@@ -457,19 +404,9 @@ fn int(value: &Value, default: Option<Value>, base: Option<u32>) -> Value {
                 2 => ["0b", "0B"],
                 _ => ["", ""],
             };
-            let digits = prefix
-                .iter()
-                .filter(|p| !p.is_empty())
-                .find_map(|p| digits.strip_prefix(p))
-                .unwrap_or(digits);
-            match (2..=36)
-                .contains(&base)
-                .then(|| i64::from_str_radix(digits, base).ok())
-                .flatten()
-            {
-                Some(n) if !digits.starts_with(['+', '-']) => {
-                    Value::from(if negative { -n } else { n })
-                }
+            let digits = prefix.iter().filter(|p| !p.is_empty()).find_map(|p| digits.strip_prefix(p)).unwrap_or(digits);
+            match (2..=36).contains(&base).then(|| i64::from_str_radix(digits, base).ok()).flatten() {
+                Some(n) if !digits.starts_with(['+', '-']) => Value::from(if negative { -n } else { n }),
                 _ => match python_float(&text) {
                     Some(x) if x.is_finite() => Value::from(x.trunc() as i64),
                     _ => default,
@@ -485,12 +422,8 @@ fn float(value: &Value, default: Option<Value>) -> Value {
     let default = default.unwrap_or(Value::from(0.0));
     match value.kind() {
         ValueKind::Bool => Value::from(if value.is_true() { 1.0 } else { 0.0 }),
-        ValueKind::Number => f64::try_from(value.clone())
-            .map(Value::from)
-            .unwrap_or(default),
-        ValueKind::String => python_float(value.as_str().unwrap_or_default())
-            .map(Value::from)
-            .unwrap_or(default),
+        ValueKind::Number => f64::try_from(value.clone()).map(Value::from).unwrap_or(default),
+        ValueKind::String => python_float(value.as_str().unwrap_or_default()).map(Value::from).unwrap_or(default),
         _ => default,
     }
 }
@@ -512,10 +445,8 @@ fn python_float(text: &str) -> Option<f64> {
 /// transformers' `strftime_now(format)`: the current time (UTC here) formatted with the common `strftime`
 /// directives `%Y %y %m %d %e %B %b %A %a %H %I %M %S %p %j %%`.
 fn strftime_now(format: &str) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     format_utc(secs, format)
 }
 
@@ -534,15 +465,7 @@ fn format_utc(secs: i64, format: &str) -> String {
         "November",
         "December",
     ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     let days = secs.div_euclid(86_400);
     let rem = secs.rem_euclid(86_400);
     let (hour, minute, second) = (rem / 3600, rem % 3600 / 60, rem % 60);
@@ -597,22 +520,14 @@ fn format_utc(secs: i64, format: &str) -> String {
 
 /// Python `str` methods with Python whitespace (`strip`, `lstrip`, `rstrip`, `split`); every other method goes to
 /// `minijinja_contrib::pycompat`.
-fn python_methods(
-    state: &mut State,
-    value: &Value,
-    method: &str,
-    args: &[Value],
-) -> Result<Value, Error> {
+fn python_methods(state: &mut State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
     if let Some(s) = value.as_str() {
         let optional_str = |v: Option<Value>| -> Result<Option<String>, Error> {
             match v {
                 None => Ok(None),
                 Some(v) if v.is_none() => Ok(None),
                 Some(v) => v.as_str().map(|s| Some(s.to_owned())).ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::InvalidOperation,
-                        format!("{method} arg must be None or str"),
-                    )
+                    Error::new(ErrorKind::InvalidOperation, format!("{method} arg must be None or str"))
                 }),
             }
         };
@@ -636,9 +551,7 @@ fn python_methods(
                         return Err(Error::new(ErrorKind::InvalidOperation, "empty separator"));
                     }
                     Some(sep) => match maxsplit {
-                        Some(n) if n >= 0 => {
-                            s.splitn(n as usize + 1, sep).map(str::to_owned).collect()
-                        }
+                        Some(n) if n >= 0 => s.splitn(n as usize + 1, sep).map(str::to_owned).collect(),
                         _ => s.split(sep).map(str::to_owned).collect(),
                     },
                 };
@@ -681,10 +594,7 @@ mod tests {
             json!([{"s": "é", "a": 1}]),
         )
         .unwrap();
-        assert_eq!(
-            out,
-            "{\n  \"a\": 1,\n  \"s\": \"é\"\n}\n{\"s\":\"é\",\"a\":1}\"\\u00e9\""
-        );
+        assert_eq!(out, "{\n  \"a\": 1,\n  \"s\": \"é\"\n}\n{\"s\":\"é\",\"a\":1}\"\\u00e9\"");
     }
 
     #[test]
@@ -700,17 +610,8 @@ mod tests {
 
     #[test]
     fn raise_exception_is_typed() {
-        let err = render(
-            "{{ raise_exception('No user query found in messages.') }}",
-            json!([]),
-        )
-        .unwrap_err();
-        assert_eq!(
-            err,
-            TemplateError::Raised {
-                message: "No user query found in messages.".into()
-            }
-        );
+        let err = render("{{ raise_exception('No user query found in messages.') }}", json!([])).unwrap_err();
+        assert_eq!(err, TemplateError::Raised { message: "No user query found in messages.".into() });
         assert_eq!(err.to_string(), "No user query found in messages.");
         // Raised inside a macro called from a loop: still the template's message.
         let err = render(
@@ -718,31 +619,21 @@ mod tests {
             json!([]),
         )
         .unwrap_err();
-        assert_eq!(
-            err,
-            TemplateError::Raised {
-                message: "bad 1".into()
-            }
-        );
+        assert_eq!(err, TemplateError::Raised { message: "bad 1".into() });
     }
 
     #[test]
     fn syntax_and_undefined_errors_are_typed() {
-        assert!(matches!(
-            ChatTemplate::new("{% if %}"),
-            Err(TemplateError::Syntax { .. })
-        ));
-        assert!(matches!(
-            ChatTemplate::new("{{ x "),
-            Err(TemplateError::Syntax { .. })
-        ));
+        assert!(matches!(ChatTemplate::new("{% if %}"), Err(TemplateError::Syntax { .. })));
+        assert!(matches!(ChatTemplate::new("{{ x "), Err(TemplateError::Syntax { .. })));
         let err = render("{{ messages[0].a.b.c }}", json!([{}])).unwrap_err();
         assert!(matches!(err, TemplateError::Undefined { .. }), "{err:?}");
     }
 
     #[test]
     fn arguments_strings_become_ordered_maps() {
-        let template = "{% for k, v in messages[0].tool_calls[0].function.arguments|items %}{{ k }}={{ v|tojson }};{% endfor %}";
+        let template =
+            "{% for k, v in messages[0].tool_calls[0].function.arguments|items %}{{ k }}={{ v|tojson }};{% endfor %}";
         let out = render(
             template,
             json!([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{\"z\": 1, \"a\": [true]}"}}]}]),
@@ -754,26 +645,9 @@ mod tests {
             json!([{"role": "user"}, {"role": "assistant", "tool_calls": [{}, {"function": {"name": "f", "arguments": "[1]"}}]}]),
         )
         .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                TemplateError::InvalidToolArguments {
-                    message_index: 1,
-                    call_index: 1,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
-        let err = render(
-            template,
-            json!([{"tool_calls": [{"function": {"arguments": "{oops"}}]}]),
-        )
-        .unwrap_err();
-        assert!(
-            matches!(err, TemplateError::InvalidToolArguments { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, TemplateError::InvalidToolArguments { message_index: 1, call_index: 1, .. }), "{err:?}");
+        let err = render(template, json!([{"tool_calls": [{"function": {"arguments": "{oops"}}]}])).unwrap_err();
+        assert!(matches!(err, TemplateError::InvalidToolArguments { .. }), "{err:?}");
     }
 
     #[test]
@@ -788,14 +662,8 @@ mod tests {
             "{\"thinking\": \"r\", \"role\": \"assistant\", \"reasoning\": \"r\", \"reasoning_content\": \"r\"}\n\
              {\"role\": \"user\"}\n"
         );
-        assert!(matches!(
-            render("", json!({"role": "user"})),
-            Err(TemplateError::InvalidMessages { .. })
-        ));
-        assert!(matches!(
-            render("", json!(["hi"])),
-            Err(TemplateError::InvalidMessages { .. })
-        ));
+        assert!(matches!(render("", json!({"role": "user"})), Err(TemplateError::InvalidMessages { .. })));
+        assert!(matches!(render("", json!(["hi"])), Err(TemplateError::InvalidMessages { .. })));
     }
 
     #[test]
@@ -844,11 +712,7 @@ mod tests {
             json!([{"role": "user", "content": "q", "reasoning_content": {"deep": [1.5e300, -0.0, 1e-320]}}]),
         ];
         for messages in &shapes {
-            for tools in [
-                None,
-                Some(json!("tools")),
-                Some(json!([null, {"function": {}}])),
-            ] {
+            for tools in [None, Some(json!("tools")), Some(json!([null, {"function": {}}]))] {
                 let mut request = RenderRequest::new(messages);
                 request.tools = tools.as_ref();
                 request.reasoning_effort = Some("\u{0}");

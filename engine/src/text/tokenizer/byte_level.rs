@@ -53,11 +53,7 @@ impl ByteLevelMap {
     /// its byte when all of them are map characters, otherwise the token's own UTF-8 bytes (added tokens such as
     /// `<|im_end|>` are printable ASCII, so both rules give the same bytes for them).
     pub(crate) fn token_bytes(&self, token: &str) -> Vec<u8> {
-        token
-            .chars()
-            .map(|c| self.byte_of(c))
-            .collect::<Option<Vec<u8>>>()
-            .unwrap_or_else(|| token.as_bytes().to_vec())
+        token.chars().map(|c| self.byte_of(c)).collect::<Option<Vec<u8>>>().unwrap_or_else(|| token.as_bytes().to_vec())
     }
 }
 

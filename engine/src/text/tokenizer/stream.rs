@@ -21,11 +21,7 @@ pub struct StreamDecoder<'a> {
 
 impl<'a> StreamDecoder<'a> {
     pub(super) fn new(tokenizer: &'a TextTokenizer, skip_special: bool) -> Self {
-        Self {
-            tokenizer,
-            skip_special,
-            pending: Vec::with_capacity(4),
-        }
+        Self { tokenizer, skip_special, pending: Vec::with_capacity(4) }
     }
 
     /// Adds token `id`; returns the text it completes (possibly empty).

@@ -39,11 +39,7 @@ fn tiny_vocab() -> GgufVocab {
         tokens.push(spell(whole));
         token_types.push(TokenType::Normal.as_gguf());
     }
-    for (t, ty) in [
-        (IM_END, TokenType::Control),
-        (THINK, TokenType::UserDefined),
-        (FIM, TokenType::Control),
-    ] {
+    for (t, ty) in [(IM_END, TokenType::Control), (THINK, TokenType::UserDefined), (FIM, TokenType::Control)] {
         tokens.push(t.to_string());
         token_types.push(ty.as_gguf());
     }
@@ -70,8 +66,7 @@ fn tiny() -> TextTokenizer {
 }
 
 fn id(t: &TextTokenizer, token: &str) -> u32 {
-    t.token_to_id(token)
-        .unwrap_or_else(|| panic!("{token:?} in the tiny vocabulary"))
+    t.token_to_id(token).unwrap_or_else(|| panic!("{token:?} in the tiny vocabulary"))
 }
 
 /// The tiny vocabulary written as a HF tokenizer.json, the way scripts/make_tokenizer.py writes Qwen's.
@@ -113,10 +108,7 @@ fn sizes_and_types() {
     let t = tiny();
     let n = 256 + 12 + 3 + 3;
     assert_eq!(t.vocab_len(), n);
-    assert_eq!(
-        t.ids_without_token(n + 6),
-        ((n as u32)..(n as u32 + 6)).collect::<Vec<_>>()
-    );
+    assert_eq!(t.ids_without_token(n + 6), ((n as u32)..(n as u32 + 6)).collect::<Vec<_>>());
     assert!(t.is_control(id(&t, IM_END)));
     assert!(t.is_control(id(&t, FIM)));
     assert!(!t.is_control(id(&t, THINK)));
@@ -132,28 +124,16 @@ fn sizes_and_types() {
 #[test]
 fn merges_and_whole_pieces() {
     let t = tiny();
-    assert_eq!(
-        t.encode_plain("hello world").unwrap(),
-        vec![id(&t, "hello"), id(&t, "Ġworld")]
-    );
+    assert_eq!(t.encode_plain("hello world").unwrap(), vec![id(&t, "hello"), id(&t, "Ġworld")]);
     // "abc" is a token no merge reaches: taken whole as a piece (ignore_merges), bytes when inside a longer piece.
     assert_eq!(t.encode_plain("abc").unwrap(), vec![id(&t, "abc")]);
-    assert_eq!(
-        t.encode_plain("abcd").unwrap(),
-        b"abcd".iter().map(|&b| u32::from(b)).collect::<Vec<_>>()
-    );
+    assert_eq!(t.encode_plain("abcd").unwrap(), b"abcd".iter().map(|&b| u32::from(b)).collect::<Vec<_>>());
     // Qwen3.5 regex: a combining mark stays in its word, so "क्" is one piece (the Qwen2 regex would split it).
     let ka_virama = spell("क्".as_bytes());
     assert_eq!(t.encode_plain("क्").unwrap(), vec![id(&t, &ka_virama)]);
     // digits one per token, contractions split off
-    assert_eq!(
-        t.encode_plain("12").unwrap(),
-        vec![u32::from(b'1'), u32::from(b'2')]
-    );
-    assert_eq!(
-        t.encode_plain("I'M").unwrap(),
-        vec![u32::from(b'I'), u32::from(b'\''), u32::from(b'M')]
-    );
+    assert_eq!(t.encode_plain("12").unwrap(), vec![u32::from(b'1'), u32::from(b'2')]);
+    assert_eq!(t.encode_plain("I'M").unwrap(), vec![u32::from(b'I'), u32::from(b'\''), u32::from(b'M')]);
 }
 
 #[test]
@@ -170,44 +150,20 @@ fn added_tokens_atomic_only_in_encode() {
     let t = tiny();
     let text = format!("hello{IM_END}{THINK}\n{FIM}");
     let ids = t.encode(&text).unwrap();
-    assert_eq!(
-        ids,
-        vec![
-            id(&t, "hello"),
-            id(&t, IM_END),
-            id(&t, THINK),
-            u32::from(b'\n'),
-            id(&t, FIM)
-        ]
-    );
+    assert_eq!(ids, vec![id(&t, "hello"), id(&t, IM_END), id(&t, THINK), u32::from(b'\n'), id(&t, FIM)]);
     let plain = t.encode_plain(&text).unwrap();
-    assert!(
-        plain
-            .iter()
-            .all(|&i| t.token_type(i) == Some(TokenType::Normal)),
-        "{plain:?}"
-    );
+    assert!(plain.iter().all(|&i| t.token_type(i) == Some(TokenType::Normal)), "{plain:?}");
     assert_eq!(t.decode(&plain, false).unwrap(), text);
     assert_eq!(t.decode(&ids, false).unwrap(), text);
     // partial names are text
-    assert!(
-        t.encode("<|im_end|")
-            .unwrap()
-            .iter()
-            .all(|&i| !t.is_control(i))
-    );
+    assert!(t.encode("<|im_end|").unwrap().iter().all(|&i| !t.is_control(i)));
 }
 
 #[test]
 fn decode_skip_special_drops_control_only() {
     let t = tiny();
-    let ids = t
-        .encode(&format!("{FIM}hello{THINK} world{IM_END}"))
-        .unwrap();
-    assert_eq!(
-        t.decode(&ids, false).unwrap(),
-        format!("{FIM}hello{THINK} world{IM_END}")
-    );
+    let ids = t.encode(&format!("{FIM}hello{THINK} world{IM_END}")).unwrap();
+    assert_eq!(t.decode(&ids, false).unwrap(), format!("{FIM}hello{THINK} world{IM_END}"));
     assert_eq!(t.decode(&ids, true).unwrap(), format!("hello{THINK} world"));
 }
 
@@ -217,10 +173,7 @@ fn decode_rejects_ids_without_token() {
     let n = t.vocab_len() as u32;
     for bad in [n, n + 3, n + 4, u32::MAX] {
         let err = t.decode(&[0, bad], false).unwrap_err();
-        assert!(
-            matches!(err, TokenizerError::UnknownTokenId { id, .. } if id == bad),
-            "{err}"
-        );
+        assert!(matches!(err, TokenizerError::UnknownTokenId { id, .. } if id == bad), "{err}");
         assert!(err.to_string().contains(&bad.to_string()));
         let mut stream = t.stream_decoder(false);
         assert!(stream.push(bad).is_err());
@@ -231,13 +184,7 @@ fn decode_rejects_ids_without_token() {
 fn decode_invalid_utf8_like_from_utf8_lossy() {
     let t = tiny();
     // lone continuation byte, truncated 4-byte sequence, then a complete emoji from two merged tokens
-    let ids = [
-        0x80,
-        id(&t, "ðŁ"),
-        u32::from(b'a'),
-        id(&t, "ðŁ"),
-        id(&t, "ĺĢ"),
-    ];
+    let ids = [0x80, id(&t, "ðŁ"), u32::from(b'a'), id(&t, "ðŁ"), id(&t, "ĺĢ")];
     assert_eq!(t.decode(&ids, false).unwrap(), "\u{FFFD}\u{FFFD}a😀");
 }
 
@@ -305,11 +252,7 @@ fn stream_equals_decode_on_random_ids() {
                 text.push_str(&piece);
             }
             text.push_str(&s.finish());
-            assert_eq!(
-                text,
-                t.decode(&ids, skip).unwrap(),
-                "round {round}, ids {ids:?}, skip {skip}"
-            );
+            assert_eq!(text, t.decode(&ids, skip).unwrap(), "round {round}, ids {ids:?}, skip {skip}");
         }
     }
 }
@@ -319,37 +262,14 @@ fn tokenizer_json_path_matches_gguf_path() {
     let from_json = TextTokenizer::from_tokenizer_json(&tiny_tokenizer_json(true)).unwrap();
     let from_gguf = tiny();
     assert_eq!(from_json.vocab_len(), from_gguf.vocab_len());
-    for text in [
-        "hello world",
-        "abc",
-        "abcd",
-        "क्",
-        "e\u{301}",
-        "<|im_end|><think>x<|fim_prefix|>",
-        "😀 \n\t 12",
-    ] {
-        assert_eq!(
-            from_json.encode(text).unwrap(),
-            from_gguf.encode(text).unwrap(),
-            "{text:?}"
-        );
-        assert_eq!(
-            from_json.encode_plain(text).unwrap(),
-            from_gguf.encode_plain(text).unwrap(),
-            "{text:?}"
-        );
+    for text in ["hello world", "abc", "abcd", "क्", "e\u{301}", "<|im_end|><think>x<|fim_prefix|>", "😀 \n\t 12"]
+    {
+        assert_eq!(from_json.encode(text).unwrap(), from_gguf.encode(text).unwrap(), "{text:?}");
+        assert_eq!(from_json.encode_plain(text).unwrap(), from_gguf.encode_plain(text).unwrap(), "{text:?}");
     }
     for id in 0..from_gguf.vocab_len() as u32 {
-        assert_eq!(
-            from_json.token_type(id),
-            from_gguf.token_type(id),
-            "id {id}"
-        );
-        assert_eq!(
-            from_json.token_bytes(id),
-            from_gguf.token_bytes(id),
-            "id {id}"
-        );
+        assert_eq!(from_json.token_type(id), from_gguf.token_type(id), "id {id}");
+        assert_eq!(from_json.token_bytes(id), from_gguf.token_bytes(id), "id {id}");
     }
     // Without ignore_merges the whole-only token is out of reach (the difference the merges decision is about).
     let no_ignore = TextTokenizer::from_tokenizer_json(&tiny_tokenizer_json(false)).unwrap();
@@ -366,14 +286,7 @@ fn gguf_vocab_from_tokenizer_json_round_trips() {
     assert_eq!(derived.tokens, original.tokens);
     assert_eq!(derived.token_types, original.token_types);
     assert_eq!(derived.merges, original.merges);
-    assert_eq!(
-        (
-            derived.eos_token_id,
-            derived.bos_token_id,
-            derived.padding_token_id
-        ),
-        (None, None, None)
-    );
+    assert_eq!((derived.eos_token_id, derived.bos_token_id, derived.padding_token_id), (None, None, None));
 
     let mut with_config = derived.clone();
     with_config
@@ -382,22 +295,14 @@ fn gguf_vocab_from_tokenizer_json_round_trips() {
         )
         .unwrap();
     assert_eq!(with_config.eos_token_id, original.eos_token_id);
-    assert_eq!(
-        with_config.padding_token_id,
-        Some(original.eos_token_id.unwrap() + 1)
-    );
+    assert_eq!(with_config.padding_token_id, Some(original.eos_token_id.unwrap() + 1));
     assert_eq!(with_config.bos_token_id, None);
     assert!(!with_config.add_bos_token);
-    let err = with_config
-        .apply_tokenizer_config(br#"{"eos_token": "<|nope|>"}"#)
-        .unwrap_err();
+    let err = with_config.apply_tokenizer_config(br#"{"eos_token": "<|nope|>"}"#).unwrap_err();
     assert!(err.to_string().contains("<|nope|>"), "{err}");
 
     let err = GgufVocab::from_tokenizer_json(&tiny_tokenizer_json(true), padded - 5).unwrap_err();
-    assert!(
-        matches!(err, TokenizerError::TokenIdBeyondVocabSize { .. }),
-        "{err}"
-    );
+    assert!(matches!(err, TokenizerError::TokenIdBeyondVocabSize { .. }), "{err}");
 }
 
 #[test]
@@ -413,33 +318,12 @@ fn gguf_vocab_from_tokenizer_json_rejects_other_pipelines() {
         serde_json::to_vec(&j).unwrap()
     };
     let cases = [
-        (
-            mutate(&["normalizer"], serde_json::json!({"type": "NFKC"})),
-            "normalizer",
-        ),
-        (
-            mutate(
-                &["pre_tokenizer"],
-                serde_json::json!({"type": "Whitespace"}),
-            ),
-            "pre_tokenizer",
-        ),
-        (
-            mutate(&["decoder"], serde_json::json!({"type": "Metaspace"})),
-            "decoder",
-        ),
-        (
-            mutate(&["model", "type"], serde_json::json!("Unigram")),
-            "model.type",
-        ),
-        (
-            mutate(&["model", "byte_fallback"], serde_json::json!(true)),
-            "model.byte_fallback",
-        ),
-        (
-            mutate(&["model", "merges"], serde_json::json!(["nospace"])),
-            "nospace",
-        ),
+        (mutate(&["normalizer"], serde_json::json!({"type": "NFKC"})), "normalizer"),
+        (mutate(&["pre_tokenizer"], serde_json::json!({"type": "Whitespace"})), "pre_tokenizer"),
+        (mutate(&["decoder"], serde_json::json!({"type": "Metaspace"})), "decoder"),
+        (mutate(&["model", "type"], serde_json::json!("Unigram")), "model.type"),
+        (mutate(&["model", "byte_fallback"], serde_json::json!(true)), "model.byte_fallback"),
+        (mutate(&["model", "merges"], serde_json::json!(["nospace"])), "nospace"),
         (b"{not json".to_vec(), "malformed"),
     ];
     for (bytes, needle) in cases {
@@ -454,10 +338,7 @@ fn from_gguf_vocab_errors_name_the_value() {
         let mut v = tiny_vocab();
         edit(&mut v);
         let err = TextTokenizer::from_gguf_vocab(&v).unwrap_err();
-        assert!(
-            err.to_string().contains(needle),
-            "want {needle:?} in: {err}"
-        );
+        assert!(err.to_string().contains(needle), "want {needle:?} in: {err}");
     };
     check(&|v| v.model = "llama".into(), "\"llama\"");
     check(&|v| v.pre = "qwen2".into(), "\"qwen2\"");
@@ -476,10 +357,7 @@ fn from_gguf_vocab_errors_name_the_value() {
     check(&|v| v.merges[2] = "Ġ zz".into(), "\"zz\"");
     check(&|v| v.merges[3] = "h o".into(), "\"ho\"");
     check(&|v| v.eos_token_id = Some(100_000), "eos_token_id 100000");
-    check(
-        &|v| v.padding_token_id = Some(v.tokens.len() as u32 - 1),
-        "padding_token_id",
-    );
+    check(&|v| v.padding_token_id = Some(v.tokens.len() as u32 - 1), "padding_token_id");
     // an added token placed before the end of the NORMAL run cannot keep its GGUF id
     check(&|v| v.token_types.swap(270, 271), "added token");
 }
@@ -496,8 +374,5 @@ fn absurd_ids_are_errors_not_allocations() {
     let mut json: serde_json::Value = serde_json::from_slice(&tiny_tokenizer_json(true)).unwrap();
     json["model"]["vocab"]["zzz"] = serde_json::json!(4_000_000_000u32);
     let err = TextTokenizer::from_tokenizer_json(&serde_json::to_vec(&json).unwrap()).unwrap_err();
-    assert!(
-        matches!(err, TokenizerError::TooManyTokens(4_000_000_001)),
-        "{err}"
-    );
+    assert!(matches!(err, TokenizerError::TooManyTokens(4_000_000_001)), "{err}");
 }

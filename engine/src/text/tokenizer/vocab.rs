@@ -133,22 +133,12 @@ pub fn looks_like_control_token(content: &str) -> bool {
 /// The GGUF type of an added token: CONTROL when tokenizer.json marks it special or its name looks special,
 /// USER_DEFINED otherwise (design/tokenizer-and-template.md §1.6).
 pub fn added_token_type(content: &str, special: bool) -> TokenType {
-    if special || looks_like_control_token(content) {
-        TokenType::Control
-    } else {
-        TokenType::UserDefined
-    }
+    if special || looks_like_control_token(content) { TokenType::Control } else { TokenType::UserDefined }
 }
 
 fn describe(value: &Option<serde_json::Value>) -> String {
-    let s = value
-        .as_ref()
-        .map_or_else(|| "null".to_string(), |v| v.to_string());
-    if s.chars().count() > 200 {
-        s.chars().take(200).collect::<String>() + "…"
-    } else {
-        s
-    }
+    let s = value.as_ref().map_or_else(|| "null".to_string(), |v| v.to_string());
+    if s.chars().count() > 200 { s.chars().take(200).collect::<String>() + "…" } else { s }
 }
 
 fn unsupported(field: &'static str, found: String) -> TokenizerError {
@@ -167,16 +157,10 @@ fn gguf_pre_of(pre_tokenizer: &Option<serde_json::Value>) -> Option<&'static str
         && split.get("type")?.as_str()? == "Split"
         && split.get("pattern")?.get("Regex")?.as_str()? == QWEN35_PRETOKENIZER_REGEX
         && split.get("behavior")?.as_str()? == "Isolated"
-        && !split
-            .get("invert")
-            .and_then(|i| i.as_bool())
-            .unwrap_or(false)
+        && !split.get("invert").and_then(|i| i.as_bool()).unwrap_or(false)
         && byte_level.get("type")?.as_str()? == "ByteLevel"
         && !byte_level.get("add_prefix_space")?.as_bool()?
-        && !byte_level
-            .get("use_regex")
-            .and_then(|u| u.as_bool())
-            .unwrap_or(true);
+        && !byte_level.get("use_regex").and_then(|u| u.as_bool()).unwrap_or(true);
     ok.then_some(GGUF_PRE_QWEN35)
 }
 
@@ -195,31 +179,16 @@ impl GgufVocab {
     ///
     /// Errors: malformed JSON, a normalizer other than NFC, another pre-tokenizer or decoder, a model other than
     /// byte-level BPE, a token id ≥ `vocab_size`, two tokens on one id, a merge with a space inside a part.
-    pub fn from_tokenizer_json(
-        bytes: &[u8],
-        vocab_size: usize,
-    ) -> Result<GgufVocab, TokenizerError> {
-        let json: TokenizerJson = serde_json::from_slice(bytes)
-            .map_err(|e| TokenizerError::InvalidTokenizerJson(e.to_string()))?;
+    pub fn from_tokenizer_json(bytes: &[u8], vocab_size: usize) -> Result<GgufVocab, TokenizerError> {
+        let json: TokenizerJson =
+            serde_json::from_slice(bytes).map_err(|e| TokenizerError::InvalidTokenizerJson(e.to_string()))?;
 
-        if json
-            .normalizer
-            .as_ref()
-            .and_then(|n| n.get("type"))
-            .and_then(|t| t.as_str())
-            != Some("NFC")
-        {
+        if json.normalizer.as_ref().and_then(|n| n.get("type")).and_then(|t| t.as_str()) != Some("NFC") {
             return Err(unsupported("normalizer", describe(&json.normalizer)));
         }
         let pre = gguf_pre_of(&json.pre_tokenizer)
             .ok_or_else(|| unsupported("pre_tokenizer", describe(&json.pre_tokenizer)))?;
-        if json
-            .decoder
-            .as_ref()
-            .and_then(|d| d.get("type"))
-            .and_then(|t| t.as_str())
-            != Some("ByteLevel")
-        {
+        if json.decoder.as_ref().and_then(|d| d.get("type")).and_then(|t| t.as_str()) != Some("ByteLevel") {
             return Err(unsupported("decoder", describe(&json.decoder)));
         }
         let m = &json.model;
@@ -230,10 +199,7 @@ impl GgufVocab {
             return Err(unsupported("model.byte_fallback", "true".into()));
         }
         for (field, value) in [
-            (
-                "model.continuing_subword_prefix",
-                &m.continuing_subword_prefix,
-            ),
+            ("model.continuing_subword_prefix", &m.continuing_subword_prefix),
             ("model.end_of_word_suffix", &m.end_of_word_suffix),
         ] {
             if value.as_deref().is_some_and(|v| !v.is_empty()) {
@@ -245,37 +211,25 @@ impl GgufVocab {
             return Err(TokenizerError::TooManyTokens(vocab_size));
         }
         let mut slots: Vec<Option<(String, TokenType)>> = vec![None; vocab_size];
-        let mut place =
-            |id: u32, token: &str, ty: TokenType, replace: bool| -> Result<(), TokenizerError> {
-                let slot = slots.get_mut(id as usize).ok_or_else(|| {
-                    TokenizerError::TokenIdBeyondVocabSize {
-                        id,
-                        token: token.to_string(),
-                        vocab_size,
-                    }
-                })?;
-                if let Some((first, _)) = slot.as_ref().filter(|_| !replace) {
-                    return Err(TokenizerError::DuplicateTokenId {
-                        id,
-                        first: first.clone(),
-                        second: token.to_string(),
-                    });
-                }
-                *slot = Some((token.to_string(), ty));
-                Ok(())
-            };
+        let mut place = |id: u32, token: &str, ty: TokenType, replace: bool| -> Result<(), TokenizerError> {
+            let slot = slots.get_mut(id as usize).ok_or_else(|| TokenizerError::TokenIdBeyondVocabSize {
+                id,
+                token: token.to_string(),
+                vocab_size,
+            })?;
+            if let Some((first, _)) = slot.as_ref().filter(|_| !replace) {
+                return Err(TokenizerError::DuplicateTokenId { id, first: first.clone(), second: token.to_string() });
+            }
+            *slot = Some((token.to_string(), ty));
+            Ok(())
+        };
         for (token, &id) in &m.vocab {
             place(id, token, TokenType::Normal, false)?;
         }
         // An added token may also be listed in model.vocab with the same id: the added entry decides its type.
         for added in &json.added_tokens {
             let also_in_vocab = m.vocab.get(&added.content) == Some(&added.id);
-            place(
-                added.id,
-                &added.content,
-                added_token_type(&added.content, added.special),
-                also_in_vocab,
-            )?;
+            place(added.id, &added.content, added_token_type(&added.content, added.special), also_in_vocab)?;
         }
 
         let mut tokens = Vec::with_capacity(vocab_size);
@@ -289,14 +243,11 @@ impl GgufVocab {
         let mut merges = Vec::with_capacity(m.merges.len());
         for (index, merge) in m.merges.iter().enumerate() {
             let (a, b) = match merge {
-                MergeJson::Joined(s) => {
-                    s.split_once(' ')
-                        .ok_or_else(|| TokenizerError::InvalidMerge {
-                            index,
-                            merge: s.clone(),
-                            reason: "no space between the two parts",
-                        })?
-                }
+                MergeJson::Joined(s) => s.split_once(' ').ok_or_else(|| TokenizerError::InvalidMerge {
+                    index,
+                    merge: s.clone(),
+                    reason: "no space between the two parts",
+                })?,
                 MergeJson::Pair(a, b) => (a.as_str(), b.as_str()),
             };
             if a.is_empty() || b.is_empty() || a.contains(' ') || b.contains(' ') {
@@ -328,8 +279,8 @@ impl GgufVocab {
     ///
     /// Errors: malformed JSON, or a named token that is not in `tokens`.
     pub fn apply_tokenizer_config(&mut self, config_json: &[u8]) -> Result<(), TokenizerError> {
-        let config: serde_json::Value = serde_json::from_slice(config_json)
-            .map_err(|e| TokenizerError::InvalidTokenizerJson(e.to_string()))?;
+        let config: serde_json::Value =
+            serde_json::from_slice(config_json).map_err(|e| TokenizerError::InvalidTokenizerJson(e.to_string()))?;
         let lookup = |key: &'static str| -> Result<Option<u32>, TokenizerError> {
             let name = match config.get(key) {
                 None | Some(serde_json::Value::Null) => return Ok(None),
@@ -344,33 +295,20 @@ impl GgufVocab {
                 .iter()
                 .zip(&self.token_types)
                 .position(|(t, &ty)| t == name && ty != TokenType::Unused.as_gguf())
-                .ok_or_else(|| TokenizerError::UnknownSpecialToken {
-                    key,
-                    token: name.to_string(),
-                })?;
+                .ok_or_else(|| TokenizerError::UnknownSpecialToken { key, token: name.to_string() })?;
             Ok(Some(id as u32))
         };
-        let (eos, bos, pad) = (
-            lookup("eos_token")?,
-            lookup("bos_token")?,
-            lookup("pad_token")?,
-        );
+        let (eos, bos, pad) = (lookup("eos_token")?, lookup("bos_token")?, lookup("pad_token")?);
         self.eos_token_id = eos;
         self.bos_token_id = bos;
         self.padding_token_id = pad;
-        self.add_bos_token = config
-            .get("add_bos_token")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false);
+        self.add_bos_token = config.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
         Ok(())
     }
 
     /// The [`TokenType`] of id `id`, if `id` is in range and its `token_types` value is valid.
     pub fn token_type(&self, id: u32) -> Option<TokenType> {
-        self.token_types
-            .get(id as usize)
-            .copied()
-            .and_then(TokenType::from_gguf)
+        self.token_types.get(id as usize).copied().and_then(TokenType::from_gguf)
     }
 }
 
@@ -392,11 +330,7 @@ mod tests {
             ("<||>", false, TokenType::Control),
             ("<｜begin▁of▁sentence｜>", false, TokenType::Control),
         ] {
-            assert_eq!(
-                added_token_type(content, special),
-                want,
-                "{content:?} special={special}"
-            );
+            assert_eq!(added_token_type(content, special), want, "{content:?} special={special}");
         }
     }
 
@@ -407,5 +341,42 @@ mod tests {
         }
         assert_eq!(TokenType::from_gguf(7), None);
         assert_eq!(TokenType::from_gguf(-1), None);
+    }
+}
+
+impl GgufVocab {
+    /// Reads the `tokenizer.ggml.*` keys of a GGUF file (llama.cpp's layout, design doc §1.6). `Ok(None)` when
+    /// the file carries no tokenizer (`tokenizer.ggml.tokens` absent).
+    ///
+    /// Errors: a present key of the wrong type, as [`TokenizerError::Gguf`] naming the key.
+    pub fn from_gguf(file: &crate::gguf::GgufFile) -> Result<Option<Self>, TokenizerError> {
+        let g = |e: crate::gguf::GgufError| TokenizerError::Gguf(e.to_string());
+        let Some(tokens) = file.get_string_array_opt("tokenizer.ggml.tokens").map_err(g)? else {
+            return Ok(None);
+        };
+        let n = tokens.len();
+        let tokens: Vec<String> = tokens.into_iter().map(str::to_string).collect();
+        let token_types = match file.get_i32_array_opt("tokenizer.ggml.token_type").map_err(g)? {
+            Some(t) => t,
+            None => vec![TokenType::Normal.as_gguf(); n],
+        };
+        let merges = file
+            .get_string_array_opt("tokenizer.ggml.merges")
+            .map_err(g)?
+            .unwrap_or_default()
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        Ok(Some(Self {
+            model: file.get_str_opt("tokenizer.ggml.model").map_err(g)?.unwrap_or("gpt2").to_string(),
+            pre: file.get_str_opt("tokenizer.ggml.pre").map_err(g)?.unwrap_or("default").to_string(),
+            tokens,
+            token_types,
+            merges,
+            eos_token_id: file.get_u32_opt("tokenizer.ggml.eos_token_id").map_err(g)?,
+            bos_token_id: file.get_u32_opt("tokenizer.ggml.bos_token_id").map_err(g)?,
+            padding_token_id: file.get_u32_opt("tokenizer.ggml.padding_token_id").map_err(g)?,
+            add_bos_token: file.get_bool_opt("tokenizer.ggml.add_bos_token").map_err(g)?.unwrap_or(false),
+        }))
     }
 }
