@@ -608,3 +608,33 @@ fn long_runs() {
         }
     }
 }
+
+/// The tokenizer the server actually uses: the one embedded in the committed demo model GGUF (written by
+/// `nebula convert` from the same tokenizer.json), read back through the GGUF reader.
+fn demo_model_tokenizer() -> &'static (GgufVocab, TextTokenizer) {
+    static LOADED: OnceLock<(GgufVocab, TextTokenizer)> = OnceLock::new();
+    LOADED.get_or_init(|| {
+        let path = nebula_tests::repo_root().join("models/nebula-demo.gguf");
+        let file = nebula_engine::gguf::GgufFile::open(&path).expect("the committed demo model opens");
+        let vocab =
+            GgufVocab::from_gguf(&file).expect("tokenizer metadata reads").expect("the demo model has a tokenizer");
+        let tok = TextTokenizer::from_gguf_vocab(&vocab).expect("the demo model's tokenizer builds");
+        (vocab, tok)
+    })
+}
+
+#[test]
+fn corpus_from_the_demo_model_gguf() {
+    check_corpus("demo GGUF", &demo_model_tokenizer().1);
+}
+
+#[test]
+fn demo_model_vocab_equals_the_derived_vocab() {
+    let (demo, _) = demo_model_tokenizer();
+    let derived = &load_tokenizer().vocab;
+    assert_eq!(demo.tokens, derived.tokens);
+    assert_eq!(demo.token_types, derived.token_types);
+    assert_eq!(demo.merges, derived.merges);
+    assert_eq!(demo.eos_token_id, derived.eos_token_id);
+    assert_eq!(demo.padding_token_id, derived.padding_token_id);
+}

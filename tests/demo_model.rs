@@ -1,0 +1,79 @@
+//! The embedded demo model end to end through the engine (no HTTP): chat template, tokenizer, the Q8_0 GGUF
+//! forward pass, greedy sampling, stop tokens and detokenization must reproduce what transformers generated
+//! from the f32 checkpoint when the demo model was made (`tests/fixtures/demo/reference_greedy.json`, written
+//! by `scripts/make_demo_model.py`).
+
+use nebula_engine::text::chat_template::RenderRequest;
+use nebula_engine::worker::{Engine, EngineOptions, FinishReason, GenerateRequest, GenerationEvent};
+
+fn demo_engine() -> Engine {
+    Engine::load(&nebula_tests::repo_root().join("models/nebula-demo.gguf"), EngineOptions::default())
+        .expect("the demo model loads")
+}
+
+#[test]
+fn greedy_answers_equal_the_reference() {
+    let engine = demo_engine();
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(nebula_tests::repo_root().join("tests/fixtures/demo/reference_greedy.json")).unwrap(),
+    )
+    .unwrap();
+    let template = engine.chat_template().expect("the demo model carries a chat template");
+    for case in fixture["cases"].as_array().unwrap() {
+        let user = case["user"].as_str().unwrap();
+        let messages = serde_json::json!([{"role": "user", "content": user}]);
+        let mut req = RenderRequest::new(&messages);
+        req.add_generation_prompt = true;
+        let prompt = template.render(&req).expect("renders");
+        let ids = engine.tokenizer().encode(&prompt).expect("encodes");
+        let want_ids: Vec<u32> =
+            case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(ids, want_ids, "{user}: prompt ids differ from transformers' apply_chat_template");
+
+        let mut rx = engine.submit(GenerateRequest::new(ids, 80)).expect("submits");
+        let mut out = Vec::new();
+        let finish = loop {
+            match rx.blocking_recv().expect("the worker reports an end") {
+                GenerationEvent::Started => {}
+                GenerationEvent::Token(t) => out.push(t),
+                GenerationEvent::Finished { reason, usage } => {
+                    assert_eq!(usage.completion_tokens, out.len());
+                    break reason;
+                }
+                GenerationEvent::Failed(e) => panic!("{user}: generation failed: {e}"),
+            }
+        };
+        let text = engine.tokenizer().decode(&out, false).unwrap();
+        let want = case["completion"].as_str().unwrap();
+        assert_eq!(finish, FinishReason::Stop, "{user}: expected <|im_end|>, got {text:?}");
+        assert_eq!(format!("{text}<|im_end|>"), want, "{user}");
+    }
+}
+
+#[test]
+fn prompt_over_the_context_is_refused_not_truncated() {
+    let engine = Engine::load(
+        &nebula_tests::repo_root().join("models/nebula-demo.gguf"),
+        EngineOptions { max_context: Some(16), ..Default::default() },
+    )
+    .unwrap();
+    let err = engine.submit(GenerateRequest::new(vec![1; 17], 4)).unwrap_err();
+    assert_eq!(err.to_string(), "the prompt has 17 tokens, more than this server's context limit of 16 tokens");
+}
+
+#[test]
+fn dropping_the_receiver_frees_the_worker() {
+    let engine = demo_engine();
+    let rx = engine.submit(GenerateRequest::new(vec![248045, 846, 198], 100_000)).unwrap();
+    drop(rx);
+    // The next request runs to completion, so the first one released the worker.
+    let mut rx = engine.submit(GenerateRequest::new(vec![248045, 846, 198], 3)).unwrap();
+    let mut finished = false;
+    while let Some(ev) = rx.blocking_recv() {
+        if let GenerationEvent::Finished { .. } = ev {
+            finished = true;
+            break;
+        }
+    }
+    assert!(finished);
+}
