@@ -705,8 +705,14 @@ fn write_tokenizer(w: &mut GgufWriter, dir: &Path, vocab_size: usize) -> Result<
         return Ok(false);
     }
     let bytes = std::fs::read(&tj).map_err(|e| ConvertError::Io { path: tj.clone(), source: e })?;
-    let vocab = crate::text::tokenizer::GgufVocab::from_tokenizer_json(&bytes, vocab_size)
+    let mut vocab = crate::text::tokenizer::GgufVocab::from_tokenizer_json(&bytes, vocab_size)
         .map_err(|e| ConvertError::Tokenizer(e.to_string()))?;
+    // eos/bos/pad and add_bos live in tokenizer_config.json, not tokenizer.json.
+    let tc = dir.join("tokenizer_config.json");
+    if tc.exists() {
+        let cfg = std::fs::read(&tc).map_err(|e| ConvertError::Io { path: tc.clone(), source: e })?;
+        vocab.apply_tokenizer_config(&cfg).map_err(|e| ConvertError::Tokenizer(format!("{}: {e}", tc.display())))?;
+    }
     w.add_kv("tokenizer.ggml.model", vocab.model.as_str())?;
     w.add_kv("tokenizer.ggml.pre", vocab.pre.as_str())?;
     w.add_kv("tokenizer.ggml.tokens", vocab.tokens.iter().map(String::as_str).collect::<Vec<_>>())?;

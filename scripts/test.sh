@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Nebula's test suite: everything CI runs. Needs cargo and python3 with pip; installs the pinned Python test
+# packages, rebuilds the (uncommitted) tokenizer.json the tokenizer tests read, then runs every Rust test in
+# release mode and the OpenAI Python SDK end-to-end test against a real `nebula serve`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
+if [ -f tests/sdk/requirements.txt ]; then
+  python3 -m pip install --quiet --disable-pip-version-check -r tests/sdk/requirements.txt
+fi
+python3 scripts/make_tokenizer.py
+
+cargo build --release --workspace --all-targets
+cargo test --release --workspace
+if [ -x scripts/test_sdk.sh ]; then
+  scripts/test_sdk.sh
+fi
+echo "all tests passed"
