@@ -211,6 +211,14 @@ impl Uploader<'_> {
     }
     fn matrix(&mut self, m: &Matrix, what: &str) -> Result<DevMatrix, CudaError> {
         Self::check_shape(m, what)?;
+        self.upload(m)
+    }
+    /// A lookup table (read by `get_rows`, never multiplied): any row width.
+    fn table(&mut self, m: &Matrix) -> Result<DevMatrix, CudaError> {
+        type_suffix(m.ggml_type())?;
+        self.upload(m)
+    }
+    fn upload(&mut self, m: &Matrix) -> Result<DevMatrix, CudaError> {
         self.bytes += m.bytes().len();
         Ok(DevMatrix {
             ty: m.ggml_type(),
@@ -369,7 +377,7 @@ impl CudaModel {
                     norm_query: up.vector(&p.norm_query)?,
                     norm_conv: up.vector(&p.norm_conv)?,
                     conv: up.vector(&p.conv1d)?,
-                    table: up.matrix(&p.ngram_embedding, "n-gram table")?,
+                    table: up.table(&p.ngram_embedding)?,
                 }),
                 None => None,
             };
