@@ -182,6 +182,20 @@ impl Engine {
     /// worker thread.
     pub fn load(path: &Path, opts: EngineOptions) -> Result<Self, LoadError> {
         let file = Arc::new(GgufFile::open(path).map_err(ModelError::from)?);
+        Self::from_gguf(file, opts)
+    }
+
+    /// Loads a GGUF model held in memory (e.g. one embedded in the binary). `label` stands for the path in
+    /// errors and is the fallback model name; otherwise as [`Engine::load`].
+    pub fn from_gguf_bytes(label: &str, bytes: Vec<u8>, opts: EngineOptions) -> Result<Self, LoadError> {
+        let file = Arc::new(GgufFile::from_bytes(label, bytes).map_err(ModelError::from)?);
+        Self::from_gguf(file, opts)
+    }
+
+    /// Builds the engine from a parsed GGUF file: tokenizer, chat template, model (every tensor validated) and
+    /// the worker thread.
+    fn from_gguf(file: Arc<GgufFile>, opts: EngineOptions) -> Result<Self, LoadError> {
+        let path = file.path().to_path_buf();
         let shown = path.display().to_string();
         let vocab = GgufVocab::from_gguf(&file)
             .map_err(|source| LoadError::Tokenizer { path: shown.clone(), source })?
