@@ -118,6 +118,9 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
     /// Set to stop the request (e.g. a stop string matched); checked before each step.
     pub cancel: Arc<AtomicBool>,
+    /// Keep generating past the model's end-of-turn tokens, until `max_tokens` (benchmarks, tests); the extra
+    /// `stop_tokens` still stop.
+    pub ignore_eos: bool,
 }
 
 impl GenerateRequest {
@@ -129,6 +132,7 @@ impl GenerateRequest {
             sampling: SamplingParams::default(),
             stop_tokens: Vec::new(),
             cancel: Arc::default(),
+            ignore_eos: false,
         }
     }
 }
@@ -384,7 +388,7 @@ impl Worker {
                 let _ = events.send(GenerationEvent::Failed("every token has probability 0".into()));
                 return;
             };
-            if self.stop_tokens.contains(&next) || req.stop_tokens.contains(&next) {
+            if (!req.ignore_eos && self.stop_tokens.contains(&next)) || req.stop_tokens.contains(&next) {
                 usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
                 return finish(FinishReason::Stop, usage);
             }

@@ -153,6 +153,7 @@ pub fn prepare(model: &Arc<ServedModel>, req: ChatCompletionRequest) -> Result<P
     let prompt_tokens = ids.len();
     let mut request = GenerateRequest::new(ids, max_tokens.map_or(room, |n| n.min(room)));
     request.sampling = sampling;
+    request.ignore_eos = req.ignore_eos.unwrap_or(false);
     Ok(PreparedChat {
         generation: Generation { request, parse, stop },
         stream: req.stream.unwrap_or(false),

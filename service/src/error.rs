@@ -86,9 +86,10 @@ pub enum ServeError {
     /// The listening socket could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind { addr: std::net::SocketAddr, source: std::io::Error },
-    /// The model could not be loaded; `source` names the file and the problem.
-    #[error("cannot load the model {model}: {source}")]
-    Load { model: String, source: Box<nebula_engine::worker::LoadError> },
+    /// The model could not be loaded: the file (or the embedded model's label) and the problem. The engine's
+    /// error is shown in the message rather than chained, so the reason is printed once.
+    #[error("cannot load the model {model}: {error}")]
+    Load { model: String, error: Box<nebula_engine::worker::LoadError> },
     /// The fallback chat template did not compile.
     #[error("the built-in chat template does not compile: {0}")]
     Template(String),

@@ -36,6 +36,14 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             code: None,
         });
     }
+    // serde would also build a struct from a JSON array; OpenAI bodies are objects.
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::InvalidRequest {
+            message: "The request body must be a JSON object.".into(),
+            param: None,
+            code: Some("invalid_json"),
+        });
+    }
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize::<_, T>(&mut de).map_err(|err| {
         let path = err.path().to_string();
@@ -47,6 +55,17 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 
 fn json_error(err: serde_json::Error, param: Option<String>) -> ApiError {
     if err.is_data() {
+        // serde reports a missing field at its parent; name the field itself.
+        let missing = err
+            .to_string()
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(field, _)| field.to_owned());
+        let param = match (param, missing) {
+            (Some(parent), Some(field)) => Some(format!("{parent}.{field}")),
+            (None, Some(field)) => Some(field),
+            (param, None) => param,
+        };
         let message = match &param {
             Some(p) => format!("Invalid value for `{p}`: {err}"),
             None => format!("Invalid request body: {err}"),
@@ -91,13 +110,15 @@ mod tests {
         assert_eq!(param.as_deref(), Some("messages[0].content"), "{message}");
         let (param, _) = param_of(r#"{"messages": [], "temperature": "hot"}"#);
         assert_eq!(param.as_deref(), Some("temperature"));
-        let (param, _) = param_of(r#"{"model": "m"}"#);
-        assert_eq!(param, None);
+        let (param, message) = param_of(r#"{"model": "m"}"#);
+        assert_eq!(param.as_deref(), Some("messages"), "{message}");
+        let (param, message) = param_of(r#"{"messages": [{"content": "x"}]}"#);
+        assert_eq!(param.as_deref(), Some("messages[0].role"), "{message}");
     }
 
     #[test]
     fn syntax_errors_are_invalid_json() {
-        for body in ["{", "{\"messages\": [}", "[1, 2", "{} x", "", "  "] {
+        for body in ["{", "{\"messages\": [}", "[1, 2", "[{\"role\": \"user\"}]", "{} x", "", "  ", "\"x\""] {
             let err = parse_json::<ChatCompletionRequest>(body.as_bytes()).unwrap_err();
             assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{body:?}");
         }

@@ -27,7 +27,7 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use tokio::sync::watch;
-use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
+use tower_http::trace::{DefaultMakeSpan, DefaultOnFailure, DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 pub use crate::config::{ModelSource, ServeArgs, ServerConfig};
@@ -49,7 +49,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(
             TraceLayer::new_for_http()
                 .make_span_with(DefaultMakeSpan::new().level(Level::INFO))
-                .on_response(DefaultOnResponse::new().level(Level::INFO)),
+                .on_response(DefaultOnResponse::new().level(Level::INFO))
+                // Error statuses are already in the response line; 503 while loading is expected.
+                .on_failure(DefaultOnFailure::new().level(Level::DEBUG)),
         )
         .with_state(state)
 }

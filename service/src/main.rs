@@ -44,7 +44,8 @@ enum Command {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tower_http=info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
 }
 
 fn main() -> anyhow::Result<()> {
@@ -52,7 +53,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
             init_tracing();
-            nebula_service::serve(args.into()).context("nebula serve")
+            Ok(nebula_service::serve(args.into())?)
         }
         Command::Convert { input, output, outtype, no_mtp, split_max_gib, name } => {
             let opts = ConvertOptions {

@@ -58,6 +58,8 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<i64>,
     /// Only `{"type": "text"}` is supported yet.
     pub response_format: Option<Value>,
+    /// Nebula/vLLM extension: keep generating past the end of the turn until `max_tokens` (benchmarks).
+    pub ignore_eos: Option<bool>,
     /// End-user id (logged nowhere; accepted for compatibility).
     pub user: Option<String>,
 }
@@ -126,7 +128,7 @@ pub struct ChatMessage {
 }
 
 /// Message content: a string or a list of parts.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum MessageContent {
     /// Plain text.
@@ -134,6 +136,28 @@ pub enum MessageContent {
     /// A list of parts, kept as sent; the handler accepts only `{"type": "text", "text": ...}` (this model reads
     /// no images) and says which part it refuses.
     Parts(Vec<Map<String, Value>>),
+}
+
+impl<'de> Deserialize<'de> for MessageContent {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ContentVisitor;
+        impl<'de> serde::de::Visitor<'de> for ContentVisitor {
+            type Value = MessageContent;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string or a list of content parts")
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Self::Value, E> {
+                Ok(MessageContent::Text(text.to_owned()))
+            }
+            fn visit_string<E: serde::de::Error>(self, text: String) -> Result<Self::Value, E> {
+                Ok(MessageContent::Text(text))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+                Deserialize::deserialize(serde::de::value::SeqAccessDeserializer::new(seq)).map(MessageContent::Parts)
+            }
+        }
+        deserializer.deserialize_any(ContentVisitor)
+    }
 }
 
 /// A tool call in an earlier assistant turn.

@@ -71,7 +71,7 @@ pub fn load_model(config: &ServerConfig) -> Result<ServedModel, ServeError> {
         ModelSource::EmbeddedDemo => Engine::from_gguf_bytes(&label, EMBEDDED_DEMO_MODEL.to_vec(), opts),
         ModelSource::File(path) => Engine::load(path, opts),
     }
-    .map_err(|source| ServeError::Load { model: label.clone(), source: Box::new(source) })?;
+    .map_err(|source| ServeError::Load { model: label.clone(), error: Box::new(source) })?;
     let template = match engine.chat_template() {
         Some(t) => t.clone(),
         None => {
