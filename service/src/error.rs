@@ -12,25 +12,55 @@ pub enum ApiError {
     /// The request is malformed or asks for something invalid (400). `param` names the offending field
     /// (`messages[0].content`, `n`), `code` a machine-readable reason where one exists.
     #[error("{message}")]
-    InvalidRequest { message: String, param: Option<String>, code: Option<&'static str> },
+    InvalidRequest {
+        /// What is wrong, for a person.
+        message: String,
+        /// The request field at fault.
+        param: Option<String>,
+        /// A machine-readable reason.
+        code: Option<&'static str>,
+    },
     /// The request names a model this server does not serve (404).
     #[error("The model `{requested}` does not exist. This server serves `{served}`.")]
-    ModelNotFound { requested: String, served: String },
+    ModelNotFound {
+        /// The `model` of the request.
+        requested: String,
+        /// The id this server serves.
+        served: String,
+    },
     /// No route for this method and path (404).
     #[error("No route for {method} {path}.")]
-    RouteNotFound { method: String, path: String },
+    RouteNotFound {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
     /// The route exists but not with this method (405).
     #[error("Method {method} is not allowed for {path}.")]
-    MethodNotAllowed { method: String, path: String },
+    MethodNotAllowed {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
     /// The request body is over the server's size limit (413).
     #[error("The request body is too large.")]
     PayloadTooLarge,
     /// The engine's queue is full (429); the client may retry after `retry_after_s`.
     #[error("The server is busy: {waiting} requests are already waiting. Retry later.")]
-    QueueFull { waiting: usize, retry_after_s: u32 },
+    QueueFull {
+        /// Requests already waiting (the queue's capacity).
+        waiting: usize,
+        /// Seconds the client should wait (the `Retry-After` header).
+        retry_after_s: u32,
+    },
     /// The model is still loading (503).
     #[error("The model is still loading ({phase}). Retry when GET /health answers 200.")]
-    Loading { phase: &'static str },
+    Loading {
+        /// What the server is doing.
+        phase: &'static str,
+    },
     /// Something failed inside the server (500); the message says what.
     #[error("{0}")]
     Internal(String),
@@ -85,11 +115,21 @@ impl ApiError {
 pub enum ServeError {
     /// The listening socket could not be bound.
     #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: std::net::SocketAddr, source: std::io::Error },
+    Bind {
+        /// The address asked for.
+        addr: std::net::SocketAddr,
+        /// Why it failed.
+        source: std::io::Error,
+    },
     /// The model could not be loaded: the file (or the embedded model's label) and the problem. The engine's
     /// error is shown in the message rather than chained, so the reason is printed once.
     #[error("cannot load the model {model}: {error}")]
-    Load { model: String, error: Box<nebula_engine::worker::LoadError> },
+    Load {
+        /// The model file, or the embedded model's label.
+        model: String,
+        /// The engine's error.
+        error: Box<nebula_engine::worker::LoadError>,
+    },
     /// The fallback chat template did not compile.
     #[error("the built-in chat template does not compile: {0}")]
     Template(String),

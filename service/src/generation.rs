@@ -9,7 +9,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use nebula_engine::text::output::{OutputEvent, OutputParser, ParseOptions};
 use nebula_engine::worker::{self, GenerateRequest, GenerationEvent, SubmitError};
@@ -109,7 +108,6 @@ async fn drive(
     prompt_tokens: usize,
     tx: &mpsc::Sender<Piece>,
 ) {
-    let started = Instant::now();
     let mut decoder = model.engine.tokenizer().stream_decoder(true);
     let mut parser = OutputParser::new(parse);
     let mut stops = StopMatcher::new(stop);
@@ -124,25 +122,43 @@ async fn drive(
             }
             event = events.recv() => event,
         };
-        let (text, end) = match event {
-            Some(GenerationEvent::Started) => continue,
+        match event {
+            Some(GenerationEvent::Started) => {}
             Some(GenerationEvent::Token(id)) => {
                 completion_tokens += 1;
-                match decoder.push(id) {
-                    Ok(text) => (text, None),
+                let text = match decoder.push(id) {
+                    Ok(text) => text,
                     Err(e) => {
                         let _ = tx.send(Piece::Failed(format!("detokenizing the output: {e}"))).await;
                         return;
                     }
+                };
+                let (released, matched) = stops.push(&text);
+                if !send_all(tx, parser.push(&released), &mut saw_tool_call).await {
+                    return;
+                }
+                if matched {
+                    // Returning drops `events`, which stops the engine before its next step.
+                    let usage = Usage::new(prompt_tokens, completion_tokens);
+                    return finish(tx, parser, FinishReason::Stop, usage, saw_tool_call).await;
                 }
             }
-            Some(GenerationEvent::Finished { reason, usage }) => {
-                log_usage(&usage, reason);
+            Some(GenerationEvent::Finished { reason, usage: engine_usage }) => {
+                log_usage(&engine_usage, reason);
+                let (mut released, matched) = stops.push(&decoder.finish());
+                if !matched {
+                    released.push_str(&stops.finish());
+                }
+                if !send_all(tx, parser.push(&released), &mut saw_tool_call).await {
+                    return;
+                }
                 let reason = match reason {
+                    _ if matched => FinishReason::Stop,
                     worker::FinishReason::Length => FinishReason::Length,
                     worker::FinishReason::Stop | worker::FinishReason::Cancelled => FinishReason::Stop,
                 };
-                (std::mem::replace(&mut decoder, model.engine.tokenizer().stream_decoder(true)).finish(), Some(reason))
+                let usage = Usage::new(prompt_tokens, completion_tokens);
+                return finish(tx, parser, reason, usage, saw_tool_call).await;
             }
             Some(GenerationEvent::Failed(message)) => {
                 tracing::error!(%message, "generation failed");
@@ -153,33 +169,23 @@ async fn drive(
                 let _ = tx.send(Piece::Failed("the engine stopped before the generation ended".into())).await;
                 return;
             }
-        };
-        let (mut released, matched) = stops.push(&text);
-        let end = if matched {
-            tracing::debug!(completion_tokens, ms = started.elapsed().as_millis() as u64, "stop string matched");
-            Some(FinishReason::Stop)
-        } else {
-            if end.is_some() {
-                released.push_str(&stops.finish());
-            }
-            end
-        };
-        let mut out = parser.push(&released);
-        let Some(reason) = end else {
-            if !send_all(tx, out, &mut saw_tool_call).await {
-                return;
-            }
-            continue;
-        };
-        out.extend(std::mem::replace(&mut parser, OutputParser::new(parse)).finish());
-        if !send_all(tx, out, &mut saw_tool_call).await {
-            return;
         }
-        let finish_reason =
-            if saw_tool_call && reason == FinishReason::Stop { FinishReason::ToolCalls } else { reason };
-        let _ = tx.send(Piece::Done { finish_reason, usage: Usage::new(prompt_tokens, completion_tokens) }).await;
+    }
+}
+
+/// Flushes the parser and sends [`Piece::Done`]; a turn that called tools ends with `tool_calls`.
+async fn finish(
+    tx: &mpsc::Sender<Piece>,
+    parser: OutputParser,
+    reason: FinishReason,
+    usage: Usage,
+    mut saw_tool_call: bool,
+) {
+    if !send_all(tx, parser.finish(), &mut saw_tool_call).await {
         return;
     }
+    let finish_reason = if saw_tool_call && reason == FinishReason::Stop { FinishReason::ToolCalls } else { reason };
+    let _ = tx.send(Piece::Done { finish_reason, usage }).await;
 }
 
 /// Sends the parser's events as pieces; false when the reader is gone.

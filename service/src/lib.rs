@@ -10,6 +10,8 @@
 //! model that fails to load stops the server with [`ServeError::Load`]. [`serve`] is `nebula serve`: it adds the
 //! runtime and the SIGINT/SIGTERM handling.
 
+#![warn(missing_docs)]
+
 pub mod chat;
 pub mod config;
 pub mod error;
