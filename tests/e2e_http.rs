@@ -496,11 +496,15 @@ async fn bad_requests_get_openai_errors() {
 }
 
 #[tokio::test]
-async fn prompt_over_the_context_is_refused_naming_the_limit() {
-    let server = spawn_server(ServerConfig { max_context: Some(32), ..test_config() });
+async fn prompt_over_the_context_is_refused_naming_the_limit_and_model_id_overrides() {
+    let server = spawn_server(ServerConfig { max_context: Some(32), model_id: Some("tiny".into()), ..test_config() });
     let models: Value = client().get(format!("{}/v1/models", server.base)).send().await.unwrap().json().await.unwrap();
     assert_eq!(models["data"][0]["max_model_len"], 32);
+    assert_eq!(models["data"][0]["id"], "tiny");
+    // `--model-id` replaces the GGUF's name.
     let (status, body) = post(&server.base, &hello(json!({}))).await;
+    assert_error(status, &body, StatusCode::NOT_FOUND, Some("model"));
+    let (status, body) = post(&server.base, &hello(json!({"model": "tiny"}))).await;
     assert_error(status, &body, StatusCode::BAD_REQUEST, Some("messages"));
     assert_eq!(body["error"]["code"], "context_length_exceeded");
     let message = body["error"]["message"].as_str().unwrap();
@@ -508,7 +512,8 @@ async fn prompt_over_the_context_is_refused_naming_the_limit() {
     assert!(message.contains("32 tokens"), "{message}");
     assert!(message.contains(&format!("{prompt_tokens} tokens")), "{message}");
     // Thinking off makes the prompt short enough; max_tokens is then bounded by the room left.
-    let (status, body) = post(&server.base, &hello(json!({"reasoning_effort": "none", "temperature": 0}))).await;
+    let (status, body) =
+        post(&server.base, &hello(json!({"model": "tiny", "reasoning_effort": "none", "temperature": 0}))).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert!(body["usage"]["total_tokens"].as_u64().unwrap() <= 32);
 }

@@ -109,101 +109,134 @@ async fn drive(
     tx: &mpsc::Sender<Piece>,
 ) {
     let mut decoder = model.engine.tokenizer().stream_decoder(true);
-    let mut parser = OutputParser::new(parse);
-    let mut stops = StopMatcher::new(stop);
-    let mut completion_tokens = 0usize;
-    let mut saw_tool_call = false;
+    let mut turn = TurnAssembler::new(parse, stop, prompt_tokens);
     loop {
         let event = tokio::select! {
             biased;
             () = tx.closed() => {
-                tracing::info!(completion_tokens, "client went away; generation cancelled");
+                tracing::info!(completion_tokens = turn.completion_tokens, "client went away; generation cancelled");
                 return;
             }
             event = events.recv() => event,
         };
-        match event {
-            Some(GenerationEvent::Started) => {}
-            Some(GenerationEvent::Token(id)) => {
-                completion_tokens += 1;
-                let text = match decoder.push(id) {
-                    Ok(text) => text,
-                    Err(e) => {
-                        let _ = tx.send(Piece::Failed(format!("detokenizing the output: {e}"))).await;
+        let pieces = match event {
+            Some(GenerationEvent::Started) => continue,
+            Some(GenerationEvent::Token(id)) => match decoder.push(id) {
+                Ok(text) => match turn.push_token(&text) {
+                    Ok(pieces) => pieces,
+                    // A stop string matched: returning drops `events`, which stops the engine before its next step.
+                    Err(last) => {
+                        send_all(tx, last).await;
                         return;
                     }
-                };
-                let (released, matched) = stops.push(&text);
-                if !send_all(tx, parser.push(&released), &mut saw_tool_call).await {
-                    return;
-                }
-                if matched {
-                    // Returning drops `events`, which stops the engine before its next step.
-                    let usage = Usage::new(prompt_tokens, completion_tokens);
-                    return finish(tx, parser, FinishReason::Stop, usage, saw_tool_call).await;
-                }
-            }
-            Some(GenerationEvent::Finished { reason, usage: engine_usage }) => {
-                log_usage(&engine_usage, reason);
-                let (mut released, matched) = stops.push(&decoder.finish());
-                if !matched {
-                    released.push_str(&stops.finish());
-                }
-                if !send_all(tx, parser.push(&released), &mut saw_tool_call).await {
-                    return;
-                }
+                },
+                Err(e) => vec![Piece::Failed(format!("detokenizing the output: {e}"))],
+            },
+            Some(GenerationEvent::Finished { reason, usage }) => {
+                log_usage(&usage, reason);
                 let reason = match reason {
-                    _ if matched => FinishReason::Stop,
                     worker::FinishReason::Length => FinishReason::Length,
                     worker::FinishReason::Stop | worker::FinishReason::Cancelled => FinishReason::Stop,
                 };
-                let usage = Usage::new(prompt_tokens, completion_tokens);
-                return finish(tx, parser, reason, usage, saw_tool_call).await;
+                send_all(tx, turn.finish(&decoder.finish(), reason)).await;
+                return;
             }
             Some(GenerationEvent::Failed(message)) => {
                 tracing::error!(%message, "generation failed");
-                let _ = tx.send(Piece::Failed(message)).await;
-                return;
+                vec![Piece::Failed(message)]
             }
-            None => {
-                let _ = tx.send(Piece::Failed("the engine stopped before the generation ended".into())).await;
-                return;
-            }
+            None => vec![Piece::Failed("the engine stopped before the generation ended".into())],
+        };
+        let failed = matches!(pieces.last(), Some(Piece::Failed(_)));
+        if !send_all(tx, pieces).await || failed {
+            return;
         }
     }
 }
 
-/// Flushes the parser and sends [`Piece::Done`]; a turn that called tools ends with `tool_calls`.
-async fn finish(
-    tx: &mpsc::Sender<Piece>,
-    parser: OutputParser,
-    reason: FinishReason,
-    usage: Usage,
-    mut saw_tool_call: bool,
-) {
-    if !send_all(tx, parser.finish(), &mut saw_tool_call).await {
-        return;
-    }
-    let finish_reason = if saw_tool_call && reason == FinishReason::Stop { FinishReason::ToolCalls } else { reason };
-    let _ = tx.send(Piece::Done { finish_reason, usage }).await;
-}
-
-/// Sends the parser's events as pieces; false when the reader is gone.
-async fn send_all(tx: &mpsc::Sender<Piece>, events: Vec<OutputEvent>, saw_tool_call: &mut bool) -> bool {
-    for event in events {
-        let piece = match event {
-            OutputEvent::Reasoning(text) => Piece::Reasoning(text),
-            OutputEvent::Content(text) => Piece::Content(text),
-            OutputEvent::ToolCall { index, id, name, arguments } => {
-                *saw_tool_call = true;
-                Piece::ToolCall { index, id, name, arguments }
-            }
-        };
+/// Sends `pieces` in order; false when the reader is gone.
+async fn send_all(tx: &mpsc::Sender<Piece>, pieces: Vec<Piece>) -> bool {
+    for piece in pieces {
         if tx.send(piece).await.is_err() {
             return false;
         }
     }
     true
+}
+
+/// Builds one assistant turn from decoded text: stop strings first (on the raw text, tags included), then the
+/// output parser; counts tokens and decides the finish reason. Synchronous, so it is tested without an engine.
+#[derive(Debug)]
+pub struct TurnAssembler {
+    parser: OutputParser,
+    stops: StopMatcher,
+    prompt_tokens: usize,
+    /// Tokens generated so far.
+    pub completion_tokens: usize,
+    saw_tool_call: bool,
+}
+
+impl TurnAssembler {
+    /// A turn read with `parse`, ended early by any of `stop`, after a prompt of `prompt_tokens`.
+    pub fn new(parse: &ParseOptions, stop: Vec<String>, prompt_tokens: usize) -> Self {
+        Self {
+            parser: OutputParser::new(parse),
+            stops: StopMatcher::new(stop),
+            prompt_tokens,
+            completion_tokens: 0,
+            saw_tool_call: false,
+        }
+    }
+
+    /// Adds the text of one generated token. `Err` holds the last pieces (ending with [`Piece::Done`]) when a
+    /// stop string matched: the generation must stop.
+    pub fn push_token(&mut self, text: &str) -> Result<Vec<Piece>, Vec<Piece>> {
+        self.completion_tokens += 1;
+        let (released, matched) = self.stops.push(text);
+        let events = self.parser.push(&released);
+        let mut pieces = self.pieces(events);
+        if !matched {
+            return Ok(pieces);
+        }
+        pieces.extend(self.end(FinishReason::Stop));
+        Err(pieces)
+    }
+
+    /// Ends the turn: `rest` is the decoder's held-back text, `reason` why the engine stopped. The last piece is
+    /// [`Piece::Done`]; a turn that called tools and ended normally finishes with `tool_calls`.
+    pub fn finish(mut self, rest: &str, reason: FinishReason) -> Vec<Piece> {
+        let (mut released, matched) = self.stops.push(rest);
+        if !matched {
+            released.push_str(&self.stops.finish());
+        }
+        let events = self.parser.push(&released);
+        let mut pieces = self.pieces(events);
+        pieces.extend(self.end(if matched { FinishReason::Stop } else { reason }));
+        pieces
+    }
+
+    fn end(&mut self, reason: FinishReason) -> Vec<Piece> {
+        let parser = std::mem::replace(&mut self.parser, OutputParser::new(&ParseOptions::default()));
+        let mut pieces = self.pieces(parser.finish());
+        let finish_reason =
+            if self.saw_tool_call && reason == FinishReason::Stop { FinishReason::ToolCalls } else { reason };
+        pieces.push(Piece::Done { finish_reason, usage: Usage::new(self.prompt_tokens, self.completion_tokens) });
+        pieces
+    }
+
+    fn pieces(&mut self, events: Vec<OutputEvent>) -> Vec<Piece> {
+        events
+            .into_iter()
+            .map(|event| match event {
+                OutputEvent::Reasoning(text) => Piece::Reasoning(text),
+                OutputEvent::Content(text) => Piece::Content(text),
+                OutputEvent::ToolCall { index, id, name, arguments } => {
+                    self.saw_tool_call = true;
+                    Piece::ToolCall { index, id, name, arguments }
+                }
+            })
+            .collect()
+    }
 }
 
 fn log_usage(usage: &worker::Usage, reason: worker::FinishReason) {
@@ -299,6 +332,76 @@ mod tests {
         assert_eq!(run(&["b", "abc"], &["xab", "c"]), ("xa".into(), true));
         assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
         assert_eq!(run(&["é!"], &["caf", "é", "!"]), ("caf".into(), true));
+    }
+
+    /// Feeds `tokens` (decoded texts) to a turn whose prompt opened `<think>`; returns all pieces.
+    fn assemble(tokens: &[&str], stop: &[&str], reason: FinishReason) -> Vec<Piece> {
+        let parse = ParseOptions { starts_in_reasoning: true, call_id_prefix: "call_t_".into(), ..Default::default() };
+        let mut turn = TurnAssembler::new(&parse, stop.iter().map(|s| s.to_string()).collect(), 10);
+        let mut out = Vec::new();
+        for t in tokens {
+            match turn.push_token(t) {
+                Ok(pieces) => out.extend(pieces),
+                Err(last) => {
+                    out.extend(last);
+                    return out;
+                }
+            }
+        }
+        out.extend(turn.finish("", reason));
+        out
+    }
+
+    fn text_of(pieces: &[Piece]) -> (String, String) {
+        let mut reasoning = String::new();
+        let mut content = String::new();
+        for p in pieces {
+            match p {
+                Piece::Reasoning(t) => reasoning.push_str(t),
+                Piece::Content(t) => content.push_str(t),
+                _ => {}
+            }
+        }
+        (reasoning, content)
+    }
+
+    #[test]
+    fn turn_splits_reasoning_and_answer() {
+        let pieces = assemble(&["Think", "ing.", "\n</think>", "\n\n", "Hi", " there."], &[], FinishReason::Stop);
+        assert_eq!(text_of(&pieces), ("Thinking.".into(), "Hi there.".into()));
+        assert_eq!(pieces.last(), Some(&Piece::Done { finish_reason: FinishReason::Stop, usage: Usage::new(10, 6) }));
+    }
+
+    #[test]
+    fn tool_calls_finish_with_tool_calls() {
+        let tokens = [
+            "Need weather.\n</think>\n\n",
+            "<tool_call>",
+            "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n",
+            "</tool_call>",
+        ];
+        let pieces = assemble(&tokens, &[], FinishReason::Stop);
+        let call = pieces.iter().find(|p| matches!(p, Piece::ToolCall { .. })).expect("a tool call");
+        assert_eq!(
+            call,
+            &Piece::ToolCall {
+                index: 0,
+                id: "call_t_0".into(),
+                name: "get_weather".into(),
+                arguments: "{\"city\": \"Paris\"}".into()
+            }
+        );
+        assert!(matches!(pieces.last(), Some(Piece::Done { finish_reason: FinishReason::ToolCalls, .. })));
+        // Cut off by max_tokens, the turn reports length even after a call.
+        let pieces = assemble(&tokens, &[], FinishReason::Length);
+        assert!(matches!(pieces.last(), Some(Piece::Done { finish_reason: FinishReason::Length, .. })));
+    }
+
+    #[test]
+    fn stop_string_ends_the_turn_and_counts_tokens_up_to_it() {
+        let pieces = assemble(&["a\n</think>\n\n", "one ", "two", " three", " four"], &["two"], FinishReason::Length);
+        assert_eq!(text_of(&pieces), ("a".into(), "one".into()));
+        assert_eq!(pieces.last(), Some(&Piece::Done { finish_reason: FinishReason::Stop, usage: Usage::new(10, 3) }));
     }
 
     #[test]
