@@ -138,6 +138,11 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
+/// The model did not load; the message names the file and the problem.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct LoadFailed(pub String);
+
 /// `{"error": {...}}`, the OpenAI error envelope.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ErrorBody {

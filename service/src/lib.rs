@@ -33,7 +33,7 @@ use tower_http::trace::{DefaultMakeSpan, DefaultOnFailure, DefaultOnResponse, Tr
 use tracing::Level;
 
 pub use crate::config::{ModelSource, ServeArgs, ServerConfig};
-pub use crate::error::{ApiError, ServeError};
+pub use crate::error::{ApiError, LoadFailed, ServeError};
 use crate::state::{AppState, LoadState, ServedModel, load_model};
 
 /// Largest request body accepted (a full 256k-token conversation fits).
@@ -92,14 +92,16 @@ impl ServerHandle {
         }
     }
 
-    /// Waits until the model is loaded; returns it, or the load error's message.
-    pub async fn ready(&self) -> Result<Arc<ServedModel>, String> {
+    /// Waits until the model is loaded and returns it. Errors: [`LoadFailed`] with the load error's message (the
+    /// error itself comes from [`ServerHandle::wait`]).
+    pub async fn ready(&self) -> Result<Arc<ServedModel>, LoadFailed> {
         let mut load = self.state.load.subscribe();
-        let state = load.wait_for(|s| !matches!(s, LoadState::Loading)).await.map_err(|e| e.to_string())?.clone();
+        let state =
+            load.wait_for(|s| !matches!(s, LoadState::Loading)).await.map_err(|e| LoadFailed(e.to_string()))?.clone();
         match state {
             LoadState::Ready(model) => Ok(model),
-            LoadState::Failed(message) => Err(message.to_string()),
-            LoadState::Loading => Err("still loading".into()),
+            LoadState::Failed(message) => Err(LoadFailed(message.to_string())),
+            LoadState::Loading => Err(LoadFailed("still loading".into())),
         }
     }
 
