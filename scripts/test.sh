@@ -6,9 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python3 -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
-if [ -f tests/sdk/requirements.txt ]; then
-  python3 -m pip install --quiet --disable-pip-version-check -r tests/sdk/requirements.txt
-fi
 python3 scripts/make_tokenizer.py
 
 cargo build --release --workspace --all-targets

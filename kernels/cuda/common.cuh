@@ -5,16 +5,28 @@
 // writes values [32c, 32c + 32) of the row. For 32-blocks a chunk is one block; for 256-blocks (K-quants,
 // IQ4_XS) a chunk is one sub-block.
 #pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#ifdef __CUDACC_RTC__
+// No headers: the same source compiles with nvcc and with NVRTC on machines that have only the driver and
+// libnvrtc (no toolkit headers).
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
+#ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
-#else
-#include <stdint.h>
 #endif
+
+// IEEE half bits to f32 (exact), through the PTX conversion instruction.
+__device__ __forceinline__ float half_bits_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// f32 to bfloat16 bits, round to nearest even (NaN stays NaN).
+__device__ __forceinline__ unsigned short f32_to_bf16_bits(float x) {
+    const unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 64);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
 
 // ggml type ids (ggml.h `enum ggml_type`).
 #define T_F32 0
@@ -29,11 +41,7 @@ typedef unsigned int uint32_t;
 #define T_IQ4_XS 23
 #define T_BF16 30
 
-__device__ __forceinline__ float ld_f16(const uint8_t* p) {
-    __half_raw r;
-    r.x = (unsigned short)(p[0] | (p[1] << 8));
-    return __half2float(__half(r));
-}
+__device__ __forceinline__ float ld_f16(const uint8_t* p) { return half_bits_to_f32((unsigned short)(p[0] | (p[1] << 8))); }
 
 __device__ __forceinline__ float bf16_bits_to_f32(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
 
@@ -85,11 +93,11 @@ __device__ __forceinline__ void dequant_chunk<T_F16>(const uint8_t* __restrict__
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         uint4 v = __ldg(p + i);
-        const __half2* h = reinterpret_cast<const __half2*>(&v);
+        const unsigned int w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            float2 f = __half22float2(h[k]);
-            out[8 * i + 2 * k] = f.x; out[8 * i + 2 * k + 1] = f.y;
+            out[8 * i + 2 * k] = half_bits_to_f32((unsigned short)(w[k] & 0xFFFF));
+            out[8 * i + 2 * k + 1] = half_bits_to_f32((unsigned short)(w[k] >> 16));
         }
     }
 }

@@ -77,7 +77,7 @@ __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ W, long
 #pragma unroll
     for (int k = 0; k < 32; k++) {
         if constexpr (sizeof(O) == 4) o[k] = w[k];
-        else o[k] = __float2bfloat16_rn(w[k]);
+        else o[k] = f32_to_bf16_bits(w[k]);
     }
 }
 
@@ -107,8 +107,8 @@ __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ W, long
         dequant_body<T, float>(W, rb, rows, cols, out);                                                      \
     }                                                                                                          \
     extern "C" __global__ void dequant_bf16_##NAME(const uint8_t* W, long long rb, int rows, int cols,          \
-                                                   __nv_bfloat16* out) {                                       \
-        dequant_body<T, __nv_bfloat16>(W, rb, rows, cols, out);                                              \
+                                                   unsigned short* out) {                                      \
+        dequant_body<T, unsigned short>(W, rb, rows, cols, out);                                             \
     }
 
 GEMV(f32, T_F32)

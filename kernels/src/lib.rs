@@ -142,6 +142,20 @@ fn expand_names(src: &str) -> Vec<String> {
     out
 }
 
+/// Compiles one kernel source with NVRTC for `arch` (e.g. "sm_90"), the run-time path of [`Gpu::open`].
+pub fn nvrtc_compile(stem: &str, src: &str, arch: &'static str) -> Result<cudarc::nvrtc::Ptx, GpuError> {
+    let full = src.replace("#include \"common.cuh\"", COMMON);
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch),
+        options: vec!["-std=c++17".into()],
+        name: Some(format!("{stem}.cu")),
+        ..Default::default()
+    };
+    std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(full, opts))
+        .map_err(|_| GpuError::Compile { file: stem.to_string(), message: "libnvrtc could not be loaded".into() })?
+        .map_err(|e| GpuError::Compile { file: stem.to_string(), message: format!("{e:?}") })
+}
+
 impl Gpu {
     /// Opens GPU `ordinal`, loading every kernel.
     ///
@@ -167,17 +181,8 @@ impl Gpu {
                 })?;
                 ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.to_vec()))?
             } else {
-                let full = src.replace("#include \"common.cuh\"", COMMON);
                 let arch: &'static str = Box::leak(format!("sm_{}{}", capability.0, capability.1).into_boxed_str());
-                let opts = cudarc::nvrtc::CompileOptions {
-                    arch: Some(arch),
-                    options: vec!["-std=c++17".into()],
-                    name: Some(format!("{stem}.cu")),
-                    ..Default::default()
-                };
-                let ptx = cudarc::nvrtc::compile_ptx_with_opts(full, opts)
-                    .map_err(|e| GpuError::Compile { file: stem.to_string(), message: format!("{e:?}") })?;
-                ctx.load_module(ptx)?
+                ctx.load_module(nvrtc_compile(stem, src, arch)?)?
             };
             for name in expand_names(src) {
                 let f = module.load_function(&name).map_err(|e| GpuError::Driver(format!("loading {name}: {e}")))?;
@@ -240,6 +245,18 @@ mod tests {
             assert!(names.iter().any(|x| x == n), "{n} missing from {names:?}");
         }
         assert!(names.iter().all(|n| !n.contains('#')), "{names:?}");
+    }
+
+    /// Needs libnvrtc (e.g. `pip install nvidia-cuda-nvrtc`, then point LD_LIBRARY_PATH at its lib folder):
+    /// `cargo test -p nebula-kernels -- --ignored nvrtc`.
+    #[test]
+    #[ignore = "needs libnvrtc on LD_LIBRARY_PATH: cargo test -p nebula-kernels -- --ignored nvrtc"]
+    fn nvrtc_compiles_every_source() {
+        for (stem, src) in SOURCES {
+            if let Err(e) = nvrtc_compile(stem, src, "sm_90") {
+                panic!("{e}");
+            }
+        }
     }
 
     #[test]
