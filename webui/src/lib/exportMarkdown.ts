@@ -30,7 +30,7 @@ export function chatToMarkdown(chat: Chat, opts: ExportOptions): string {
   for (const m of chat.messages) {
     if (m.role === 'user') {
       out.push('## User', '');
-      for (const a of m.attachments ?? []) out.push(`📎 ${a.name} (${formatBytes(a.size)})`, '');
+      for (const a of m.attachments ?? []) out.push(`Attached: ${a.name} (${formatBytes(a.size)})`, '');
       // The documents' text is part of what was sent; keep it, fenced as it was sent.
       out.push(promptText(m), '');
     } else {
