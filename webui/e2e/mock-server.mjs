@@ -19,6 +19,21 @@ export const HOSTILE_ANSWER = [
 
 export const HOSTILE_REASONING = 'Thinking <img src=y onerror="window.__pwned=(window.__pwned||0)+100"> <script>window.__pwned=42</script>';
 
+export const CODE_ANSWER = [
+  'Here is **Rust** with a table:',
+  '',
+  '```rust',
+  'fn main() {',
+  '    println!("Hello, Nebula!");',
+  '}',
+  '```',
+  '',
+  '| tier | experts |',
+  '|:-----|--------:|',
+  '| GPU  | 54 |',
+  '| RAM  | 348 |',
+].join('\n');
+
 export const DEFAULT_PROFILE = {
   name: '24gb-vram-64gb-ram',
   vram_gb: 24,
@@ -135,6 +150,9 @@ export async function startMock({ port = 0, profile = DEFAULT_PROFILE, metrics =
       if (/hostile/i.test(last)) {
         reasoning = HOSTILE_REASONING;
         answer = HOSTILE_ANSWER;
+      } else if (/\bcode\b/i.test(last)) {
+        reasoning = 'A small Rust example.';
+        answer = CODE_ANSWER;
       } else if (/\bslow\b/i.test(last)) {
         reasoning = 'Counting slowly.';
         answer = Array.from({ length: 400 }, (_, i) => `${i + 1}`).join(' ');
@@ -146,12 +164,14 @@ export async function startMock({ port = 0, profile = DEFAULT_PROFILE, metrics =
       const pieces = (s) => s.match(/\S+\s*|\s+/g) ?? [];
       let n = 0;
       if (thinking) for (const p of pieces(reasoning)) { await sleep(delay); send({ reasoning_content: p }); n++; }
+      let sent = 0;
       for (const p of pieces(answer)) {
         if (closed) return;
         await sleep(delay);
         send({ content: p });
         n++;
-        if (/midstream/i.test(last) && n === 4) {
+        sent++;
+        if (/midstream/i.test(last) && sent === 2) {
           res.write(`data: ${JSON.stringify({ error: { message: 'generation failed: the engine stopped', type: 'server_error', param: null, code: null } })}\n\ndata: [DONE]\n\n`);
           return res.end();
         }

@@ -29,11 +29,14 @@ export async function listChats(): Promise<Chat[]> {
 
 /** Stores a chat (a plain copy: Svelte's state proxies cannot be cloned into IndexedDB). */
 export async function saveChat(chat: Chat): Promise<void> {
-  await (await db()).put('chats', JSON.parse(JSON.stringify(chat)) as Chat);
+  const tx = (await db()).transaction('chats', 'readwrite');
+  await Promise.all([tx.store.put(JSON.parse(JSON.stringify(chat)) as Chat), tx.done]);
 }
 
 export async function deleteChat(id: string): Promise<void> {
-  await (await db()).delete('chats', id);
+  // Resolves once the transaction has committed, so a reload right after cannot bring the chat back.
+  const tx = (await db()).transaction('chats', 'readwrite');
+  await Promise.all([tx.store.delete(id), tx.done]);
 }
 
 /** Forgets the open connection (tests, after deleting the database). */

@@ -100,10 +100,15 @@ class Store {
 
   async remove(id: string): Promise<void> {
     if (this.streamingChatId === id) this.stop();
+    try {
+      await deleteChat(id);
+    } catch (e) {
+      this.storageError = `This chat could not be deleted (${e instanceof Error ? e.message : e}).`;
+      return;
+    }
     const i = this.chats.findIndex((c) => c.id === id);
     if (i < 0) return;
     this.chats.splice(i, 1);
-    await deleteChat(id).catch(() => {});
     if (this.currentId === id) {
       this.currentId = this.chats[Math.min(i, this.chats.length - 1)]?.id ?? null;
       if (!this.currentId) this.newChat();
@@ -192,12 +197,13 @@ class Store {
       msg.stats = answerStats(result, sentAt, performance.now(), deltas, this.contextLimit(chat));
     } catch (e) {
       const err = e instanceof ApiError ? e : new ApiError('server', String(e));
-      msg.stats = answerStats({ firstTokenAt }, sentAt, performance.now(), deltas, this.contextLimit(chat));
+      // Speed of what did arrive; no stats at all when nothing did.
+      if (firstTokenAt !== undefined) msg.stats = answerStats({ firstTokenAt }, sentAt, performance.now(), deltas, this.contextLimit(chat));
       if (err.kind === 'aborted') msg.interrupted = 'stopped';
       else {
         msg.interrupted = 'error';
         const f = friendly(err);
-        msg.error = { title: f.title, detail: f.detail };
+        msg.error = { title: f.title, detail: f.detail, retryable: f.retryable };
         if (err.kind === 'unreachable' || err.kind === 'loading') void this.pollHealth();
       }
     } finally {

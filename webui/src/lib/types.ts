@@ -35,7 +35,7 @@ export interface AssistantMessage {
   reasoning?: string;
   /** Set when the answer was cut: `stopped` by the user, or `error` (then `error` holds the message). */
   interrupted?: 'stopped' | 'error';
-  error?: { title: string; detail: string };
+  error?: { title: string; detail: string; retryable?: boolean };
   stats?: AnswerStats;
   at: number;
 }
