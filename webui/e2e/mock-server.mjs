@@ -53,12 +53,13 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 /**
  * Starts the mock on 127.0.0.1. Options: `port` (0: any), `profile` (object or null), `metrics` (bool).
  * Returns `{ port, url, requests, state, close() }`; `state.health` is `'ok' | 'loading'`, `state.phase`,
- * `state.progress`; `requests` holds every chat request body received.
+ * `state.progress`, `state.lastHeaders` (of the last request); `requests` holds every chat request body received.
  */
 export async function startMock({ port = 0, profile = DEFAULT_PROFILE, metrics = true } = {}) {
   const state = { health: 'ok', phase: 'reading weights', progress: 0.4, generated: 0, running: 0 };
   const requests = [];
   const server = http.createServer(async (req, res) => {
+    state.lastHeaders = req.headers;
     const json = (status, body, headers = {}) => {
       res.writeHead(status, { 'content-type': 'application/json', ...headers });
       res.end(JSON.stringify(body));
