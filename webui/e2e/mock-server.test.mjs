@@ -163,6 +163,17 @@ describe('the WebUI against the mock API', () => {
     }
   });
 
+  test('an answer cut by a reload keeps what came and is marked stopped', async () => {
+    await newChat();
+    await send('slow counting please');
+    await lastAnswer().getByTestId('answer').filter({ hasText: /\b12\b/ }).waitFor();
+    await page.waitForTimeout(2200); // the stream is saved every 2 s
+    await page.reload();
+    await lastAnswer().getByTestId('stopped-note').waitFor();
+    assert.match(await lastAnswer().getByTestId('answer').textContent(), /^1 2 3 4 5 6 7 8 9 10 11 12/);
+    await page.getByRole('button', { name: 'Send', exact: true }).waitFor();
+  });
+
   test('dark theme, keyboard and labels', async () => {
     await page.getByRole('button', { name: /Change theme/ }).click(); // system → light
     await page.getByRole('button', { name: /Change theme/ }).click(); // light → dark

@@ -35,7 +35,17 @@ class Store {
 
   async init(): Promise<void> {
     try {
-      this.chats = await listChats();
+      const chats = await listChats();
+      // An answer that was streaming when the page went away ends there.
+      for (const c of chats) {
+        for (const m of c.messages) {
+          if (m.role === 'assistant' && m.streaming) {
+            m.streaming = undefined;
+            m.interrupted ??= 'stopped';
+          }
+        }
+      }
+      this.chats = chats;
     } catch (e) {
       this.storageError = `Chats cannot be saved in this browser (${e instanceof Error ? e.message : e}).`;
     }
@@ -153,7 +163,7 @@ class Store {
 
   private async answer(chat: Chat): Promise<void> {
     const history = $state.snapshot(chat.messages);
-    chat.messages.push({ role: 'assistant', content: '', reasoning: '', at: Date.now() });
+    chat.messages.push({ role: 'assistant', content: '', reasoning: '', streaming: true, at: Date.now() });
     const msg = chat.messages[chat.messages.length - 1] as AssistantMessage;
     chat.updatedAt = Date.now();
     // Most recently used first.
@@ -167,11 +177,23 @@ class Store {
     this.streamingChatId = chat.id;
     let deltas = 0;
     let lastSave = performance.now();
-    const saveNow = () => {
+    // Deltas are gathered and shown at most every 50 ms: each update re-renders the message's Markdown.
+    let pendingReasoning = '';
+    let pendingContent = '';
+    let flushTimer: ReturnType<typeof setTimeout> | null = null;
+    const flush = () => {
+      if (flushTimer) clearTimeout(flushTimer);
+      flushTimer = null;
+      if (pendingReasoning) msg.reasoning = (msg.reasoning ?? '') + pendingReasoning;
+      if (pendingContent) msg.content += pendingContent;
+      pendingReasoning = pendingContent = '';
       if (performance.now() - lastSave > 2000) {
         lastSave = performance.now();
         void this.persist(chat);
       }
+    };
+    const later = () => {
+      flushTimer ??= setTimeout(flush, 50);
     };
     const sentAt = performance.now();
     let firstTokenAt: number | undefined;
@@ -181,21 +203,23 @@ class Store {
         {
           onReasoning: (t) => {
             firstTokenAt ??= performance.now();
-            msg.reasoning = (msg.reasoning ?? '') + t;
+            pendingReasoning += t;
             deltas++;
-            saveNow();
+            later();
           },
           onContent: (t) => {
             firstTokenAt ??= performance.now();
-            msg.content += t;
+            pendingContent += t;
             deltas++;
-            saveNow();
+            later();
           },
         },
         controller.signal,
       );
+      flush();
       msg.stats = answerStats(result, sentAt, performance.now(), deltas, this.contextLimit(chat));
     } catch (e) {
+      flush();
       const err = e instanceof ApiError ? e : new ApiError('server', String(e));
       // Speed of what did arrive; no stats at all when nothing did.
       if (firstTokenAt !== undefined) msg.stats = answerStats({ firstTokenAt }, sentAt, performance.now(), deltas, this.contextLimit(chat));
@@ -207,6 +231,7 @@ class Store {
         if (err.kind === 'unreachable' || err.kind === 'loading') void this.pollHealth();
       }
     } finally {
+      msg.streaming = undefined;
       this.controller = null;
       this.streamingChatId = null;
       chat.updatedAt = Date.now();

@@ -37,6 +37,8 @@ export interface AssistantMessage {
   interrupted?: 'stopped' | 'error';
   error?: { title: string; detail: string; retryable?: boolean };
   stats?: AnswerStats;
+  /** Set while the answer streams; an answer still marked so after a reload was cut by it. */
+  streaming?: boolean;
   at: number;
 }
 
