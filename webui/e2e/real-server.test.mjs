@@ -232,12 +232,15 @@ describe('chatting with a real nebula serve', () => {
     await page.locator('#composer-input').press('Enter');
     assert.equal(await answered(), HELLO_ANSWER);
 
-    // Stopped between two health checks: the request itself fails, with the same clear message and a retry.
+    // Stopped between two health checks (held at "ok" here so that the timing cannot vary): the request itself
+    // fails, with the same clear message and a retry.
+    await page.route('**/health', (route) => route.fulfill({ status: 200, contentType: 'application/json', body: '{"status":"ok"}' }));
     await nebula.stop();
     await send('What is the capital of Japan?');
     const err = lastAnswer().getByTestId('message-error');
     await err.waitFor();
     assert.match(await err.textContent(), /The Nebula server is not reachable/);
+    await page.unroute('**/health');
     await nebula.start();
     await page.getByTestId('health-label').filter({ hasText: 'Ready' }).waitFor({ timeout: 15_000 });
     await lastAnswer().getByRole('button', { name: 'Try again' }).click();
