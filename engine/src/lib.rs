@@ -5,6 +5,7 @@
 //! [`text`] turns text into token ids and back (tokenizer, chat template, output parsing). [`engine`] runs
 //! generation on a worker thread fed by a queue; the HTTP service never touches tensors.
 
+pub mod backend;
 pub mod convert;
 pub mod gguf;
 pub mod model;

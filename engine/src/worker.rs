@@ -118,6 +118,9 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
     /// Set to stop the request (e.g. a stop string matched); checked before each step.
     pub cancel: Arc<AtomicBool>,
+    /// Keep generating past the model's end-of-turn tokens, until `max_tokens` (benchmarks, tests); the extra
+    /// `stop_tokens` still stop.
+    pub ignore_eos: bool,
 }
 
 impl GenerateRequest {
@@ -129,6 +132,7 @@ impl GenerateRequest {
             sampling: SamplingParams::default(),
             stop_tokens: Vec::new(),
             cancel: Arc::default(),
+            ignore_eos: false,
         }
     }
 }
@@ -182,6 +186,20 @@ impl Engine {
     /// worker thread.
     pub fn load(path: &Path, opts: EngineOptions) -> Result<Self, LoadError> {
         let file = Arc::new(GgufFile::open(path).map_err(ModelError::from)?);
+        Self::from_gguf(file, opts)
+    }
+
+    /// Loads a GGUF model held in memory (e.g. one embedded in the binary). `label` stands for the path in
+    /// errors and is the fallback model name; otherwise as [`Engine::load`].
+    pub fn from_gguf_bytes(label: &str, bytes: Vec<u8>, opts: EngineOptions) -> Result<Self, LoadError> {
+        let file = Arc::new(GgufFile::from_bytes(label, bytes).map_err(ModelError::from)?);
+        Self::from_gguf(file, opts)
+    }
+
+    /// Builds the engine from a parsed GGUF file: tokenizer, chat template, model (every tensor validated) and
+    /// the worker thread.
+    fn from_gguf(file: Arc<GgufFile>, opts: EngineOptions) -> Result<Self, LoadError> {
+        let path = file.path().to_path_buf();
         let shown = path.display().to_string();
         let vocab = GgufVocab::from_gguf(&file)
             .map_err(|source| LoadError::Tokenizer { path: shown.clone(), source })?
@@ -370,7 +388,7 @@ impl Worker {
                 let _ = events.send(GenerationEvent::Failed("every token has probability 0".into()));
                 return;
             };
-            if self.stop_tokens.contains(&next) || req.stop_tokens.contains(&next) {
+            if (!req.ignore_eos && self.stop_tokens.contains(&next)) || req.stop_tokens.contains(&next) {
                 usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
                 return finish(FinishReason::Stop, usage);
             }

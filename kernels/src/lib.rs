@@ -1,10 +1,31 @@
-//! GPU kernels for Nebula.
+//! GPU kernels for Nebula: CUDA C sources (`cuda/`, one file per kernel family) and their loader.
 //!
-//! CUDA sources (one file per kernel family) and their loader arrive with the CUDA backend issue. This crate
-//! already owns the one question the rest of the program asks today: is an NVIDIA driver present? It answers
-//! without loading anything CUDA-related, so a CPU-only machine never reaches a CUDA loader that would panic.
+//! `build.rs` compiles the sources to fatbins (SASS for sm_80/86/89/90/120 + PTX) when nvcc is present at build
+//! time; otherwise [`Gpu::open`] compiles them with NVRTC on the machine that has the GPU. cudarc loads the CUDA
+//! driver dynamically, and its loader panics when the driver is missing, so [`Gpu::open`] first looks for the
+//! driver library on disk ([`find_cuda_driver`]) and reports a clean error on CPU-only machines.
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
+
+pub use cudarc;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+
+include!(concat!(env!("OUT_DIR"), "/fatbins.rs"));
+
+/// The kernel sources, for NVRTC when no fatbin was built: (file stem, source).
+pub const SOURCES: &[(&str, &str)] = &[
+    ("attention", include_str!("../cuda/attention.cu")),
+    ("gdn", include_str!("../cuda/gdn.cu")),
+    ("gemv", include_str!("../cuda/gemv.cu")),
+    ("hyper_connection", include_str!("../cuda/hyper_connection.cu")),
+    ("moe", include_str!("../cuda/moe.cu")),
+    ("norm_rope", include_str!("../cuda/norm_rope.cu")),
+    ("ple", include_str!("../cuda/ple.cu")),
+    ("sampling", include_str!("../cuda/sampling.cu")),
+];
+const COMMON: &str = include_str!("../cuda/common.cuh");
 
 /// Directories where the NVIDIA driver library `libcuda.so.1` is commonly installed on Linux.
 const DRIVER_DIRS: &[&str] = &[
@@ -12,6 +33,7 @@ const DRIVER_DIRS: &[&str] = &[
     "/usr/lib64",
     "/usr/lib",
     "/usr/local/nvidia/lib64",
+    "/usr/local/nvidia/lib",
     "/usr/local/cuda/compat",
     "/usr/lib/wsl/lib",
 ];
@@ -28,6 +50,168 @@ pub fn find_cuda_driver() -> Option<std::path::PathBuf> {
         .find(|p| p.exists())
 }
 
+/// Why the GPU could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// No NVIDIA driver on this machine.
+    #[error("no NVIDIA driver found (libcuda.so.1 is not installed); use the CPU backend")]
+    NoDriver,
+    /// The driver refused (no device with that index, driver too old, ...).
+    #[error("CUDA: {0}")]
+    Driver(String),
+    /// Compiling the kernels at run time failed.
+    #[error("compiling CUDA kernel file {file}.cu with NVRTC: {message}")]
+    Compile { file: String, message: String },
+    /// A kernel the caller asked for does not exist.
+    #[error("no CUDA kernel named {0}")]
+    MissingKernel(String),
+    /// Not enough device memory for what was asked.
+    #[error("{what} needs {needed_mib} MiB of GPU memory but {free_mib} MiB are free (budget {budget_mib} MiB)")]
+    OutOfMemory { what: String, needed_mib: u64, free_mib: u64, budget_mib: u64 },
+}
+
+impl From<cudarc::driver::DriverError> for GpuError {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        GpuError::Driver(e.to_string())
+    }
+}
+
+/// How the kernels were obtained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelSource {
+    /// Fatbins compiled by nvcc at build time.
+    Fatbin,
+    /// Compiled by NVRTC at run time.
+    Nvrtc,
+}
+
+/// An opened GPU: its context, a stream, and every kernel by name.
+pub struct Gpu {
+    /// The CUDA context.
+    pub ctx: Arc<CudaContext>,
+    /// The stream all work is issued on.
+    pub stream: Arc<CudaStream>,
+    functions: HashMap<String, CudaFunction>,
+    _modules: Vec<Arc<CudaModule>>,
+    /// How the kernels were built.
+    pub source: KernelSource,
+    /// Device name.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub capability: (i32, i32),
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu").field("name", &self.name).field("source", &self.source).finish_non_exhaustive()
+    }
+}
+
+fn kernel_names(src: &str) -> Vec<String> {
+    // Every `extern "C" __global__ void NAME(` of the source, macro-expanded families included.
+    let mut names = Vec::new();
+    for line in src.lines() {
+        if let Some(rest) = line.split("__global__ void ").nth(1) {
+            let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '#').collect();
+            names.push(name);
+        }
+    }
+    names
+}
+
+/// Expands the `NAME(name, T)` macro instantiations of a source into concrete kernel names.
+fn expand_names(src: &str) -> Vec<String> {
+    let templates = kernel_names(src);
+    let mut out: Vec<String> = templates.iter().filter(|n| !n.contains("##")).cloned().collect();
+    for line in src.lines() {
+        let line = line.trim();
+        for macro_name in ["GEMV", "GET_ROWS", "ELEM"] {
+            if let Some(args) = line.strip_prefix(&format!("{macro_name}(")) {
+                let ty = args.split(',').next().unwrap_or("").trim();
+                let block: String = src
+                    .split(&format!("#define {macro_name}("))
+                    .nth(1)
+                    .map(|b| b.split("\n\n").next().unwrap_or("").to_string())
+                    .unwrap_or_default();
+                for t in kernel_names(&block) {
+                    out.push(t.replace("##NAME", ty).replace("##", ""));
+                }
+            }
+        }
+    }
+    out
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`, loading every kernel.
+    ///
+    /// Errors: [`GpuError::NoDriver`] on machines without the NVIDIA driver (checked before cudarc is touched),
+    /// [`GpuError::Driver`] for a missing device, [`GpuError::Compile`] if run-time compilation fails.
+    pub fn open(ordinal: usize) -> Result<Self, GpuError> {
+        if find_cuda_driver().is_none() {
+            return Err(GpuError::NoDriver);
+        }
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| GpuError::Driver("the CUDA driver library could not be loaded".into()))??;
+        let stream = ctx.default_stream();
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let capability = ctx.compute_capability().unwrap_or((0, 0));
+        let force_nvrtc = std::env::var("NEBULA_NVRTC").is_ok_and(|v| v == "1");
+        let use_fatbins = !FATBINS.is_empty() && !force_nvrtc;
+        let mut functions = HashMap::new();
+        let mut modules = Vec::new();
+        for (stem, src) in SOURCES {
+            let module = if use_fatbins {
+                let bin = FATBINS.iter().find(|(s, _)| s == stem).map(|(_, b)| *b).ok_or_else(|| {
+                    GpuError::Compile { file: stem.to_string(), message: "missing from the build".into() }
+                })?;
+                ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.to_vec()))?
+            } else {
+                let full = src.replace("#include \"common.cuh\"", COMMON);
+                let arch: &'static str = Box::leak(format!("sm_{}{}", capability.0, capability.1).into_boxed_str());
+                let opts = cudarc::nvrtc::CompileOptions {
+                    arch: Some(arch),
+                    options: vec!["-std=c++17".into()],
+                    name: Some(format!("{stem}.cu")),
+                    ..Default::default()
+                };
+                let ptx = cudarc::nvrtc::compile_ptx_with_opts(full, opts)
+                    .map_err(|e| GpuError::Compile { file: stem.to_string(), message: format!("{e:?}") })?;
+                ctx.load_module(ptx)?
+            };
+            for name in expand_names(src) {
+                let f = module.load_function(&name).map_err(|e| GpuError::Driver(format!("loading {name}: {e}")))?;
+                functions.insert(name, f);
+            }
+            modules.push(module);
+        }
+        Ok(Self {
+            ctx,
+            stream,
+            functions,
+            _modules: modules,
+            source: if use_fatbins { KernelSource::Fatbin } else { KernelSource::Nvrtc },
+            name,
+            capability,
+        })
+    }
+
+    /// The kernel called `name`.
+    pub fn func(&self, name: &str) -> Result<&CudaFunction, GpuError> {
+        self.functions.get(name).ok_or_else(|| GpuError::MissingKernel(name.to_string()))
+    }
+
+    /// Number of kernels loaded.
+    pub fn n_kernels(&self) -> usize {
+        self.functions.len()
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), GpuError> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -36,6 +220,32 @@ mod tests {
     fn probe_does_not_panic_and_points_at_an_existing_file() {
         if let Some(p) = find_cuda_driver() {
             assert!(p.exists(), "probe returned {} which does not exist", p.display());
+        }
+    }
+
+    #[test]
+    fn every_macro_instantiated_kernel_is_named() {
+        let gemv = SOURCES.iter().find(|(s, _)| *s == "gemv").unwrap().1;
+        let names = expand_names(gemv);
+        for n in [
+            "gemv_q4_k_1",
+            "gemv_q8_0_8",
+            "moe_gemv_iq4_xs",
+            "dequant_f32_q6_k",
+            "dequant_bf16_f16",
+            "get_rows_q8_0",
+            "get_rows_elem_bf16",
+            "dequant_elem_f32_f16",
+        ] {
+            assert!(names.iter().any(|x| x == n), "{n} missing from {names:?}");
+        }
+        assert!(names.iter().all(|n| !n.contains('#')), "{names:?}");
+    }
+
+    #[test]
+    fn opening_without_a_driver_is_a_clean_error() {
+        if find_cuda_driver().is_none() {
+            assert!(matches!(Gpu::open(0), Err(GpuError::NoDriver)));
         }
     }
 }

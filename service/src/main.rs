@@ -40,10 +40,21 @@ enum Command {
     },
 }
 
+/// Logs to stderr; `RUST_LOG` filters (default: `info`).
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tower_http=info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve(args) => nebula_service::serve(args),
+        Command::Serve(args) => {
+            init_tracing();
+            Ok(nebula_service::serve(args.into())?)
+        }
         Command::Convert { input, output, outtype, no_mtp, split_max_gib, name } => {
             let opts = ConvertOptions {
                 out_type: outtype,

@@ -14,13 +14,13 @@ use super::weights::TensorLoader;
 /// One gated residual (`attn_hyper_connection`, `mlp_hyper_connection`, or the final `hyper_connection_mixer`).
 #[derive(Debug, Clone)]
 pub struct GatedResidual {
-    hc_norm: Vec<f32>,
-    input_mix_weight_down: Matrix,
-    input_mix_weight_up: Matrix,
-    block_inject_weight: Option<Matrix>,
-    streams: usize,
-    hidden: usize,
-    eps: f32,
+    pub(crate) hc_norm: Vec<f32>,
+    pub(crate) input_mix_weight_down: Matrix,
+    pub(crate) input_mix_weight_up: Matrix,
+    pub(crate) block_inject_weight: Option<Matrix>,
+    pub(crate) streams: usize,
+    pub(crate) hidden: usize,
+    pub(crate) eps: f32,
 }
 
 /// The block input and injection weights computed from a bundle.

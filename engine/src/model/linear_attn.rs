@@ -46,23 +46,23 @@ pub struct GdnState {
 /// One Gated DeltaNet token mixer.
 #[derive(Debug, Clone)]
 pub struct GatedDeltaNet {
-    in_proj_qkv: Matrix,
-    in_proj_z: Matrix,
-    in_proj_b: Matrix,
-    in_proj_a: Matrix,
+    pub(crate) in_proj_qkv: Matrix,
+    pub(crate) in_proj_z: Matrix,
+    pub(crate) in_proj_b: Matrix,
+    pub(crate) in_proj_a: Matrix,
     /// `[conv_dim, kernel]`.
-    conv1d: Vec<f32>,
-    dt_bias: Vec<f32>,
+    pub(crate) conv1d: Vec<f32>,
+    pub(crate) dt_bias: Vec<f32>,
     /// `-exp(A_log)`.
-    a: Vec<f32>,
-    norm: Vec<f32>,
-    out_proj: Matrix,
-    kernel: usize,
-    k_heads: usize,
-    v_heads: usize,
-    head_dim: usize,
-    gate: GateActivation,
-    eps: f32,
+    pub(crate) a: Vec<f32>,
+    pub(crate) norm: Vec<f32>,
+    pub(crate) out_proj: Matrix,
+    pub(crate) kernel: usize,
+    pub(crate) k_heads: usize,
+    pub(crate) v_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) gate: GateActivation,
+    pub(crate) eps: f32,
 }
 
 impl GatedDeltaNet {

@@ -92,13 +92,13 @@ impl Default for ForwardOptions {
 pub struct Qwen4Exp {
     /// Shapes and hyper-parameters.
     pub config: ModelConfig,
-    embed_tokens: Matrix,
-    layers: Vec<DecoderLayer>,
-    hyper_connection_mixer: GatedResidual,
-    lm_head: Matrix,
-    rope: Rope,
-    masked: Vec<Range<usize>>,
-    file: Arc<GgufFile>,
+    pub(crate) embed_tokens: Matrix,
+    pub(crate) layers: Vec<DecoderLayer>,
+    pub(crate) hyper_connection_mixer: GatedResidual,
+    pub(crate) lm_head: Matrix,
+    pub(crate) rope: Rope,
+    pub(crate) masked: Vec<Range<usize>>,
+    pub(crate) file: Arc<GgufFile>,
 }
 
 impl std::fmt::Debug for Qwen4Exp {

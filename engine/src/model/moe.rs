@@ -36,12 +36,12 @@ pub struct Routing {
 #[derive(Debug, Clone)]
 pub struct SparseMoe {
     /// `[n_expert, d]`, F32.
-    gate: Matrix,
-    experts: Vec<Expert>,
-    shared_expert: Expert,
+    pub(crate) gate: Matrix,
+    pub(crate) experts: Vec<Expert>,
+    pub(crate) shared_expert: Expert,
     /// `[d]`.
-    shared_expert_gate: Vec<f32>,
-    top_k: usize,
+    pub(crate) shared_expert_gate: Vec<f32>,
+    pub(crate) top_k: usize,
 }
 
 impl SparseMoe {

@@ -70,19 +70,19 @@ pub fn ngram_rows(cfg: &PleConfig, context: &[u32], tokens: &[u32]) -> Vec<u64> 
 /// The PLE block of one layer.
 #[derive(Debug, Clone)]
 pub struct PleLayer {
-    cfg: PleConfig,
-    key_proj: Matrix,
-    value_proj: Matrix,
-    norm_key: Vec<f32>,
-    norm_query: Vec<f32>,
-    norm_conv: Vec<f32>,
+    pub(crate) cfg: PleConfig,
+    pub(crate) key_proj: Matrix,
+    pub(crate) value_proj: Matrix,
+    pub(crate) norm_key: Vec<f32>,
+    pub(crate) norm_query: Vec<f32>,
+    pub(crate) norm_conv: Vec<f32>,
     /// `[S*d, conv_kernel]`, tap `k` of channel `c` at `c * kernel + k`.
-    conv1d: Vec<f32>,
+    pub(crate) conv1d: Vec<f32>,
     /// The n-gram table, `[rows, head_dim]`.
-    ngram_embedding: Matrix,
-    streams: usize,
-    hidden: usize,
-    eps: f32,
+    pub(crate) ngram_embedding: Matrix,
+    pub(crate) streams: usize,
+    pub(crate) hidden: usize,
+    pub(crate) eps: f32,
 }
 
 impl PleLayer {

@@ -50,28 +50,28 @@ impl AttnState {
 /// The QSA indexer of one layer.
 #[derive(Debug, Clone)]
 pub struct Indexer {
-    q_proj: Matrix,
-    k_proj: Matrix,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    cfg: IndexerConfig,
-    compress_ratio: usize,
+    pub(crate) q_proj: Matrix,
+    pub(crate) k_proj: Matrix,
+    pub(crate) q_norm: Vec<f32>,
+    pub(crate) k_norm: Vec<f32>,
+    pub(crate) cfg: IndexerConfig,
+    pub(crate) compress_ratio: usize,
 }
 
 /// One gated attention token mixer.
 #[derive(Debug, Clone)]
 pub struct Attention {
-    q_proj: Matrix,
-    k_proj: Matrix,
-    v_proj: Matrix,
-    o_proj: Matrix,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    indexer: Option<Indexer>,
-    n_head: usize,
-    n_kv: usize,
-    head_dim: usize,
-    eps: f32,
+    pub(crate) q_proj: Matrix,
+    pub(crate) k_proj: Matrix,
+    pub(crate) v_proj: Matrix,
+    pub(crate) o_proj: Matrix,
+    pub(crate) q_norm: Vec<f32>,
+    pub(crate) k_norm: Vec<f32>,
+    pub(crate) indexer: Option<Indexer>,
+    pub(crate) n_head: usize,
+    pub(crate) n_kv: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) eps: f32,
 }
 
 impl Attention {

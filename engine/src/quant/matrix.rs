@@ -109,6 +109,14 @@ impl Matrix {
     pub fn ggml_type(&self) -> GgmlType {
         self.ty
     }
+    /// All the bytes, rows one after another.
+    pub fn bytes(&self) -> &[u8] {
+        self.data.as_slice()
+    }
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
     /// Raw bytes of row `r`.
     #[inline]
     pub fn row_bytes_of(&self, r: usize) -> &[u8] {

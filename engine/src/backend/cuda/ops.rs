@@ -1,0 +1,118 @@
+//! Thin launch wrappers around the kernels of `kernels/cuda`, one per kernel family, on raw device pointers.
+//!
+//! Buffers are `CudaSlice`s owned by the model or the state; kernels take their raw addresses so one buffer can
+//! be read and written by the same launch (in-place norms) without fighting the borrow checker. All work goes
+//! to one stream, in order.
+
+use std::sync::Arc;
+
+use nebula_kernels::cudarc::cublas::{CudaBlas, sys as cublas_sys};
+use nebula_kernels::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use nebula_kernels::{Gpu, GpuError};
+
+use crate::gguf::GgmlType;
+
+/// A kernel argument.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// Raw device address of a buffer (plus an element offset).
+pub(crate) fn ptr<T: DeviceRepr>(buf: &CudaSlice<T>, stream: &CudaStream, offset: usize) -> u64 {
+    let (p, _sync) = buf.device_ptr(stream);
+    p + (offset * std::mem::size_of::<T>()) as u64
+}
+
+/// Kernel-name suffix of a weight type.
+pub(crate) fn type_suffix(ty: GgmlType) -> Result<&'static str, GpuError> {
+    Ok(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::IQ4_NL => "iq4_nl",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q5_K => "q5_k",
+        GgmlType::Q6_K => "q6_k",
+        GgmlType::IQ4_XS => "iq4_xs",
+        other => return Err(GpuError::MissingKernel(format!("CUDA kernels for weight type {}", other.name()))),
+    })
+}
+
+/// The GPU with its cuBLAS handle.
+pub(crate) struct Dev {
+    pub(crate) gpu: Gpu,
+    pub(crate) blas: CudaBlas,
+}
+
+impl Dev {
+    pub(crate) fn new(gpu: Gpu) -> Result<Self, GpuError> {
+        // One stream: ordering is the program order, so cudarc's per-buffer event tracking is not needed.
+        unsafe { gpu.ctx.disable_event_tracking() };
+        let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| GpuError::Driver(format!("cuBLAS: {e:?}")))?;
+        Ok(Self { gpu, blas })
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.gpu.stream
+    }
+
+    /// Launches kernel `name` on `grid` x `block` threads with `args`.
+    pub(crate) fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, args: &[Arg]) -> Result<(), GpuError> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let f = self.gpu.func(name)?;
+        let mut b = self.gpu.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(p) => b.arg(p),
+                Arg::I32(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+        unsafe { b.launch(cfg) }.map_err(|e| GpuError::Driver(format!("launching {name}: {e}")))?;
+        Ok(())
+    }
+
+    /// One thread per element, 256 per block.
+    pub(crate) fn launch_1d(&self, name: &str, count: usize, args: &[Arg]) -> Result<(), GpuError> {
+        let blocks = count.div_ceil(256) as u32;
+        self.launch(name, (blocks, 1, 1), 256, args)
+    }
+
+    /// `C[n][m] = A[n][k] . W[m][k]^T` in f32 with cuBLAS (row-major views of column-major GEMM).
+    pub(crate) fn sgemm(&self, w: u64, x: u64, y: u64, m: usize, n: usize, k: usize) -> Result<(), GpuError> {
+        let (alpha, beta) = (1f32, 0f32);
+        let status = unsafe {
+            cublas_sys::cublasSgemm_v2(
+                *self.blas.handle(),
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha,
+                w as *const f32,
+                k as i32,
+                x as *const f32,
+                k as i32,
+                &beta,
+                y as *mut f32,
+                m as i32,
+            )
+        };
+        if status != cublas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(GpuError::Driver(format!("cublasSgemm: {status:?}")));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,3 @@
+//! Compute backends beside the CPU model in [`crate::model`]: today CUDA ([`cuda`]), all weights on one GPU.
+
+pub mod cuda;

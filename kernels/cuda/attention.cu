@@ -1,0 +1,215 @@
+// Gated attention with the QSA indexer (engine/src/model/self_attn.rs; reference `Qwen4ExpTextQSAIndexer`).
+#include "common.cuh"
+
+// q[t][h] = P[t][h][0:hd] and gate[t][h] = P[t][h][hd:2hd] (q_proj packs query and output gate per head).
+extern "C" __global__ void attn_split_q(const float* __restrict__ P, float* q, float* gate, int n, int nh, int hd) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * nh * hd) return;
+    const int i = idx % hd;
+    const long long th = idx / hd;
+    q[idx] = P[th * 2 * hd + i];
+    gate[idx] = P[th * 2 * hd + hd + i];
+}
+
+// Mean of each block's raw indexer keys, RMS-normed with kn_w: pooled[b] for b in [b0, b1). RoPE follows.
+extern "C" __global__ void qsa_pool(const float* __restrict__ raw, float* pooled, int b0, int b1, int r, int ihd,
+                                    const float* __restrict__ kn_w, float eps) {
+    const int b = b0 + blockIdx.x;
+    if (b >= b1) return;
+    __shared__ float mean[256];
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < ihd; i += blockDim.x) {
+        float acc = 0.f;
+        for (int tok = b * r; tok < (b + 1) * r; tok++) acc += raw[(long long)tok * ihd + i];
+        acc /= (float)r;
+        mean[i] = acc;
+        ss += acc * acc;
+    }
+    ss = block_sum(ss);
+    const float inv = rsqrtf(ss / ihd + eps);
+    for (int i = threadIdx.x; i < ihd; i += blockDim.x) pooled[(long long)b * ihd + i] = mean[i] * inv * kn_w[i];
+}
+
+// scores[t][b] = sum_h relu(<qI[t][h], pooled[b]>) / sqrt(ihd) for the complete blocks b < (pos0+t+1)/r; -inf
+// after. thread = (t, b).
+extern "C" __global__ void qsa_scores(const float* __restrict__ qI, const float* __restrict__ pooled, float* scores,
+                                      int n, int pos0, int r, int nih, int ihd, int max_blocks) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * max_blocks) return;
+    const int b = idx % max_blocks, t = idx / max_blocks;
+    const int complete = (pos0 + t + 1) / r;
+    if (b >= complete) {
+        scores[idx] = -INFINITY;
+        return;
+    }
+    float s = 0.f;
+    for (int h = 0; h < nih; h++) {
+        const float* q = qI + ((long long)t * nih + h) * ihd;
+        const float* k = pooled + (long long)b * ihd;
+        float d = 0.f;
+        for (int i = 0; i < ihd; i++) d += q[i] * k[i];
+        s += fmaxf(d, 0.f);
+    }
+    scores[idx] = s * rsqrtf((float)ihd);
+}
+
+__device__ __forceinline__ unsigned int order_key(float f) {
+    const unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The keys query t attends to, ascending (selected blocks' tokens in block order, then the tail), into
+// sel[t][0..count[t]). With no more complete blocks than `keep`, every visible token. Otherwise the `keep`
+// highest-scoring blocks (ties to the lower block), found by a 4-pass radix select on the score bits.
+// One block of 256 threads per query.
+extern "C" __global__ void qsa_select(const float* __restrict__ scores, int max_blocks, int keep, int pos0, int r,
+                                      int* sel, int* count, int cap) {
+    const int t = blockIdx.x;
+    const int visible = pos0 + t + 1;
+    const int complete = visible / r;
+    int* out = sel + (long long)t * cap;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    if (complete <= keep) {
+        for (int i = tid; i < visible; i += nt) out[i] = i;
+        if (tid == 0) count[t] = visible;
+        return;
+    }
+    const float* sc = scores + (long long)t * max_blocks;
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned int prefix, prefix_mask;
+    __shared__ int remaining;
+    if (tid == 0) {
+        prefix = 0;
+        prefix_mask = 0;
+        remaining = keep;
+    }
+    __syncthreads();
+    for (int pass = 0; pass < 4; pass++) {
+        const int shift = 24 - 8 * pass;
+        for (int i = tid; i < 256; i += nt) hist[i] = 0;
+        __syncthreads();
+        for (int b = tid; b < complete; b += nt) {
+            const unsigned int k = order_key(sc[b]);
+            if ((k & prefix_mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            int need = remaining;
+            for (int bin = 255; bin >= 0; bin--) {
+                if ((int)hist[bin] >= need) {
+                    prefix |= ((unsigned int)bin) << shift;
+                    prefix_mask |= 255u << shift;
+                    remaining = need;
+                    break;
+                }
+                need -= hist[bin];
+            }
+        }
+        __syncthreads();
+    }
+    // prefix is the keep-th largest key; `remaining` of the blocks equal to it are taken, lowest index first.
+    const unsigned int thr = prefix;
+    const int take_eq = remaining;
+    __shared__ int cnt_gt[256], cnt_eq[256];
+    const int per = (complete + nt - 1) / nt;
+    const int lo = min(tid * per, complete), hi = min(lo + per, complete);
+    int g = 0, e = 0;
+    for (int b = lo; b < hi; b++) {
+        const unsigned int k = order_key(sc[b]);
+        g += k > thr;
+        e += k == thr;
+    }
+    cnt_gt[tid] = g;
+    cnt_eq[tid] = e;
+    __syncthreads();
+    if (tid == 0) {
+        int ag = 0, ae = 0;
+        for (int i = 0; i < nt; i++) {
+            const int tg = cnt_gt[i], te = cnt_eq[i];
+            cnt_gt[i] = ag;
+            cnt_eq[i] = ae;
+            ag += tg;
+            ae += te;
+        }
+    }
+    __syncthreads();
+    int eq_rank = cnt_eq[tid];
+    int pos = cnt_gt[tid] + min(eq_rank, take_eq);
+    for (int b = lo; b < hi; b++) {
+        const unsigned int k = order_key(sc[b]);
+        bool take = k > thr;
+        if (k == thr) {
+            take = eq_rank < take_eq;
+            eq_rank++;
+        }
+        if (take) {
+            for (int j = 0; j < r; j++) out[pos * r + j] = b * r + j;
+            pos++;
+        }
+    }
+    __syncthreads();
+    const int tail0 = complete * r;
+    for (int i = tail0 + tid; i < visible; i += nt) out[keep * r + (i - tail0)] = i;
+    if (tid == 0) count[t] = keep * r + (visible - tail0);
+}
+
+// Attention for query (t, h) over its key list (sel/count) or, when sel is null, keys 0..pos0+t. K/V caches are
+// [len][nkv*hd]; head h reads kv head h / (nh/nkv). Online softmax over tiles of 32 keys; f32 throughout.
+// block = 128 threads (4 warps), hd <= 512.
+extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ Kc,
+                                     const float* __restrict__ Vc, const int* __restrict__ sel,
+                                     const int* __restrict__ count, int cap, int pos0, float* out, int nh, int nkv,
+                                     int hd, float scale) {
+    const int t = blockIdx.x / nh, h = blockIdx.x % nh;
+    const int kvh = h / (nh / nkv);
+    const int kvw = nkv * hd;
+    const int nkeys = sel ? count[t] : pos0 + t + 1;
+    const int* list = sel ? sel + (long long)t * cap : nullptr;
+    __shared__ float qs[512];
+    __shared__ float ps[32];
+    __shared__ int ks[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* qh = q + ((long long)t * nh + h) * hd;
+    for (int i = tid; i < hd; i += blockDim.x) qs[i] = qh[i];
+    float m = -INFINITY, l = 0.f;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};  // dims tid, tid+128, tid+256, tid+384
+    __syncthreads();
+    for (int base = 0; base < nkeys; base += 32) {
+        const int tile = min(32, nkeys - base);
+        // each warp scores 8 keys
+        for (int j = warp; j < tile; j += 4) {
+            const int key = list ? list[base + j] : base + j;
+            const float* k = Kc + (long long)key * kvw + kvh * hd;
+            float d = 0.f;
+            for (int i = lane; i < hd; i += 32) d += qs[i] * k[i];
+            d = warp_sum(d);
+            if (lane == 0) {
+                ps[j] = d * scale;
+                ks[j] = key;
+            }
+        }
+        __syncthreads();
+        float tmax = -INFINITY;
+        for (int j = 0; j < tile; j++) tmax = fmaxf(tmax, ps[j]);
+        const float m_new = fmaxf(m, tmax);
+        const float corr = expf(m - m_new);
+        l *= corr;
+        for (int c = 0; c < 4; c++) acc[c] *= corr;
+        for (int j = 0; j < tile; j++) {
+            const float p = expf(ps[j] - m_new);
+            l += p;
+            const float* v = Vc + (long long)ks[j] * kvw + kvh * hd;
+            for (int c = 0; c < 4; c++) {
+                const int i = tid + 128 * c;
+                if (i < hd) acc[c] += p * v[i];
+            }
+        }
+        m = m_new;
+        __syncthreads();
+    }
+    float* o = out + ((long long)t * nh + h) * hd;
+    for (int c = 0; c < 4; c++) {
+        const int i = tid + 128 * c;
+        if (i < hd) o[i] = acc[c] / l;
+    }
+}

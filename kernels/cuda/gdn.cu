@@ -1,0 +1,112 @@
+// Gated DeltaNet (engine/src/model/linear_attn.rs; reference `torch_recurrent_gated_delta_rule`).
+#include "common.cuh"
+
+// Causal depthwise conv of kernel K over n tokens with the kept history, then SiLU, in place on qkv [n][C];
+// state [K-1][C] (oldest first) is updated. One thread per channel walks the tokens in order.
+extern "C" __global__ void gdn_conv(float* qkv, float* state, const float* __restrict__ w, int n, int C, int K) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float win[8];  // K <= 8
+    for (int k = 0; k < K - 1; k++) win[k] = state[(long long)k * C + c];
+    for (int t = 0; t < n; t++) {
+        win[K - 1] = qkv[(long long)t * C + c];
+        float acc = 0.f;
+        for (int k = 0; k < K; k++) acc += w[(long long)c * K + k] * win[k];
+        qkv[(long long)t * C + c] = siluf_(acc);
+        for (int k = 0; k < K - 1; k++) win[k] = win[k + 1];
+    }
+    for (int k = 0; k < K - 1; k++) state[(long long)k * C + c] = win[k];
+}
+
+__device__ __forceinline__ float softplus_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// beta = sigmoid(b), g = A * softplus(a + dt_bias) for each (token, value head); A = -exp(A_log) as stored.
+extern "C" __global__ void gdn_gates(const float* __restrict__ b, const float* __restrict__ a,
+                                     const float* __restrict__ A, const float* __restrict__ dt_bias, float* beta,
+                                     float* g, int n, int nv) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n * nv) return;
+    const int j = idx % nv;
+    beta[idx] = sigmoidf_(b[idx]);
+    g[idx] = A[j] * softplus_(a[idx] + dt_bias[j]);
+}
+
+// The delta rule token by token. Block (j, col0): value head j, columns [col0, col0 + blockDim.x) of its state
+// S [dk][dv] (S row-major per head, heads contiguous). Thread e owns column e of S in registers, so S^T k and
+// S^T q are local sums; q and k (already L2-normed, q scaled) come through shared memory. qkv rows are
+// [q (nk*dk) | k (nk*dk) | v (nv*dv)]; value head j reads key head j % nk (GGUF tiled order). o: [n][nv*dv].
+template <int DK>
+__device__ void gdn_recurrent_body(const float* __restrict__ qkv, const float* __restrict__ beta,
+                                   const float* __restrict__ g, float* S, float* o, int n, int nk, int nv, int C) {
+    const int j = blockIdx.x;
+    const int e = blockIdx.y * blockDim.x + threadIdx.x;  // column
+    const int dv = DK;
+    const int kh = j % nk;
+    __shared__ float qs[DK], ks[DK];
+    float col[DK];
+    float* Sj = S + (long long)j * DK * dv;
+#pragma unroll
+    for (int a = 0; a < DK; a++) col[a] = Sj[(long long)a * dv + e];
+    for (int t = 0; t < n; t++) {
+        const float* row = qkv + (long long)t * C;
+        __syncthreads();
+        for (int a = threadIdx.x; a < DK; a += blockDim.x) {
+            qs[a] = row[kh * DK + a];
+            ks[a] = row[nk * DK + kh * DK + a];
+        }
+        __syncthreads();
+        const float decay = expf(g[t * nv + j]);
+        const float bt = beta[t * nv + j];
+        const float vt = row[2 * nk * DK + j * dv + e];
+        float kv = 0.f;
+#pragma unroll
+        for (int a = 0; a < DK; a++) {
+            col[a] *= decay;
+            kv += col[a] * ks[a];
+        }
+        const float delta = (vt - kv) * bt;
+        float out = 0.f;
+#pragma unroll
+        for (int a = 0; a < DK; a++) {
+            col[a] += ks[a] * delta;
+            out += col[a] * qs[a];
+        }
+        o[(long long)t * nv * dv + j * dv + e] = out;
+    }
+#pragma unroll
+    for (int a = 0; a < DK; a++) Sj[(long long)a * dv + e] = col[a];
+}
+
+extern "C" __global__ void gdn_recurrent_128(const float* qkv, const float* beta, const float* g, float* S, float* o,
+                                             int n, int nk, int nv, int C) {
+    gdn_recurrent_body<128>(qkv, beta, g, S, o, n, nk, nv, C);
+}
+extern "C" __global__ void gdn_recurrent_64(const float* qkv, const float* beta, const float* g, float* S, float* o,
+                                            int n, int nk, int nv, int C) {
+    gdn_recurrent_body<64>(qkv, beta, g, S, o, n, nk, nv, C);
+}
+extern "C" __global__ void gdn_recurrent_32(const float* qkv, const float* beta, const float* g, float* S, float* o,
+                                            int n, int nk, int nv, int C) {
+    gdn_recurrent_body<32>(qkv, beta, g, S, o, n, nk, nv, C);
+}
+extern "C" __global__ void gdn_recurrent_16(const float* qkv, const float* beta, const float* g, float* S, float* o,
+                                            int n, int nk, int nv, int C) {
+    gdn_recurrent_body<16>(qkv, beta, g, S, o, n, nk, nv, C);
+}
+
+// Gated RMS norm per (token, value head): o = w * (o / rms(o)) * act(z), act = sigmoid (silu when silu_gate).
+extern "C" __global__ void gdn_gated_norm(float* o, const float* __restrict__ z, const float* __restrict__ w, int rows,
+                                          int dv, float eps, int silu_gate) {
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    float* orow = o + (long long)r * dv;
+    const float* zr = z + (long long)r * dv;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < dv; i += blockDim.x) ss += orow[i] * orow[i];
+    ss = block_sum(ss);
+    const float inv = rsqrtf(ss / dv + eps);
+    for (int i = threadIdx.x; i < dv; i += blockDim.x) {
+        const float gate = silu_gate ? siluf_(zr[i]) : sigmoidf_(zr[i]);
+        orow[i] = w[i] * (orow[i] * inv) * gate;
+    }
+}

@@ -1,0 +1,113 @@
+// MoE routing and combination (engine/src/model/moe.rs; reference `Qwen4ExpTextTopKRouter`).
+#include "common.cuh"
+
+// Softmax over E router logits, the top k (ties to the lower expert id), weights renormalised to sum 1.
+// One block per token; E <= 1024.
+extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int k, int* ids, float* weights) {
+    const int t = blockIdx.x;
+    __shared__ float p[1024];
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    __shared__ float sum_sh;
+    const float* lg = logits + (long long)t * E;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    float mx = -INFINITY;
+    for (int i = tid; i < E; i += blockDim.x) mx = fmaxf(mx, lg[i]);
+    mx = warp_max(mx);
+    if (lane == 0) bv[warp] = mx;
+    __syncthreads();
+    if (tid == 0) {
+        float v = -INFINITY;
+        for (int w = 0; w < nw; w++) v = fmaxf(v, bv[w]);
+        bv[0] = v;
+    }
+    __syncthreads();
+    mx = bv[0];
+    float s = 0.f;
+    for (int i = tid; i < E; i += blockDim.x) {
+        p[i] = expf(lg[i] - mx);
+        s += p[i];
+    }
+    s = block_sum(s);
+    for (int i = tid; i < E; i += blockDim.x) p[i] /= s;
+    __syncthreads();
+    float chosen_sum = 0.f;
+    for (int r = 0; r < k; r++) {
+        float best = -1.f;
+        int besti = 0x7fffffff;
+        for (int i = tid; i < E; i += blockDim.x)
+            if (p[i] > best || (p[i] == best && i < besti)) {
+                best = p[i];
+                besti = i;
+            }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, besti, o);
+            if (ov > best || (ov == best && oi < besti)) {
+                best = ov;
+                besti = oi;
+            }
+        }
+        __syncthreads();
+        if (lane == 0) {
+            bv[warp] = best;
+            bi[warp] = besti;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            float b = bv[0];
+            int i0 = bi[0];
+            for (int w = 1; w < nw; w++)
+                if (bv[w] > b || (bv[w] == b && bi[w] < i0)) {
+                    b = bv[w];
+                    i0 = bi[w];
+                }
+            ids[t * k + r] = i0;
+            weights[t * k + r] = b;
+            chosen_sum += b;
+            p[i0] = -2.f;
+        }
+        __syncthreads();
+    }
+    if (tid == 0) sum_sh = chosen_sum;
+    __syncthreads();
+    if (tid < k) weights[t * k + tid] /= sum_sh;
+}
+
+// out[t][i] = sum_j w[t][j] * ys[t*k + j][i] + sigmoid(sg[t]) * shared[t][i].
+extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float* __restrict__ w,
+                                       const float* __restrict__ shared, const float* __restrict__ sg, float* out, int n,
+                                       int k, int d) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * d) return;
+    const int i = idx % d, t = idx / d;
+    float acc = 0.f;
+    for (int j = 0; j < k; j++) acc += ys[((long long)t * k + j) * d + i] * w[t * k + j];
+    out[idx] = acc + sigmoidf_(sg[t]) * shared[idx];
+}
+
+// dst[j] = src[idx[j]] (rows of `width`): gathers the tokens routed to one expert.
+extern "C" __global__ void gather_rows(const float* __restrict__ src, const int* __restrict__ idx, float* dst, int n,
+                                       int width) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * width) return;
+    const int j = i / width, c = i % width;
+    dst[i] = src[(long long)idx[j] * width + c];
+}
+
+// out[idx[j]] += w[j] * y[j] (rows of `width`); rows of one call are distinct tokens, so no two threads collide.
+extern "C" __global__ void scatter_add_rows(const float* __restrict__ y, const int* __restrict__ idx,
+                                            const float* __restrict__ w, float* out, int n, int width) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * width) return;
+    const int j = i / width, c = i % width;
+    out[(long long)idx[j] * width + c] += w[j] * y[i];
+}
+
+// out[t][i] += sigmoid(sg[t]) * shared[t][i] (the gated shared expert).
+extern "C" __global__ void add_gated_shared(const float* __restrict__ shared, const float* __restrict__ sg, float* out,
+                                            int n, int d) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * d) return;
+    out[i] += sigmoidf_(sg[i / d]) * shared[i];
+}

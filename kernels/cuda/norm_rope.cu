@@ -1,0 +1,91 @@
+// RMS norms, partial multi-axis RoPE, activations and small vector ops (engine/src/model/norm.rs, rope.rs).
+#include "common.cuh"
+
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w[(r % w_rows) * width ..]: one block per row of `width` values.
+// A grouped bundle norm is rows of `hidden` with w_rows = streams; a per-head norm has w_rows = 1. In place ok.
+extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w, float* out,
+                                         int rows, int width, int w_rows, float eps) {
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (long long)r * width;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    const float inv = rsqrtf(ss / width + eps);
+    const float* wr = w + (long long)(r % w_rows) * width;
+    float* o = out + (long long)r * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = xr[i] * inv * wr[i];
+}
+
+// x[r] *= rsqrt(sum(x[r]^2) + eps) * scale for rows of `width`: row r is head r % per_token of token
+// r / per_token, at x + (r / per_token) * token_stride + (r % per_token) * width (Gated DeltaNet q/k L2 norm, the
+// heads sitting inside wider qkv rows). One block per row.
+extern "C" __global__ void l2_norm_heads(float* x, int rows, int width, int per_token, long long token_stride,
+                                         float eps, float scale) {
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    float* xr = x + (long long)(r / per_token) * token_stride + (long long)(r % per_token) * width;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    const float inv = rsqrtf(ss + eps) * scale;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) xr[i] *= inv;
+}
+
+// Partial NeoX RoPE on `heads` heads of each of n tokens: head h of token t starts at x + t*token_stride +
+// h*head_stride; dims [0, rope_dim) rotate in pairs (i, i + rope_dim/2). Frequency slot i uses the height
+// position when i % 3 == 1 && i < 3*sec1, the width position when i % 3 == 2 && i < 3*sec2, else time; text
+// tokens have all three equal to (pos0 + t) * pos_mul (pos_mul = the QSA block size for pooled block keys, which
+// rotate at their block's first position). thread = (t, h, i).
+extern "C" __global__ void rope_heads(float* x, int n, int heads, long long token_stride, long long head_stride,
+                                      int pos0, int pos_mul, int rope_dim, float theta, int sec1, int sec2) {
+    const int half = rope_dim / 2;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * heads * half) return;
+    const int i = idx % half;
+    const int h = (idx / half) % heads;
+    const int t = idx / ((long long)half * heads);
+    (void)sec1; (void)sec2;  // text positions: every axis is pos0 + t
+    const float inv_freq = 1.f / powf(theta, (float)(2 * i) / (float)rope_dim);
+    const float a = (float)((pos0 + t) * pos_mul) * inv_freq;
+    const float c = (float)cos((double)a), s = (float)sin((double)a);
+    float* p = x + t * token_stride + h * head_stride;
+    const float x1 = p[i], x2 = p[i + half];
+    p[i] = x1 * c - x2 * s;
+    p[i + half] = x2 * c + x1 * s;
+}
+
+extern "C" __global__ void add_inplace(float* x, const float* __restrict__ y, long long count) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) x[i] += y[i];
+}
+
+// g = silu(g) * u.
+extern "C" __global__ void silu_mul(float* g, const float* __restrict__ u, long long count) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) g[i] = siluf_(g[i]) * u[i];
+}
+
+// out[t][i] = x[t][i] * sigmoid(gate[t][i]) (attention output gate).
+extern "C" __global__ void mul_sigmoid(float* x, const float* __restrict__ gate, long long count) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) x[i] *= sigmoidf_(gate[i]);
+}
+
+// Copies `n` rows of `width` from src (src_stride apart) to dst (dst_stride apart).
+extern "C" __global__ void copy_rows(const float* __restrict__ src, long long src_stride, float* dst,
+                                     long long dst_stride, int n, int width) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * width) return;
+    const int t = idx / width, i = idx % width;
+    dst[t * dst_stride + i] = src[t * src_stride + i];
+}
+
+// Sets out[t][masked ranges] to -inf: ranges[2k], ranges[2k+1] are [start, end) of token ids no token has.
+extern "C" __global__ void mask_logits(float* logits, int n, int vocab, const int* __restrict__ ranges, int nranges) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * vocab) return;
+    const int v = idx % vocab;
+    for (int k = 0; k < nranges; k++)
+        if (v >= ranges[2 * k] && v < ranges[2 * k + 1]) logits[idx] = -INFINITY;
+}
