@@ -83,6 +83,29 @@ export async function startNebula({ port } = {}) {
   return server;
 }
 
+let publicCopy = null;
+/**
+ * dist/ and nginx/ where any user can read them. Started as root, nginx's workers (and the entry point test) run as
+ * `nobody`, who may not be able to traverse the checkout's folders (a clone under /root, say); elsewhere the
+ * originals are used.
+ */
+export function readableCopy() {
+  if (process.getuid?.() !== 0) return { dist: DIST_DIR, nginxDir: path.join(WEBUI_DIR, 'nginx') };
+  if (!publicCopy) {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'nebula-webui-public-'));
+    fs.chmodSync(dir, 0o755);
+    fs.cpSync(DIST_DIR, path.join(dir, 'dist'), { recursive: true });
+    fs.cpSync(path.join(WEBUI_DIR, 'nginx'), path.join(dir, 'nginx'), { recursive: true });
+    for (const f of fs.readdirSync(dir, { recursive: true })) {
+      const full = path.join(dir, f);
+      fs.chmodSync(full, fs.statSync(full).isDirectory() || f.endsWith('.sh') ? 0o755 : 0o644);
+    }
+    process.on('exit', () => fs.rmSync(dir, { recursive: true, force: true }));
+    publicCopy = { dist: path.join(dir, 'dist'), nginxDir: path.join(dir, 'nginx') };
+  }
+  return publicCopy;
+}
+
 /** nginx with the container's config (nginx/render-config.sh) serving dist/ and proxying to `apiUrl`. */
 export async function startNginx(apiUrl, name = 'nginx') {
   if (!fs.existsSync(path.join(DIST_DIR, 'index.html'))) throw new Error(`no build in ${DIST_DIR}: run \`npm run build\``);
@@ -91,9 +114,10 @@ export async function startNginx(apiUrl, name = 'nginx') {
   // Started as root, nginx's workers run as `nobody` and must reach their temp folders (request bodies over 16 KB).
   fs.chmodSync(tmp, 0o755);
   const conf = path.join(tmp, 'nginx.conf');
-  const env = { NEBULA_API_URL: apiUrl, WEBUI_PORT: String(port), WEBUI_ROOT: DIST_DIR, WEBUI_TMP: tmp, WEBUI_ACCESS_LOG: 'off' };
+  const { dist, nginxDir } = readableCopy();
+  const env = { NEBULA_API_URL: apiUrl, WEBUI_PORT: String(port), WEBUI_ROOT: dist, WEBUI_TMP: tmp, WEBUI_ACCESS_LOG: 'off' };
   await new Promise((resolve, reject) => {
-    const r = spawnLogged(path.join(WEBUI_DIR, 'nginx', 'render-config.sh'), [conf], name, env);
+    const r = spawnLogged(path.join(nginxDir, 'render-config.sh'), [conf], name, env);
     r.on('exit', (code) => (code === 0 ? resolve() : reject(new Error(`render-config.sh exited ${code}; see e2e/artifacts/${name}.log`))));
   });
   const child = spawnLogged('nginx', ['-e', 'stderr', '-c', conf, '-g', 'daemon off;'], name);

@@ -7,11 +7,10 @@ import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, test } from 'node:test';
-import { DIST_DIR, WEBUI_DIR, freePort, startNginx, waitFor } from './harness.mjs';
+import { DIST_DIR, WEBUI_DIR, freePort, readableCopy, startNginx, waitFor } from './harness.mjs';
 import { startMock } from './mock-server.mjs';
 
 const RENDER = path.join(WEBUI_DIR, 'nginx', 'render-config.sh');
-const ENTRYPOINT = path.join(WEBUI_DIR, 'nginx', 'entrypoint.sh');
 
 function render(env) {
   const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'nebula-webui-render-'));
@@ -66,9 +65,11 @@ describe('the WebUI container’s nginx', () => {
     const closed = await freePort();
     const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'nebula-webui-entry-'));
     fs.chmodSync(tmp, 0o777);
-    const env = { PATH: process.env.PATH, NEBULA_API_URL: `http://127.0.0.1:${closed}`, WEBUI_PORT: String(port), WEBUI_ROOT: DIST_DIR, WEBUI_TMP: path.join(tmp, 'run'), WEBUI_ACCESS_LOG: 'off' };
+    const { dist, nginxDir } = readableCopy();
+    const entrypoint = path.join(nginxDir, 'entrypoint.sh');
+    const env = { PATH: process.env.PATH, NEBULA_API_URL: `http://127.0.0.1:${closed}`, WEBUI_PORT: String(port), WEBUI_ROOT: dist, WEBUI_TMP: path.join(tmp, 'run'), WEBUI_ACCESS_LOG: 'off' };
     // As in the image: not root (the Dockerfile's USER 10001); here `nobody` via util-linux's setpriv.
-    const asUser = process.getuid?.() === 0 ? ['setpriv', ['--reuid=nobody', '--regid=nogroup', '--clear-groups', ENTRYPOINT]] : [ENTRYPOINT, []];
+    const asUser = process.getuid?.() === 0 ? ['setpriv', ['--reuid=nobody', '--regid=nogroup', '--clear-groups', entrypoint]] : [entrypoint, []];
     const child = spawn(asUser[0], asUser[1], { env, stdio: ['ignore', 'pipe', 'pipe'] });
     let log = '';
     child.stderr.on('data', (d) => (log += d));
