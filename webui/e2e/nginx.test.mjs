@@ -12,8 +12,10 @@ import { startMock } from './mock-server.mjs';
 
 const RENDER = path.join(WEBUI_DIR, 'nginx', 'render-config.sh');
 
+const renders = [];
 function render(env) {
   const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'nebula-webui-render-'));
+  renders.push(tmp);
   const out = path.join(tmp, 'nginx.conf');
   const r = spawnSync(RENDER, [out], { env: { PATH: process.env.PATH, WEBUI_ROOT: DIST_DIR, WEBUI_TMP: tmp, ...env }, encoding: 'utf8' });
   return { ...r, out, tmp, conf: fs.existsSync(out) ? fs.readFileSync(out, 'utf8') : '' };
@@ -25,6 +27,7 @@ before(async () => {
 });
 after(async () => {
   await mock?.close();
+  for (const dir of renders) fs.rmSync(dir, { recursive: true, force: true });
 });
 
 describe('the WebUI container’s nginx', () => {
