@@ -1,0 +1,1 @@
+//! The CPU routed-expert kernel (placeholder while the kernel is written).
