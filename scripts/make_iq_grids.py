@@ -38,7 +38,7 @@ def pack(g, width):
 
 
 def emit(name, doc, ty, vals, hexw, per_line):
-    lines = [f"/// {doc}", f"pub static {name}: [{ty}; {len(vals)}] = ["]
+    lines = [f"/// {doc}", "#[rustfmt::skip]", f"pub static {name}: [{ty}; {len(vals)}] = ["]
     for i in range(0, len(vals), per_line):
         lines.append("    " + " ".join(f"0x{v:0{hexw}x}," for v in vals[i:i + per_line]))
     lines.append("];")

@@ -6,6 +6,7 @@
 //! (little-endian), so a row can be copied into a byte buffer with one store.
 
 /// IQ2_XXS: 256 rows of 8 magnitudes in {8, 25, 43}.
+#[rustfmt::skip]
 pub static IQ2XXS_GRID: [u64; 256] = [
     0x0808080808080808, 0x080808080808082b, 0x0808080808081919, 0x0808080808082b08,
     0x0808080808082b2b, 0x0808080808190819, 0x0808080808191908, 0x08080808082b0808,
@@ -74,6 +75,7 @@ pub static IQ2XXS_GRID: [u64; 256] = [
 ];
 
 /// IQ2_XS: 512 rows of 8 magnitudes in {8, 25, 43}.
+#[rustfmt::skip]
 pub static IQ2XS_GRID: [u64; 512] = [
     0x0808080808080808, 0x080808080808082b, 0x0808080808081919, 0x0808080808082b08,
     0x0808080808082b2b, 0x0808080808190819, 0x0808080808191908, 0x080808080819192b,
@@ -206,6 +208,7 @@ pub static IQ2XS_GRID: [u64; 512] = [
 ];
 
 /// IQ2_S: 1024 rows of 8 magnitudes in {8, 25, 43}.
+#[rustfmt::skip]
 pub static IQ2S_GRID: [u64; 1024] = [
     0x0808080808080808, 0x080808080808082b, 0x0808080808081919, 0x0808080808082b08,
     0x0808080808082b2b, 0x0808080808190819, 0x0808080808191908, 0x080808080819192b,
@@ -466,6 +469,7 @@ pub static IQ2S_GRID: [u64; 1024] = [
 ];
 
 /// IQ3_XXS: 256 rows of 4 magnitudes in {4, 12, ..., 62}.
+#[rustfmt::skip]
 pub static IQ3XXS_GRID: [u32; 256] = [
     0x04040404, 0x04040414, 0x04040424, 0x04040c0c, 0x04040c1c, 0x04040c3e, 0x04041404, 0x04041414,
     0x04041c0c, 0x04042414, 0x04043e1c, 0x04043e2c, 0x040c040c, 0x040c041c, 0x040c0c04, 0x040c0c14,
@@ -502,6 +506,7 @@ pub static IQ3XXS_GRID: [u32; 256] = [
 ];
 
 /// IQ3_S: 512 rows of 4 magnitudes in {1, 3, ..., 15}.
+#[rustfmt::skip]
 pub static IQ3S_GRID: [u32; 512] = [
     0x01010101, 0x01010103, 0x01010105, 0x0101010b, 0x0101010f, 0x01010301, 0x01010303, 0x01010305,
     0x01010309, 0x0101030d, 0x01010501, 0x01010503, 0x0101050b, 0x01010707, 0x01010901, 0x01010905,
@@ -570,6 +575,7 @@ pub static IQ3S_GRID: [u32; 512] = [
 ];
 
 /// IQ1_S and IQ1_M: 2048 rows of 8 values in {-1, 0, 1} (as i8).
+#[rustfmt::skip]
 pub static IQ1S_GRID: [u64; 2048] = [
     0xffffffffffffffff, 0xffffffffffffff01, 0xffffffffffff0000, 0xffffffffffff01ff,
     0xffffffffffff0101, 0xffffffffff00ff00, 0xffffffffff000000, 0xffffffffff01ffff,
@@ -1086,6 +1092,7 @@ pub static IQ1S_GRID: [u64; 2048] = [
 ];
 
 /// Sign patterns of the i-quants: 7 stored bits plus an even-parity 8th bit.
+#[rustfmt::skip]
 pub static KSIGNS_IQ2XS: [u8; 128] = [
     0x00, 0x81, 0x82, 0x03, 0x84, 0x05, 0x06, 0x87, 0x88, 0x09, 0x0a, 0x8b, 0x0c, 0x8d, 0x8e, 0x0f,
     0x90, 0x11, 0x12, 0x93, 0x14, 0x95, 0x96, 0x17, 0x18, 0x99, 0x9a, 0x1b, 0x9c, 0x1d, 0x1e, 0x9f,
