@@ -5,11 +5,12 @@
 //! HF; llama.cpp clamps the sum at 6.1e-5). Expert `e`: `W_down[e] (silu(W_gate[e] x) * W_up[e] x)`. Output:
 //! `sum_e w_e y_e + sigmoid(w_sg . x) * shared_expert(x)`.
 
+use crate::quant::moe::{ExpertRef, ExpertWork, routed_experts};
 use crate::quant::{Matrix, dot_f32};
 
 use super::config::ModelConfig;
 use super::error::ModelError;
-use super::norm::{sigmoid, silu, softmax};
+use super::norm::{sigmoid, softmax};
 use super::weights::TensorLoader;
 
 /// One routed expert's three projections.
@@ -90,52 +91,45 @@ impl SparseMoe {
     }
 
     /// The MoE output for `n` tokens `x` (`[n, d]`): `[n, d]`.
+    ///
+    /// The routed experts and the gated shared expert run in one call of the CPU MoE kernel
+    /// ([`routed_experts`]): routed experts in ascending id order (as the reference's `index_add_` loop), the
+    /// shared expert last, each output a fixed-order sum whatever the thread count.
     pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
         let d = self.shared_expert_gate.len();
         let routing = self.route(x, n);
-        let mut out = vec![0f32; n * d];
-        // Group tokens by expert so each expert's weights are read once; experts in ascending id order, as the
-        // reference's `index_add_` loop.
         let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
         for (t, r) in routing.iter().enumerate() {
             for (&e, &w) in r.experts.iter().zip(&r.weights) {
                 by_expert[e].push((t, w));
             }
         }
-        for (e, users) in by_expert.iter().enumerate() {
-            if users.is_empty() {
-                continue;
-            }
-            let xs: Vec<f32> = users.iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied()).collect();
-            let ys = run_expert(&self.experts[e], &xs, users.len());
-            for (i, &(t, w)) in users.iter().enumerate() {
-                for (o, &y) in out[t * d..(t + 1) * d].iter_mut().zip(&ys[i * d..(i + 1) * d]) {
-                    *o += y * w;
-                }
-            }
-        }
-        let shared = run_expert(&self.shared_expert, x, n);
-        for t in 0..n {
-            let g = sigmoid(dot_f32(&self.shared_expert_gate, &x[t * d..(t + 1) * d]));
-            for (o, &s) in out[t * d..(t + 1) * d].iter_mut().zip(&shared[t * d..(t + 1) * d]) {
-                *o += g * s;
-            }
-        }
+        let mut work: Vec<ExpertWork<'_>> = by_expert
+            .into_iter()
+            .enumerate()
+            .filter(|(_, users)| !users.is_empty())
+            .map(|(e, tokens)| ExpertWork { expert: self.experts[e].as_ref(), tokens })
+            .collect();
+        let shared_weights = (0..n).map(|t| (t, sigmoid(dot_f32(&self.shared_expert_gate, &x[t * d..(t + 1) * d]))));
+        work.push(ExpertWork { expert: self.shared_expert.as_ref(), tokens: shared_weights.collect() });
+        let mut out = vec![0f32; n * d];
+        routed_experts(&work, x, n, &mut out);
         out
     }
 }
 
-/// `W_down (silu(W_gate x) * W_up x)` for `n` tokens.
-pub fn run_expert(e: &Expert, x: &[f32], n: usize) -> Vec<f32> {
-    let ff = e.gate_proj.rows();
-    let mut g = vec![0f32; n * ff];
-    e.gate_proj.matmul(x, n, &mut g);
-    let mut u = vec![0f32; n * ff];
-    e.up_proj.matmul(x, n, &mut u);
-    for (gv, uv) in g.iter_mut().zip(&u) {
-        *gv = silu(*gv) * uv;
+impl Expert {
+    /// The three projections as the MoE kernel takes them.
+    pub fn as_ref(&self) -> ExpertRef<'_> {
+        ExpertRef { gate: &self.gate_proj, up: &self.up_proj, down: &self.down_proj }
     }
-    let mut y = vec![0f32; n * e.down_proj.rows()];
-    e.down_proj.matmul(&g, n, &mut y);
+}
+
+/// `W_down (silu(W_gate x) * W_up x)` for `n` tokens (`x` is `[n, d]`, the result `[n, d]`), through the MoE
+/// kernel with weight 1.
+pub fn run_expert(e: &Expert, x: &[f32], n: usize) -> Vec<f32> {
+    let d = e.down_proj.rows();
+    let mut y = vec![0f32; n * d];
+    routed_experts(&[ExpertWork { expert: e.as_ref(), tokens: (0..n).map(|t| (t, 1.0)).collect() }], x, n, &mut y);
     y
 }

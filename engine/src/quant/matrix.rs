@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{QuantError, RowKernels, row_bytes, row_kernels};
+use super::{ActFormat, ActRow, Activations, Isa, QuantError, RowKernels, row_bytes, row_kernels, row_kernels_for};
 use crate::gguf::GgmlType;
 
 /// Shared, immutable bytes of a weight: a range of some owner (a memory-mapped GGUF file, or an owned buffer).
@@ -68,6 +68,12 @@ impl std::fmt::Debug for WeightBytes {
 
 /// A `rows x cols` weight matrix (PyTorch `nn.Linear.weight` orientation: `y = W x`, `W` is `[out, in]`;
 /// GGUF stores it as `ne = [cols, rows]`), each row `row_bytes` bytes of blocks of `ty`.
+///
+/// Products quantize the activations once per call into the format the weight type pairs with
+/// ([`ActFormat`]), then take every row's dot product with the kernels of [`row_kernels`]; tokens go through in
+/// tiles of 4 so each weight block is decoded once per tile. Each output is one row's dot product with one
+/// token, computed the same way whatever the tile, the thread count or the instruction set, so
+/// [`Matrix::matmul`] equals [`Matrix::matvec`] per token bit for bit.
 #[derive(Clone, Debug)]
 pub struct Matrix {
     ty: GgmlType,
@@ -80,6 +86,8 @@ pub struct Matrix {
 
 /// Rows handed to one rayon task: enough work to amortize scheduling, few enough to balance 16 cores.
 const ROWS_PER_TASK: usize = 16;
+/// Below this many weights a product runs on the calling thread.
+const PARALLEL_MIN: usize = 1 << 15;
 
 impl Matrix {
     /// A matrix over `data`, which must hold exactly `rows` rows of `cols` values of type `ty`.
@@ -95,6 +103,13 @@ impl Matrix {
             return Err(QuantError::WrongSize { what: "matrix".into(), expected, found: data.len() });
         }
         Ok(Self { ty, rows, cols, row_bytes: rb, kernels, data })
+    }
+
+    /// The same matrix computing with instruction set `isa` at most (tests and benchmarks; the CPU must
+    /// support it).
+    pub fn with_isa(mut self, isa: Isa) -> Self {
+        self.kernels = row_kernels_for(self.ty, isa).expect("the type was accepted by Matrix::new");
+        self
     }
 
     /// Output size.
@@ -117,12 +132,24 @@ impl Matrix {
     pub fn row_bytes(&self) -> usize {
         self.row_bytes
     }
+    /// The kernels in use.
+    pub fn kernels(&self) -> &RowKernels {
+        &self.kernels
+    }
+    /// The activation format of this matrix's products.
+    pub fn act_format(&self) -> ActFormat {
+        self.kernels.acts
+    }
+    /// The weight bytes.
+    pub fn data(&self) -> &WeightBytes {
+        &self.data
+    }
     /// Raw bytes of row `r`.
     #[inline]
     pub fn row_bytes_of(&self, r: usize) -> &[u8] {
         &self.data.as_slice()[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
-    /// Row `r` decoded into `out` (`cols` values).
+    /// Row `r` decoded into `out` (`cols` values), bit-exact with `gguf.quants.dequantize`.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         (self.kernels.dequantize_row)(self.row_bytes_of(r), out);
     }
@@ -134,60 +161,81 @@ impl Matrix {
         }
         out
     }
-    /// Dot product of row `r` with `x` (`cols` values).
-    #[inline]
-    pub fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
-        (self.kernels.dot_row)(self.row_bytes_of(r), x)
+
+    /// Prepares `n` tokens `xs` (`[n, cols]`) for this matrix's kernels.
+    pub fn prepare(&self, xs: &[f32], n: usize) -> Activations {
+        Activations::new(self.kernels.acts, xs, self.cols, n)
     }
 
-    /// `y = W x`: `x` has `cols` values, `y` gets `rows` values. Parallel over rows; each output is one row's dot
-    /// product, so the result does not depend on the thread count.
+    /// Dot product of row `r` with `x` (`cols` values), through the same kernel as the products (this
+    /// prepares `x` on every call; use [`Matrix::matvec`] for many rows).
+    pub fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
+        let a = self.prepare(x, 1);
+        let mut out = [0f32];
+        (self.kernels.dot)(self.row_bytes_of(r), &[a.row(0)], &mut out);
+        out[0]
+    }
+
+    /// Dot products of rows `rows` with the prepared tokens `tokens` of `acts`, written to `out` as
+    /// `[rows.len(), tokens.len()]` (row-major), tokens in tiles of 4. Sequential: callers parallelize.
+    #[inline]
+    pub fn dot_rows(&self, rows: Range<usize>, acts: &Activations, tokens: Range<usize>, out: &mut [f32]) {
+        let nt = tokens.len();
+        debug_assert_eq!(out.len(), rows.len() * nt);
+        let mut tile: [ActRow<'_>; 4] = [acts.row(tokens.start); 4];
+        for (o, r) in out.chunks_exact_mut(nt).zip(rows) {
+            let row = self.row_bytes_of(r);
+            let mut t0 = 0;
+            while t0 < nt {
+                let k = (nt - t0).min(4);
+                for (i, slot) in tile[..k].iter_mut().enumerate() {
+                    *slot = acts.row(tokens.start + t0 + i);
+                }
+                (self.kernels.dot)(row, &tile[..k], &mut o[t0..t0 + k]);
+                t0 += k;
+            }
+        }
+    }
+
+    /// `y = W x`: `x` has `cols` values, `y` gets `rows` values. Parallel over rows.
     pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
         assert_eq!(x.len(), self.cols, "matvec input length");
         assert_eq!(y.len(), self.rows, "matvec output length");
-        if self.rows * self.cols < 1 << 15 {
-            for (r, o) in y.iter_mut().enumerate() {
-                *o = self.dot_row(r, x);
-            }
+        let a = self.prepare(x, 1);
+        self.matvec_prepared(&a, y);
+    }
+
+    /// `y = W x` with `x` already prepared (one token).
+    pub fn matvec_prepared(&self, a: &Activations, y: &mut [f32]) {
+        if self.rows * self.cols < PARALLEL_MIN {
+            self.dot_rows(0..self.rows, a, 0..1, y);
             return;
         }
         y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(chunk, out)| {
             let r0 = chunk * ROWS_PER_TASK;
-            for (i, o) in out.iter_mut().enumerate() {
-                *o = self.dot_row(r0 + i, x);
-            }
+            self.dot_rows(r0..r0 + out.len(), a, 0..1, out);
         });
     }
 
-    /// `Y = X W^T` for `n` tokens: `xs` is `[n, cols]`, `ys` is `[n, rows]`. Each row is decoded once and reused
-    /// across the tokens; the result equals `n` calls of [`Matrix::matvec`] exactly.
+    /// `Y = X W^T` for `n` tokens: `xs` is `[n, cols]`, `ys` is `[n, rows]`. Parallel over rows, tokens in tiles
+    /// of 4 per row; equals `n` calls of [`Matrix::matvec`] exactly.
     pub fn matmul(&self, xs: &[f32], n: usize, ys: &mut [f32]) {
         assert_eq!(xs.len(), n * self.cols, "matmul input length");
         assert_eq!(ys.len(), n * self.rows, "matmul output length");
         if n == 1 {
             return self.matvec(xs, ys);
         }
+        let a = self.prepare(xs, n);
         // Compute the transpose [rows, n] in parallel row chunks, then scatter.
         let mut yt = vec![0f32; self.rows * n];
-        let is_f32 = self.ty == GgmlType::F32;
-        yt.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(chunk, out)| {
-            let r0 = chunk * ROWS_PER_TASK;
-            let mut scratch = Vec::new();
-            let mut row = Vec::new();
-            for (i, o) in out.chunks_exact_mut(n).enumerate() {
-                let r = r0 + i;
-                let w: &[f32] = if is_f32 {
-                    super::fp32::as_f32s(self.row_bytes_of(r), &mut scratch)
-                } else {
-                    row.resize(self.cols, 0.0);
-                    self.dequantize_row(r, &mut row);
-                    &row
-                };
-                for (t, v) in o.iter_mut().enumerate() {
-                    *v = super::dot_f32(w, &xs[t * self.cols..(t + 1) * self.cols]);
-                }
-            }
-        });
+        if self.rows * self.cols < PARALLEL_MIN {
+            self.dot_rows(0..self.rows, &a, 0..n, &mut yt);
+        } else {
+            yt.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(chunk, out)| {
+                let r0 = chunk * ROWS_PER_TASK;
+                self.dot_rows(r0..r0 + out.len() / n, &a, 0..n, out);
+            });
+        }
         for r in 0..self.rows {
             for t in 0..n {
                 ys[t * self.rows + r] = yt[r * n + t];

@@ -1,0 +1,179 @@
+//! Activations prepared for the dot-product kernels: kept as `f32`, or quantized to 8 bits the way ggml pairs
+//! them with each weight format (`vec_dot_type` in ggml's CPU backend).
+//!
+//! - [`ActFormat::F32`] for F32, F16 and BF16 weights (ggml converts activations to F16/BF16 for those; we keep
+//!   `f32`, which is more accurate).
+//! - [`ActFormat::Q8_32`] for the 32-value block formats (ggml `Q8_0`/`Q8_1`): per block of 32 an `f32` scale
+//!   `d = max|x| / 127`, 32 `i8` values `round(x / d)` and their sum (ggml stores `d` as f16; we keep `f32`).
+//! - [`ActFormat::Q8K`] for the 256-value super-block formats, k-quants and i-quants (ggml `block_q8_K`): per
+//!   256 values an `f32` scale, 256 `i8` values and the 16 sums of each run of 16.
+//!
+//! A block holding a NaN or an infinity gets a NaN scale, so the dot products turn NaN rather than hide it.
+
+/// How a kernel wants its activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ActFormat {
+    /// Plain `f32`.
+    F32,
+    /// 8-bit blocks of 32 with an `f32` scale and the block sum.
+    Q8_32,
+    /// 8-bit super-blocks of 256 with an `f32` scale and 16 sums of 16.
+    Q8K,
+}
+
+impl ActFormat {
+    /// Values per activation block (1 for `F32`).
+    pub fn block(self) -> usize {
+        match self {
+            ActFormat::F32 => 1,
+            ActFormat::Q8_32 => 32,
+            ActFormat::Q8K => 256,
+        }
+    }
+    /// Values covered by one entry of `sums`.
+    pub fn sum_block(self) -> usize {
+        match self {
+            ActFormat::F32 => 1,
+            ActFormat::Q8_32 => 32,
+            ActFormat::Q8K => 16,
+        }
+    }
+}
+
+/// One token's activations as the kernels read them. Only the fields of its format are non-empty: `f` for
+/// `F32`; `qs` (`cols` values), `d` (one per block) and `sums` (one per 32 for `Q8_32`, per 16 for `Q8K`).
+#[derive(Debug, Clone, Copy)]
+pub struct ActRow<'a> {
+    /// `f32` values (`F32`).
+    pub f: &'a [f32],
+    /// Quantized values.
+    pub qs: &'a [i8],
+    /// Block scales.
+    pub d: &'a [f32],
+    /// Sums of the quantized values (exact).
+    pub sums: &'a [i16],
+}
+
+/// `tokens` activation vectors of `cols` values in one format.
+#[derive(Debug, Clone)]
+pub struct Activations {
+    format: ActFormat,
+    cols: usize,
+    tokens: usize,
+    f: Vec<f32>,
+    qs: Vec<i8>,
+    d: Vec<f32>,
+    sums: Vec<i16>,
+}
+
+impl Activations {
+    /// Prepares `xs` (`[tokens, cols]`, row-major) in `format`. `cols` must be a multiple of the format's block
+    /// (the weight's row length always is).
+    pub fn new(format: ActFormat, xs: &[f32], cols: usize, tokens: usize) -> Self {
+        assert_eq!(xs.len(), cols * tokens, "activations: {} values for {tokens} x {cols}", xs.len());
+        assert_eq!(cols % format.block(), 0, "activations: {cols} columns are not whole {format:?} blocks");
+        let mut a = Self { format, cols, tokens, f: Vec::new(), qs: Vec::new(), d: Vec::new(), sums: Vec::new() };
+        match format {
+            ActFormat::F32 => a.f = xs.to_vec(),
+            ActFormat::Q8_32 | ActFormat::Q8K => {
+                let block = format.block();
+                let sb = format.sum_block();
+                a.qs = vec![0; xs.len()];
+                a.d = vec![0.0; xs.len() / block];
+                a.sums = vec![0; xs.len() / sb];
+                for ((x, q), d) in xs.chunks_exact(block).zip(a.qs.chunks_exact_mut(block)).zip(a.d.iter_mut()) {
+                    *d = quantize_block_i8(x, q);
+                }
+                for (q, s) in a.qs.chunks_exact(sb).zip(a.sums.iter_mut()) {
+                    *s = q.iter().map(|&v| v as i16).sum();
+                }
+            }
+        }
+        a
+    }
+
+    /// The format.
+    pub fn format(&self) -> ActFormat {
+        self.format
+    }
+    /// Values per token.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Number of tokens.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Token `t`'s view.
+    #[inline]
+    pub fn row(&self, t: usize) -> ActRow<'_> {
+        let c = self.cols;
+        match self.format {
+            ActFormat::F32 => ActRow { f: &self.f[t * c..(t + 1) * c], qs: &[], d: &[], sums: &[] },
+            f => {
+                let nb = c / f.block();
+                let ns = c / f.sum_block();
+                ActRow {
+                    f: &[],
+                    qs: &self.qs[t * c..(t + 1) * c],
+                    d: &self.d[t * nb..(t + 1) * nb],
+                    sums: &self.sums[t * ns..(t + 1) * ns],
+                }
+            }
+        }
+    }
+}
+
+/// Symmetric 8-bit quantization of one block: `d = max|x| / 127`, `q = round_half_away(x / d)`; returns `d`
+/// (NaN when the block holds a non-finite value, with all `q` zero).
+fn quantize_block_i8(x: &[f32], q: &mut [i8]) -> f32 {
+    let mut amax = 0f32;
+    let mut finite = true;
+    for &v in x {
+        finite &= v.is_finite();
+        amax = amax.max(v.abs());
+    }
+    if !finite {
+        q.fill(0);
+        return f32::NAN;
+    }
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = (v * id).round().clamp(-127.0, 127.0) as i8;
+    }
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8k_sums_and_scales() {
+        let xs: Vec<f32> = (0..512).map(|i| ((i * 7919) % 201) as f32 - 100.0).collect();
+        let a = Activations::new(ActFormat::Q8K, &xs, 512, 1);
+        let r = a.row(0);
+        assert_eq!(r.d.len(), 2);
+        assert_eq!(r.sums.len(), 32);
+        for (j, s) in r.sums.iter().enumerate() {
+            assert_eq!(*s, r.qs[j * 16..(j + 1) * 16].iter().map(|&v| v as i16).sum::<i16>());
+        }
+        for (x, q) in xs.iter().zip(r.qs) {
+            let d = r.d[0];
+            assert!((x - *q as f32 * d).abs() <= d * 0.5 + 1e-4, "{x} vs {q}*{d}");
+        }
+    }
+
+    #[test]
+    fn non_finite_blocks_get_a_nan_scale() {
+        let mut xs = vec![1.0f32; 64];
+        xs[40] = f32::INFINITY;
+        let a = Activations::new(ActFormat::Q8_32, &xs, 64, 1);
+        assert_eq!(a.row(0).d[0], 1.0 / 127.0);
+        assert!(a.row(0).d[1].is_nan());
+        xs[40] = f32::NAN;
+        assert!(Activations::new(ActFormat::Q8_32, &xs, 64, 1).row(0).d[1].is_nan());
+    }
+}

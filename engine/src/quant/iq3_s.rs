@@ -1,0 +1,67 @@
+//! `IQ3_S` (3.44 bits per weight): super-blocks of 256 values as an `f16` `d`, 64 low index bytes, 8 bytes of
+//! index high bits, 32 sign bytes (one bit per value) and 4 bytes of 4-bit scales (one per 32 values, low
+//! nibble first); entry `e` (4 values) uses `IQ3S_GRID[qs[e] | ((qh[e / 8] >> (e % 8)) & 1) << 8]`; value =
+//! `d * (1 + 2s) * grid * sign` (ggml `block_iq3_s`; tables from `gguf.quants.IQ3_S`).
+
+use super::grids::IQ3S_GRID;
+use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
+use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
+use crate::gguf::GgmlType;
+
+/// The `IQ3_S` format.
+pub struct Iq3S;
+
+#[inline(always)]
+fn grid(block: &[u8], e: usize) -> u32 {
+    let idx = block[2 + e] as usize | ((((block[66 + e / 8] >> (e % 8)) & 1) as usize) << 8);
+    IQ3S_GRID[idx]
+}
+
+#[inline(always)]
+fn scale32(block: &[u8], ib: usize) -> u8 {
+    (block[106 + ib / 2] >> (4 * (ib % 2))) & 15
+}
+
+impl BlockFormat for Iq3S {
+    const TYPE: GgmlType = GgmlType::IQ3_S;
+    const BLOCK_ELEMS: usize = 256;
+    const BLOCK_BYTES: usize = 110;
+    const ACTS: ActFormat = ActFormat::Q8K;
+    fn dequantize_block(block: &[u8], out: &mut [f32]) {
+        let d = f16_at(block, 0);
+        for e in 0..64 {
+            let db = d * (1 + 2 * scale32(block, e / 8)) as f32;
+            let g = grid(block, e).to_le_bytes();
+            for k in 0..4 {
+                let i = 4 * e + k;
+                let v = db * g[k] as f32;
+                out[i] = if block[74 + i / 8] >> (i % 8) & 1 != 0 { -v } else { v };
+            }
+        }
+    }
+    fn scales_finite(block: &[u8]) -> bool {
+        f16_finite_at(block, 0)
+    }
+    fn dot_scalar(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        super::unpacked::dot_scalar::<Self>(row, xs, out)
+    }
+}
+
+impl Unpack256 for Iq3S {
+    fn unpack(block: &[u8], u: &mut Unpacked) {
+        for e in 0..64 {
+            u.mag[4 * e..4 * e + 4].copy_from_slice(&grid(block, e).to_le_bytes());
+        }
+        u.neg.copy_from_slice(&block[74..106]);
+        for ib in 0..8 {
+            let s = 1 + 2 * scale32(block, ib) as i16;
+            u.scale[2 * ib] = s;
+            u.scale[2 * ib + 1] = s;
+        }
+    }
+    fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32 {
+        (x.d[sb] * f16_at(block, 0)) * isum as f32
+    }
+}
+
+unpacked_simd!(Iq3S);

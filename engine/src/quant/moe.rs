@@ -1,0 +1,369 @@
+//! The CPU mixture-of-experts kernel of the hybrid path: every routed expert of a layer for a batch of up to
+//! 17 tokens (any count works) in one parallel region.
+//!
+//! For each expert `e` and each of its tokens `t` with router weight `w`:
+//! `out[t] += w * W_down[e] (silu(W_gate[e] x_t) * W_up[e] x_t)` (`Qwen4ExpTextExperts`, format doc §4.9).
+//!
+//! One [`rayon::broadcast`] region runs three phases separated by spin barriers, each phase taking work items
+//! from a shared counter:
+//! 1. gate/up: items are (expert, 16 rows); each weight row is dotted with the expert's tokens in tiles of 4
+//!    (one decode of each weight block per tile), and `silu(gate) * up` is written at once;
+//! 2. each expert's hidden vectors are quantized for its down projection;
+//! 3. down: items are 16 output rows; for each row, every expert in the order given adds `w * (down row . h)`
+//!    into each of its tokens' outputs.
+//!
+//! Every output value is produced by one item in a fixed order (experts in the order of the work list, usually
+//! ascending id), and every dot product goes through the same kernels whatever the tile, so the result is
+//! bit-identical for any thread count.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::{ActFormat, ActRow, Activations, Matrix};
+
+/// One expert's three projections: `gate` and `up` are `[ff, d]`, `down` is `[d, ff]`.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertRef<'a> {
+    /// `W_gate`, `[ff, d]`.
+    pub gate: &'a Matrix,
+    /// `W_up`, `[ff, d]`.
+    pub up: &'a Matrix,
+    /// `W_down`, `[d, ff]`.
+    pub down: &'a Matrix,
+}
+
+/// An expert and the tokens routed to it, with their weights (token indices into the batch, any order; the
+/// expert's output for token `t` is scaled by its weight and added to `out[t]`).
+#[derive(Debug, Clone)]
+pub struct ExpertWork<'a> {
+    /// The expert's weights.
+    pub expert: ExpertRef<'a>,
+    /// `(token, weight)` pairs.
+    pub tokens: Vec<(usize, f32)>,
+}
+
+/// Rows per work item.
+const ROWS: usize = 16;
+
+/// `x / (1 + e^-x)`.
+#[inline(always)]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// A slice shared by the threads of the region, each item writing a range no other item writes.
+struct Shared<T>(*mut T, usize);
+unsafe impl<T: Send> Send for Shared<T> {}
+unsafe impl<T: Send> Sync for Shared<T> {}
+impl<T> Shared<T> {
+    fn new(v: &mut [T]) -> Self {
+        Self(v.as_mut_ptr(), v.len())
+    }
+    /// # Safety
+    /// No other thread may access `start..start + len` while the returned slice lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, start: usize, len: usize) -> &mut [T] {
+        assert!(start + len <= self.1);
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
+}
+
+/// A sense-reversing spin barrier for the threads of one region.
+struct SpinBarrier {
+    count: AtomicUsize,
+    generation: AtomicUsize,
+    n: usize,
+}
+
+impl SpinBarrier {
+    fn new(n: usize) -> Self {
+        Self { count: AtomicUsize::new(0), generation: AtomicUsize::new(0), n }
+    }
+    fn wait(&self) {
+        let g = self.generation.load(Ordering::Acquire);
+        if self.count.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
+            self.count.store(0, Ordering::Relaxed);
+            self.generation.store(g + 1, Ordering::Release);
+            return;
+        }
+        let mut spins = 0u32;
+        while self.generation.load(Ordering::Acquire) == g {
+            if spins < 1 << 12 {
+                std::hint::spin_loop();
+                spins += 1;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+/// Prepared activations of the batch, one per format the experts ask for.
+struct BatchActs {
+    f32: OnceLock<Activations>,
+    q8_32: OnceLock<Activations>,
+    q8k: OnceLock<Activations>,
+}
+
+impl BatchActs {
+    fn get(&self, format: ActFormat, x: &[f32], d: usize, n: usize) -> &Activations {
+        let cell = match format {
+            ActFormat::F32 => &self.f32,
+            ActFormat::Q8_32 => &self.q8_32,
+            ActFormat::Q8K => &self.q8k,
+        };
+        cell.get_or_init(|| Activations::new(format, x, d, n))
+    }
+}
+
+/// Adds the routed experts' outputs for the `n` tokens `x` (`[n, d]`) into `out` (`[n, d]`). Runs on the
+/// current rayon pool (the global one, or the one `install`ed); must not be called from inside another
+/// parallel operation of that pool. Panics if the shapes disagree.
+pub fn routed_experts(work: &[ExpertWork<'_>], x: &[f32], n: usize, out: &mut [f32]) {
+    if work.is_empty() || n == 0 {
+        return;
+    }
+    let d = work[0].expert.gate.cols();
+    assert_eq!(x.len(), n * d, "routed_experts: x is not [n, d]");
+    assert_eq!(out.len(), n * d, "routed_experts: out is not [n, d]");
+    for w in work {
+        let (g, u, dn) = (w.expert.gate, w.expert.up, w.expert.down);
+        assert!(g.cols() == d && u.cols() == d && dn.rows() == d, "routed_experts: expert shapes disagree");
+        assert!(g.rows() == u.rows() && dn.cols() == g.rows(), "routed_experts: expert ff sizes disagree");
+        assert!(w.tokens.iter().all(|&(t, _)| t < n), "routed_experts: token index out of range");
+    }
+
+    // Batch activations for gate/up, prepared once per format before the region.
+    let acts = BatchActs { f32: OnceLock::new(), q8_32: OnceLock::new(), q8k: OnceLock::new() };
+    for w in work {
+        acts.get(w.expert.gate.act_format(), x, d, n);
+        acts.get(w.expert.up.act_format(), x, d, n);
+    }
+
+    // Hidden vectors, one [tokens, ff] block per expert; gate/up items fill rows of the transposed [ff, tokens].
+    let mut h_offsets = Vec::with_capacity(work.len() + 1);
+    h_offsets.push(0usize);
+    for w in work {
+        h_offsets.push(h_offsets.last().unwrap() + w.tokens.len() * w.expert.gate.rows());
+    }
+    let mut h_t = vec![0f32; *h_offsets.last().unwrap()];
+    let h_shared = Shared::new(&mut h_t);
+    let down_acts: Vec<OnceLock<Activations>> = work.iter().map(|_| OnceLock::new()).collect();
+    // Output transposed: [d, n], one item per 16 rows.
+    let mut out_t = vec![0f32; d * n];
+    let out_shared = Shared::new(&mut out_t);
+
+    // Work items of phase 1: (expert index, first row).
+    let mut items1 = Vec::new();
+    for (e, w) in work.iter().enumerate() {
+        if w.tokens.is_empty() {
+            continue;
+        }
+        for r0 in (0..w.expert.gate.rows()).step_by(ROWS) {
+            items1.push((e, r0));
+        }
+    }
+    let items3 = d.div_ceil(ROWS);
+    let next1 = AtomicUsize::new(0);
+    let next2 = AtomicUsize::new(0);
+    let next3 = AtomicUsize::new(0);
+    let threads = rayon::current_num_threads();
+    let barrier = SpinBarrier::new(threads);
+
+    rayon::broadcast(|_| {
+        // Phase 1: gate, up, silu * up.
+        loop {
+            let i = next1.fetch_add(1, Ordering::Relaxed);
+            if i >= items1.len() {
+                break;
+            }
+            let (e, r0) = items1[i];
+            let w = &work[e];
+            let ff = w.expert.gate.rows();
+            let nt = w.tokens.len();
+            let r1 = (r0 + ROWS).min(ff);
+            let ga = acts.get(w.expert.gate.act_format(), x, d, n);
+            let ua = acts.get(w.expert.up.act_format(), x, d, n);
+            // SAFETY: rows r0..r1 of expert e's transposed block belong to this item alone.
+            let h = unsafe { h_shared.range(h_offsets[e] + r0 * nt, (r1 - r0) * nt) };
+            let mut gv = [0f32; 4];
+            let mut uv = [0f32; 4];
+            for (k, r) in (r0..r1).enumerate() {
+                let (grow, urow) = (w.expert.gate.row_bytes_of(r), w.expert.up.row_bytes_of(r));
+                for (c, tile) in w.tokens.chunks(4).enumerate() {
+                    let tg: [ActRow<'_>; 4] = std::array::from_fn(|i| ga.row(tile[i.min(tile.len() - 1)].0));
+                    let tu: [ActRow<'_>; 4] = std::array::from_fn(|i| ua.row(tile[i.min(tile.len() - 1)].0));
+                    let m = tile.len();
+                    (w.expert.gate.kernels().dot)(grow, &tg[..m], &mut gv[..m]);
+                    (w.expert.up.kernels().dot)(urow, &tu[..m], &mut uv[..m]);
+                    for i in 0..m {
+                        h[k * nt + 4 * c + i] = silu(gv[i]) * uv[i];
+                    }
+                }
+            }
+        }
+        barrier.wait();
+        // Phase 2: each expert's hidden vectors, token-major, prepared for its down projection.
+        loop {
+            let e = next2.fetch_add(1, Ordering::Relaxed);
+            if e >= work.len() {
+                break;
+            }
+            let w = &work[e];
+            let (ff, nt) = (w.expert.gate.rows(), w.tokens.len());
+            if nt == 0 {
+                continue;
+            }
+            // SAFETY: phase 1 is over (barrier); expert e's block is read by this item alone here.
+            let ht = unsafe { h_shared.range(h_offsets[e], ff * nt) };
+            let mut h = vec![0f32; ff * nt];
+            for r in 0..ff {
+                for t in 0..nt {
+                    h[t * ff + r] = ht[r * nt + t];
+                }
+            }
+            let _ = down_acts[e].set(w.expert.down.prepare(&h, nt));
+        }
+        barrier.wait();
+        // Phase 3: down projections, all experts of a row range in the order of `work`.
+        loop {
+            let i = next3.fetch_add(1, Ordering::Relaxed);
+            if i >= items3 {
+                break;
+            }
+            let r0 = i * ROWS;
+            let r1 = (r0 + ROWS).min(d);
+            // SAFETY: output rows r0..r1 (all tokens) belong to this item alone.
+            let o = unsafe { out_shared.range(r0 * n, (r1 - r0) * n) };
+            let mut y = [0f32; 4];
+            for (e, w) in work.iter().enumerate() {
+                let Some(da) = down_acts[e].get() else { continue };
+                for (k, r) in (r0..r1).enumerate() {
+                    let row = w.expert.down.row_bytes_of(r);
+                    for (c, tile) in w.tokens.chunks(4).enumerate() {
+                        let tx: [ActRow<'_>; 4] = std::array::from_fn(|i| da.row(4 * c + i.min(tile.len() - 1)));
+                        let m = tile.len();
+                        (w.expert.down.kernels().dot)(row, &tx[..m], &mut y[..m]);
+                        for (i, &(t, wt)) in tile.iter().enumerate() {
+                            o[k * n + t] += wt * y[i];
+                        }
+                    }
+                }
+            }
+        }
+    });
+
+    for r in 0..d {
+        for t in 0..n {
+            out[t * d + r] += out_t[r * n + t];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::GgmlType;
+    use crate::quant::{WeightBytes, quantize};
+
+    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+            })
+            .collect()
+    }
+
+    fn matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Matrix {
+        let v = rand_vec(rows * cols, seed);
+        let bytes = quantize::quantize_tensor(ty, &v, cols, None).unwrap();
+        Matrix::new(ty, rows, cols, WeightBytes::from_vec(bytes)).unwrap()
+    }
+
+    struct Experts {
+        m: Vec<(Matrix, Matrix, Matrix)>,
+    }
+
+    fn experts(types: (GgmlType, GgmlType), count: usize, d: usize, ff: usize) -> Experts {
+        Experts {
+            m: (0..count)
+                .map(|e| {
+                    let s = 100 * e as u64;
+                    (matrix(types.0, ff, d, s + 1), matrix(types.0, ff, d, s + 2), matrix(types.1, d, ff, s + 3))
+                })
+                .collect(),
+        }
+    }
+
+    fn work<'a>(ex: &'a Experts, n: usize, k: usize) -> Vec<ExpertWork<'a>> {
+        let mut by: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ex.m.len()];
+        for t in 0..n {
+            for j in 0..k {
+                let e = (t * 7 + j * 3) % ex.m.len();
+                if !by[e].iter().any(|&(tt, _)| tt == t) {
+                    by[e].push((t, 1.0 / (j + 1) as f32));
+                }
+            }
+        }
+        ex.m.iter()
+            .zip(by)
+            .filter(|(_, toks)| !toks.is_empty())
+            .map(|((g, u, dn), tokens)| ExpertWork { expert: ExpertRef { gate: g, up: u, down: dn }, tokens })
+            .collect()
+    }
+
+    /// The same sums through Matrix::matmul, one expert at a time (the unfused reference).
+    fn reference(w: &[ExpertWork<'_>], x: &[f32], n: usize, d: usize) -> Vec<f32> {
+        let mut out = vec![0f32; n * d];
+        for ew in w {
+            let ff = ew.expert.gate.rows();
+            let nt = ew.tokens.len();
+            let xs: Vec<f32> = ew.tokens.iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].to_vec()).collect();
+            let (mut g, mut u) = (vec![0f32; nt * ff], vec![0f32; nt * ff]);
+            ew.expert.gate.matmul(&xs, nt, &mut g);
+            ew.expert.up.matmul(&xs, nt, &mut u);
+            let h: Vec<f32> = g.iter().zip(&u).map(|(&a, &b)| silu(a) * b).collect();
+            let mut y = vec![0f32; nt * d];
+            ew.expert.down.matmul(&h, nt, &mut y);
+            for (i, &(t, wt)) in ew.tokens.iter().enumerate() {
+                for r in 0..d {
+                    out[t * d + r] += wt * y[i * d + r];
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn same_result_for_1_2_and_n_threads_and_equal_to_unfused() {
+        let (d, ff) = (512, 96);
+        for types in
+            [(GgmlType::Q4_K, GgmlType::IQ4_NL), (GgmlType::Q8_0, GgmlType::Q8_0), (GgmlType::F32, GgmlType::BF16)]
+        {
+            let ex = experts(types, 12, d, ff);
+            for n in [1usize, 4, 17] {
+                let w = work(&ex, n, 4);
+                let x = rand_vec(n * d, 7 + n as u64);
+                let want = reference(&w, &x, n, d);
+                let mut results = Vec::new();
+                for threads in [1, 2, 5] {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    let mut out = vec![0f32; n * d];
+                    pool.install(|| routed_experts(&w, &x, n, &mut out));
+                    results.push(out);
+                }
+                for r in &results[1..] {
+                    assert!(
+                        r.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{types:?} n={n}: thread counts disagree"
+                    );
+                }
+                assert_eq!(results[0], want, "{types:?} n={n}: fused kernel differs from the unfused products");
+            }
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! `Q2_K`: super-blocks of 256 values as 16 bytes of 4-bit scale/min pairs, 64 bytes of 2-bit levels, and
+//! `f16` `d` and `dmin`; value `i` = `(d * sc_j) * u_i - dmin * m_j` with `j = i / 16` (ggml `block_q2_K`).
+//! Levels: value `i` = bits `2 * ((i % 128) / 32)` of byte `(i / 128) * 32 + i % 32`.
+
+use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
+use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
+use crate::gguf::GgmlType;
+
+/// The `Q2_K` format.
+pub struct Q2K;
+
+#[inline(always)]
+fn level(block: &[u8], i: usize) -> u8 {
+    (block[16 + (i / 128) * 32 + i % 32] >> (2 * ((i % 128) / 32))) & 3
+}
+
+impl BlockFormat for Q2K {
+    const TYPE: GgmlType = GgmlType::Q2_K;
+    const BLOCK_ELEMS: usize = 256;
+    const BLOCK_BYTES: usize = 84;
+    const ACTS: ActFormat = ActFormat::Q8K;
+    fn dequantize_block(block: &[u8], out: &mut [f32]) {
+        let (d, dmin) = (f16_at(block, 80), f16_at(block, 82));
+        for (i, o) in out.iter_mut().enumerate() {
+            let s = block[i / 16];
+            let dl = d * (s & 15) as f32;
+            let ml = dmin * (s >> 4) as f32;
+            *o = dl * level(block, i) as f32 - ml;
+        }
+    }
+    fn scales_finite(block: &[u8]) -> bool {
+        f16_finite_at(block, 80) && f16_finite_at(block, 82)
+    }
+    fn dot_scalar(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        super::unpacked::dot_scalar::<Self>(row, xs, out)
+    }
+}
+
+impl Unpack256 for Q2K {
+    fn unpack(block: &[u8], u: &mut Unpacked) {
+        for i in 0..256 {
+            u.mag[i] = level(block, i);
+        }
+        u.neg = [0; 32];
+        for j in 0..16 {
+            u.scale[j] = (block[j] & 15) as i16;
+        }
+    }
+    fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32 {
+        let bs = &x.sums[sb * 16..sb * 16 + 16];
+        let msum: i32 = (0..16).map(|j| (block[j] >> 4) as i32 * bs[j] as i32).sum();
+        let dx = x.d[sb];
+        (dx * f16_at(block, 80)) * isum as f32 - (dx * f16_at(block, 82)) * msum as f32
+    }
+}
+
+unpacked_simd!(Q2K);

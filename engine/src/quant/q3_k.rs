@@ -1,0 +1,65 @@
+//! `Q3_K`: super-blocks of 256 values as 32 bytes of high bits `hmask`, 64 bytes of 2-bit low levels, 12 bytes
+//! of 6-bit scales and an `f16` `d`; value `i` = `(d * (sc_j - 32)) * q_i` with `q_i = low - 4` when the high
+//! bit is clear, `low` when set, and `j = i / 16` (ggml `block_q3_K`). High bit of value `i`: bit `i / 32` of
+//! `hmask[i % 32]`. Scale `j`: low nibble of byte `j` (`j < 8`) or high nibble of byte `j - 8`, with bits
+//! `2 * (j / 4)` of byte `8 + j % 4` on top.
+
+use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
+use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
+use crate::gguf::GgmlType;
+
+/// The `Q3_K` format.
+pub struct Q3K;
+
+#[inline(always)]
+fn level(block: &[u8], i: usize) -> i32 {
+    let low = (block[32 + (i / 128) * 32 + i % 32] >> (2 * ((i % 128) / 32))) & 3;
+    let high = (block[i % 32] >> (i / 32)) & 1;
+    low as i32 - if high == 0 { 4 } else { 0 }
+}
+
+#[inline(always)]
+fn scale(block: &[u8], j: usize) -> i32 {
+    let s = &block[96..108];
+    let l = if j < 8 { s[j] & 15 } else { s[j - 8] >> 4 };
+    let h = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    (l | (h << 4)) as i32 - 32
+}
+
+impl BlockFormat for Q3K {
+    const TYPE: GgmlType = GgmlType::Q3_K;
+    const BLOCK_ELEMS: usize = 256;
+    const BLOCK_BYTES: usize = 110;
+    const ACTS: ActFormat = ActFormat::Q8K;
+    fn dequantize_block(block: &[u8], out: &mut [f32]) {
+        let d = f16_at(block, 108);
+        for (j, run) in out.chunks_exact_mut(16).enumerate() {
+            let dl = d * scale(block, j) as f32;
+            for (k, o) in run.iter_mut().enumerate() {
+                *o = dl * level(block, 16 * j + k) as f32;
+            }
+        }
+    }
+    fn scales_finite(block: &[u8]) -> bool {
+        f16_finite_at(block, 108)
+    }
+    fn dot_scalar(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        super::unpacked::dot_scalar::<Self>(row, xs, out)
+    }
+}
+
+impl Unpack256 for Q3K {
+    fn unpack(block: &[u8], u: &mut Unpacked) {
+        for i in 0..256 {
+            u.set(i, level(block, i));
+        }
+        for j in 0..16 {
+            u.scale[j] = scale(block, j) as i16;
+        }
+    }
+    fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32 {
+        (x.d[sb] * f16_at(block, 108)) * isum as f32
+    }
+}
+
+unpacked_simd!(Q3K);

@@ -1,0 +1,190 @@
+//! `Q4_K`: super-blocks of 256 values as `f16` `d` and `dmin`, 12 bytes of eight 6-bit scales and eight 6-bit
+//! mins, and 128 bytes of 4-bit levels; value `i` = `(d * sc_j) * u_i - dmin * m_j` with `j = i / 32` (ggml
+//! `block_q4_K`). Run `j = 2c + s` is nibble `s` of bytes `32c..32c + 32`. Scales and mins: for `j < 4` the
+//! low 6 bits of bytes `j` and `j + 4`; for `j >= 4` the nibbles of byte `j + 4` with the top 2 bits of bytes
+//! `j - 4` and `j` (`gguf.quants.Q4_K.get_scale_min`).
+//!
+//! Dot product (with Q8_K activations `x`, scale `dx`, sums of 16 `bs`): `isum = sum_j sc_j sum_i u_i x_i`,
+//! `msum = sum_j m_j (bs_2j + bs_2j+1)`, term = `(dx * d) * isum - (dx * dmin) * msum` (ggml
+//! `ggml_vec_dot_q4_K_q8_K`).
+
+use super::{Acc4, ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
+use crate::gguf::GgmlType;
+
+/// The `Q4_K` format.
+pub struct Q4K;
+
+/// Scale and min of run `j` from the 12 packed bytes `s`.
+#[inline(always)]
+pub(crate) fn scale_min(s: &[u8], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    }
+}
+
+/// All eight scales and mins.
+#[inline(always)]
+pub(crate) fn scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let mut sc = [0u8; 8];
+    let mut m = [0u8; 8];
+    for j in 0..8 {
+        (sc[j], m[j]) = scale_min(s, j);
+    }
+    (sc, m)
+}
+
+/// `sum_j m_j (bs_2j + bs_2j+1)` for one super-block.
+#[inline(always)]
+pub(crate) fn min_sum(m: &[u8; 8], bs: &[i16]) -> i32 {
+    (0..8).map(|j| m[j] as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32)).sum()
+}
+
+/// The super-block term from the exact sums.
+#[inline(always)]
+fn term(blk: &[u8], x: &ActRow<'_>, sb: usize, isum: i32, msum: i32) -> f32 {
+    let dx = x.d[sb];
+    (dx * f16_at(blk, 0)) * isum as f32 - (dx * f16_at(blk, 2)) * msum as f32
+}
+
+impl BlockFormat for Q4K {
+    const TYPE: GgmlType = GgmlType::Q4_K;
+    const BLOCK_ELEMS: usize = 256;
+    const BLOCK_BYTES: usize = 144;
+    const ACTS: ActFormat = ActFormat::Q8K;
+    fn dequantize_block(block: &[u8], out: &mut [f32]) {
+        let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
+        for (j, run) in out.chunks_exact_mut(32).enumerate() {
+            let (sc, m) = scale_min(&block[4..16], j);
+            let (dl, ml) = (d * sc as f32, dmin * m as f32);
+            for (l, o) in run.iter_mut().enumerate() {
+                let u = (block[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+                *o = dl * u as f32 - ml;
+            }
+        }
+    }
+    fn scales_finite(block: &[u8]) -> bool {
+        f16_finite_at(block, 0) && f16_finite_at(block, 2)
+    }
+    fn dot_scalar(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let mut acc = [Acc4::default(); 4];
+        for (sb, blk) in row.chunks_exact(144).enumerate() {
+            let (sc, m) = scales_mins(&blk[4..16]);
+            for (t, x) in xs.iter().enumerate() {
+                let xq = &x.qs[256 * sb..256 * sb + 256];
+                let mut isum = 0i32;
+                for j in 0..8 {
+                    let mut s = 0i32;
+                    for l in 0..32 {
+                        let u = (blk[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+                        s += u as i32 * xq[32 * j + l] as i32;
+                    }
+                    isum += sc[j] as i32 * s;
+                }
+                let msum = min_sum(&m, &x.sums[16 * sb..16 * sb + 16]);
+                acc[t].add(sb, term(blk, x, sb, isum, msum));
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc[..xs.len()]) {
+            *o = a.sum();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
+    use super::super::simd::x86::hsum_i32_256;
+    use super::super::{Acc4, ActRow};
+    use super::{min_sum, scales_mins, term};
+
+    /// AVX2: per 32 bytes, the low and high nibbles (runs 2c and 2c+1) times the activations with `maddubs`, the
+    /// run scale applied by `madd`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_avx2<F, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let mask = _mm256_set1_epi8(15);
+        let mut acc = [Acc4::default(); 4];
+        for (sb, blk) in row.chunks_exact(144).enumerate() {
+            let (sc, m) = scales_mins(&blk[4..16]);
+            let p = blk.as_ptr().add(16);
+            let mut vacc = [_mm256_setzero_si256(); T];
+            for c in 0..4 {
+                let q = _mm256_loadu_si256(p.add(32 * c) as *const __m256i);
+                let lo = _mm256_and_si256(q, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                let s_lo = _mm256_set1_epi16(sc[2 * c] as i16);
+                let s_hi = _mm256_set1_epi16(sc[2 * c + 1] as i16);
+                for t in 0..T {
+                    let xp = xs[t].qs.as_ptr().add(256 * sb + 64 * c) as *const __m256i;
+                    let a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(xp)), s_lo);
+                    let b = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(xp.add(1))), s_hi);
+                    vacc[t] = _mm256_add_epi32(vacc[t], _mm256_add_epi32(a, b));
+                }
+            }
+            for t in 0..T {
+                let x = &xs[t];
+                let msum = min_sum(&m, &x.sums[16 * sb..16 * sb + 16]);
+                acc[t].add(sb, term(blk, x, sb, hsum_i32_256(vacc[t]), msum));
+            }
+        }
+        for t in 0..T {
+            out[t] = acc[t].sum();
+        }
+    }
+
+    /// AVX-512: runs 2c and 2c+1 side by side in one vector (element order), `maddubs` then VNNI `vpdpwssd`
+    /// with the run scales.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn dot_avx512<F, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let mask = _mm256_set1_epi8(15);
+        let mut acc = [Acc4::default(); 4];
+        for (sb, blk) in row.chunks_exact(144).enumerate() {
+            let (sc, m) = scales_mins(&blk[4..16]);
+            let p = blk.as_ptr().add(16);
+            let mut vacc = [_mm512_setzero_si512(); T];
+            for c in 0..4 {
+                let q = _mm256_loadu_si256(p.add(32 * c) as *const __m256i);
+                let lo = _mm256_and_si256(q, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                let w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                let s =
+                    _mm512_inserti64x4(_mm512_set1_epi16(sc[2 * c] as i16), _mm256_set1_epi16(sc[2 * c + 1] as i16), 1);
+                for t in 0..T {
+                    let xv = _mm512_loadu_si512(xs[t].qs.as_ptr().add(256 * sb + 64 * c) as *const _);
+                    vacc[t] = _mm512_dpwssd_epi32(vacc[t], _mm512_maddubs_epi16(w, xv), s);
+                }
+            }
+            for t in 0..T {
+                let x = &xs[t];
+                let msum = min_sum(&m, &x.sums[16 * sb..16 * sb + 16]);
+                acc[t].add(sb, term(blk, x, sb, _mm512_reduce_add_epi32(vacc[t]), msum));
+            }
+        }
+        for t in 0..T {
+            out[t] = acc[t].sum();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    use x86::dot_avx2;
+    // SAFETY: listed for Isa::Avx2 only, chosen when the CPU has it.
+    unsafe { crate::dispatch_tokens!(dot_avx2::<()>, row, xs, out) }
+}
+#[cfg(target_arch = "x86_64")]
+fn dot_avx512(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    use x86::dot_avx512;
+    // SAFETY: as above, for Isa::Avx512.
+    unsafe { crate::dispatch_tokens!(dot_avx512::<()>, row, xs, out) }
+}
+/// The SIMD dot paths of this format.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] =
+    [(super::Isa::Avx2, dot_avx2), (super::Isa::Avx512, dot_avx512)];
+/// No SIMD paths off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];

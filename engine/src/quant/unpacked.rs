@@ -1,0 +1,201 @@
+//! The shared dot-product machinery of the 256-value super-block formats whose levels are decoded per
+//! super-block before the products (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS and the grid i-quants), with
+//! [`ActFormat::Q8K`](super::ActFormat) activations.
+//!
+//! A format unpacks a super-block into magnitudes `mag[256]` (`u8`, at most 127), sign bits `neg[32]` (bit `i`
+//! of the 256-bit mask set: value `i` is negative) and one integer scale per run of 16 values; the kernels
+//! compute `isum = sum_j scale_j * sum_{i in run j} (+-mag_i) * x_i` exactly (the same products ggml forms with
+//! `maddubs`/`madd` after moving the signs onto the activations), and the format turns `isum` into the
+//! super-block's `f32` term. The unpacking is scalar table work shared by every path; the products are scalar,
+//! AVX2 or AVX-512.
+
+use super::{Acc4, ActRow, BlockFormat};
+
+/// One unpacked super-block.
+#[derive(Clone)]
+pub(crate) struct Unpacked {
+    /// Level magnitudes, at most 127.
+    pub mag: [u8; 256],
+    /// Sign bits: bit `i % 8` of byte `i / 8` set when value `i` is negative.
+    pub neg: [u8; 32],
+    /// Integer scale of each run of 16 values.
+    pub scale: [i16; 16],
+}
+
+impl Default for Unpacked {
+    fn default() -> Self {
+        Self { mag: [0; 256], neg: [0; 32], scale: [0; 16] }
+    }
+}
+
+impl Unpacked {
+    /// Stores signed level `q` at position `i`.
+    #[inline(always)]
+    pub fn set(&mut self, i: usize, q: i32) {
+        self.mag[i] = q.unsigned_abs() as u8;
+        if q < 0 {
+            self.neg[i / 8] |= 1 << (i % 8);
+        } else {
+            self.neg[i / 8] &= !(1 << (i % 8));
+        }
+    }
+    /// The signed level at position `i`.
+    #[inline(always)]
+    pub fn level(&self, i: usize) -> i32 {
+        let m = self.mag[i] as i32;
+        if self.neg[i / 8] >> (i % 8) & 1 != 0 { -m } else { m }
+    }
+}
+
+/// A super-block format decoded through [`Unpacked`].
+pub(crate) trait Unpack256: BlockFormat {
+    /// Decodes the super-block's levels and integer scales.
+    fn unpack(block: &[u8], u: &mut Unpacked);
+    /// The `f32` term of super-block `sb` for token `x`, given its exact integer sum.
+    fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32;
+}
+
+/// Exact scaled integer sum, scalar.
+pub(crate) fn isum_scalar(u: &Unpacked, x: &[i8]) -> i32 {
+    let mut total = 0i32;
+    for j in 0..16 {
+        let mut s = 0i32;
+        for i in 16 * j..16 * j + 16 {
+            s += u.level(i) * x[i] as i32;
+        }
+        total += u.scale[j] as i32 * s;
+    }
+    total
+}
+
+/// A row dot of an [`Unpack256`] format with the integer sums from `isum`.
+#[inline(always)]
+pub(crate) fn dot_with<F: Unpack256>(
+    row: &[u8],
+    xs: &[ActRow<'_>],
+    out: &mut [f32],
+    isum: impl Fn(&Unpacked, &[i8]) -> i32,
+) {
+    let mut acc = [Acc4::default(); 4];
+    let mut u = Unpacked::default();
+    for (sb, blk) in row.chunks_exact(F::BLOCK_BYTES).enumerate() {
+        F::unpack(blk, &mut u);
+        for (t, x) in xs.iter().enumerate() {
+            let s = isum(&u, &x.qs[sb * 256..sb * 256 + 256]);
+            acc[t].add(sb, F::term(blk, x, sb, s));
+        }
+    }
+    for (o, a) in out.iter_mut().zip(&acc[..xs.len()]) {
+        *o = a.sum();
+    }
+}
+
+/// The scalar reference dot of an [`Unpack256`] format.
+pub(crate) fn dot_scalar<F: Unpack256>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    dot_with::<F>(row, xs, out, isum_scalar)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
+    use super::super::simd::x86::{bits_to_bytes, hsum_i32_256};
+    use super::Unpacked;
+
+    /// Exact scaled integer sum, AVX2.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn isum_avx2(u: &Unpacked, x: &[i8]) -> i32 {
+        let mut acc = _mm256_setzero_si256();
+        for c in 0..8 {
+            let m = _mm256_loadu_si256(u.mag.as_ptr().add(32 * c) as *const __m256i);
+            let xv = _mm256_loadu_si256(x.as_ptr().add(32 * c) as *const __m256i);
+            let bits = u32::from_le_bytes([u.neg[4 * c], u.neg[4 * c + 1], u.neg[4 * c + 2], u.neg[4 * c + 3]]);
+            let nm = bits_to_bytes(bits);
+            let xs = _mm256_sub_epi8(_mm256_xor_si256(xv, nm), nm);
+            let p = _mm256_maddubs_epi16(m, xs);
+            let sc = _mm256_set_m128i(_mm_set1_epi16(u.scale[2 * c + 1]), _mm_set1_epi16(u.scale[2 * c]));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
+        }
+        hsum_i32_256(acc)
+    }
+
+    /// Exact scaled integer sum, AVX-512 (VNNI `vpdpwssd` applies the run scales).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn isum_avx512(u: &Unpacked, x: &[i8]) -> i32 {
+        let scales = _mm512_castsi256_si512(_mm256_loadu_si256(u.scale.as_ptr() as *const __m256i));
+        let mut acc = _mm512_setzero_si512();
+        for c in 0..4 {
+            let m = _mm512_loadu_si512(u.mag.as_ptr().add(64 * c) as *const _);
+            let xv = _mm512_loadu_si512(x.as_ptr().add(64 * c) as *const _);
+            let k = u64::from_le_bytes(u.neg[8 * c..8 * c + 8].try_into().unwrap());
+            let xs = _mm512_mask_sub_epi8(xv, k, _mm512_setzero_si512(), xv);
+            let p = _mm512_maddubs_epi16(m, xs);
+            let b = 4 * c as i16;
+            let idx = _mm512_set_epi16(
+                b + 3,
+                b + 3,
+                b + 3,
+                b + 3,
+                b + 3,
+                b + 3,
+                b + 3,
+                b + 3,
+                b + 2,
+                b + 2,
+                b + 2,
+                b + 2,
+                b + 2,
+                b + 2,
+                b + 2,
+                b + 2,
+                b + 1,
+                b + 1,
+                b + 1,
+                b + 1,
+                b + 1,
+                b + 1,
+                b + 1,
+                b + 1,
+                b,
+                b,
+                b,
+                b,
+                b,
+                b,
+                b,
+                b,
+            );
+            acc = _mm512_dpwssd_epi32(acc, p, _mm512_permutexvar_epi16(idx, scales));
+        }
+        _mm512_reduce_add_epi32(acc)
+    }
+}
+
+/// Declares `SIMD` (AVX2 and AVX-512 dots) for an [`Unpack256`] format type.
+macro_rules! unpacked_simd {
+    ($f:ty) => {
+        #[cfg(target_arch = "x86_64")]
+        fn dot_avx2(row: &[u8], xs: &[$crate::quant::ActRow<'_>], out: &mut [f32]) {
+            // SAFETY: only listed for Isa::Avx2, chosen when the CPU has it.
+            $crate::quant::unpacked::dot_with::<$f>(row, xs, out, |u, x| unsafe {
+                $crate::quant::unpacked::x86::isum_avx2(u, x)
+            })
+        }
+        #[cfg(target_arch = "x86_64")]
+        fn dot_avx512(row: &[u8], xs: &[$crate::quant::ActRow<'_>], out: &mut [f32]) {
+            // SAFETY: as above, for Isa::Avx512.
+            $crate::quant::unpacked::dot_with::<$f>(row, xs, out, |u, x| unsafe {
+                $crate::quant::unpacked::x86::isum_avx512(u, x)
+            })
+        }
+        /// The SIMD dot paths of this format.
+        #[cfg(target_arch = "x86_64")]
+        pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] =
+            [(super::Isa::Avx2, dot_avx2), (super::Isa::Avx512, dot_avx512)];
+        /// No SIMD paths off x86-64.
+        #[cfg(not(target_arch = "x86_64"))]
+        pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];
+    };
+}
+pub(crate) use unpacked_simd;
