@@ -6,10 +6,12 @@
 //! generation on a worker thread fed by a queue; the HTTP service never touches tensors.
 
 pub mod backend;
+pub mod bench;
 pub mod convert;
 pub mod gguf;
 pub mod model;
 pub mod quant;
 pub mod sampling;
+pub mod synth;
 pub mod text;
 pub mod worker;

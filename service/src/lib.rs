@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod chat;
+pub mod cli;
 pub mod config;
 pub mod error;
 pub mod extract;

@@ -1,4 +1,5 @@
-//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF).
+//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF), `synth`
+//! (random-weight real-width GGUF for benchmarks), `bench` (speed).
 
 use std::path::PathBuf;
 
@@ -38,6 +39,17 @@ enum Command {
         #[arg(long)]
         name: Option<String>,
     },
+    /// Write a random-weight qwen4exp GGUF at the real widths (benchmarks, placement studies).
+    Synth(nebula_service::cli::synth::SynthArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Prefill and decode speed at context frontiers on a backend.
+    Model(nebula_service::cli::bench::BenchModelArgs),
 }
 
 /// Logs to stderr; `RUST_LOG` filters (default: `info`).
@@ -55,6 +67,8 @@ fn main() -> anyhow::Result<()> {
             init_tracing();
             Ok(nebula_service::serve(args.into())?)
         }
+        Command::Synth(args) => nebula_service::cli::synth::run(args),
+        Command::Bench(BenchCommand::Model(args)) => nebula_service::cli::bench::run_model(args),
         Command::Convert { input, output, outtype, no_mtp, split_max_gib, name } => {
             let opts = ConvertOptions {
                 out_type: outtype,

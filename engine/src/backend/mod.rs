@@ -1,3 +1,116 @@
-//! Compute backends beside the CPU model in [`crate::model`]: today CUDA ([`cuda`]), all weights on one GPU.
+//! Where the forward pass runs: the CPU model of [`crate::model`] or the CUDA model of [`cuda`] (all weights on
+//! one GPU). [`Runner`] hides the choice from the generation worker and the benchmarks.
 
 pub mod cuda;
+
+use crate::model::{LogitsFor, ModelConfig, ModelError, Qwen4Exp, SequenceState};
+
+/// Which backend to run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendKind {
+    /// Every block on the CPU.
+    #[default]
+    Cpu,
+    /// Every block on GPU `device`, within `vram_budget` bytes when given.
+    Cuda {
+        /// GPU index (as `nvidia-smi` lists them).
+        device: usize,
+        /// VRAM the model may use, bytes; `None` = what is free.
+        vram_budget: Option<u64>,
+    },
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda { device: 0, vram_budget: None }),
+            other => Err(format!("unknown backend '{other}' (cpu, cuda)")),
+        }
+    }
+}
+
+/// Errors of either backend.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// From the CPU model (bad input, context overflow).
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// From the GPU.
+    #[error(transparent)]
+    Cuda(#[from] cuda::CudaError),
+}
+
+/// A model ready to run on one backend.
+pub enum Runner {
+    /// The CPU model.
+    Cpu(Qwen4Exp),
+    /// The GPU model (the CPU copy of the weights is dropped after upload).
+    Cuda(Box<cuda::CudaModel>),
+}
+
+/// A sequence's state on the runner's backend.
+pub enum RunnerState {
+    /// On the CPU.
+    Cpu(SequenceState),
+    /// On the GPU.
+    Cuda(Box<cuda::CudaState>),
+}
+
+impl RunnerState {
+    /// Tokens consumed so far.
+    pub fn pos(&self) -> usize {
+        match self {
+            RunnerState::Cpu(s) => s.pos,
+            RunnerState::Cuda(s) => s.pos,
+        }
+    }
+}
+
+impl Runner {
+    /// Puts `model` on `kind`.
+    pub fn new(model: Qwen4Exp, kind: BackendKind) -> Result<Self, BackendError> {
+        Ok(match kind {
+            BackendKind::Cpu => Runner::Cpu(model),
+            BackendKind::Cuda { device, vram_budget } => {
+                Runner::Cuda(Box::new(cuda::CudaModel::from_cpu(&model, device, vram_budget)?))
+            }
+        })
+    }
+
+    /// The model's shapes.
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            Runner::Cpu(m) => &m.config,
+            Runner::Cuda(m) => &m.config,
+        }
+    }
+
+    /// One line for logs: backend and device.
+    pub fn describe(&self) -> String {
+        match self {
+            Runner::Cpu(_) => format!("CPU ({} threads)", rayon::current_num_threads()),
+            Runner::Cuda(m) => {
+                format!("CUDA on {} ({:.1} GiB of weights)", m.gpu_name(), m.weight_bytes as f64 / (1u64 << 30) as f64)
+            }
+        }
+    }
+
+    /// A fresh state for at most `max_len` tokens.
+    pub fn new_state(&self, max_len: usize) -> Result<RunnerState, BackendError> {
+        Ok(match self {
+            Runner::Cpu(m) => RunnerState::Cpu(m.new_state(max_len)),
+            Runner::Cuda(m) => RunnerState::Cuda(Box::new(m.new_state(max_len)?)),
+        })
+    }
+
+    /// Runs `tokens` on `state` (see [`Qwen4Exp::forward`]).
+    pub fn forward(&self, state: &mut RunnerState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError> {
+        Ok(match (self, state) {
+            (Runner::Cpu(m), RunnerState::Cpu(s)) => m.forward(s, tokens, want)?,
+            (Runner::Cuda(m), RunnerState::Cuda(s)) => m.forward(s, tokens, want)?,
+            _ => unreachable!("a runner only makes states of its own backend"),
+        })
+    }
+}

@@ -177,6 +177,27 @@ impl Qwen4Exp {
         &self.file
     }
 
+    /// (dense weight bytes, routed-expert bytes summed over layers, n-gram table bytes): the dense part is every
+    /// weight read for every token (trunk, head, embedding row aside), the experts are read only when routed.
+    pub fn weight_bytes(&self) -> (u64, u64, u64) {
+        let mut experts = 0u64;
+        let mut table = 0u64;
+        for l in &self.layers {
+            experts += l
+                .mlp
+                .experts
+                .iter()
+                .map(|e| (e.gate_proj.bytes().len() + e.up_proj.bytes().len() + e.down_proj.bytes().len()) as u64)
+                .sum::<u64>();
+            if let Some(p) = &l.ple {
+                table += p.ngram_embedding.bytes().len() as u64;
+            }
+        }
+        let total: u64 = self.file.tensors().map(|t| t.n_bytes).sum();
+        let embed = self.embed_tokens.bytes().len() as u64;
+        (total.saturating_sub(experts + table + embed), experts, table)
+    }
+
     /// Token ids whose logits are always `-inf` (vocabulary rows no token has, e.g. 248077..248320).
     pub fn masked_tokens(&self) -> &[Range<usize>] {
         &self.masked

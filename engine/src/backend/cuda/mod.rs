@@ -410,6 +410,24 @@ impl CudaModel {
         })
     }
 
+    /// Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written), measured with `bytes`-sized
+    /// copies: the HBM ceiling of the floor computations.
+    pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64, CudaError> {
+        let n = bytes / 4;
+        let src = zeros(&self.dev, n)?;
+        let mut dst = zeros(&self.dev, n)?;
+        let stream = self.dev.stream();
+        stream.memcpy_dtod(&src, &mut dst)?;
+        stream.synchronize()?;
+        let reps = 10;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            stream.memcpy_dtod(&src, &mut dst)?;
+        }
+        stream.synchronize()?;
+        Ok((2 * n * 4 * reps) as f64 / t.elapsed().as_secs_f64())
+    }
+
     /// The GPU's name.
     pub fn gpu_name(&self) -> &str {
         &self.dev.gpu.name

@@ -1,0 +1,144 @@
+//! `nebula bench model`: prefill and decode speed at context frontiers, on any backend.
+//!
+//! For each frontier `c` the benchmark prefills `c` random tokens in chunks (prefill tok/s, time to first token
+//! = prefill + the first logits), then decodes `n` greedy tokens (decode tok/s at that context). Results print as a
+//! table and can be written as CSV. Alongside, it reports the bytes one decode step must read (weights of the
+//! dense trunk, the routed experts actually used, the head row, KV and recurrent state) and, on a GPU, the
+//! measured device copy bandwidth, so decode speed is shown as a fraction of the memory-bandwidth floor.
+
+use std::time::Instant;
+
+use crate::backend::{BackendError, Runner};
+use crate::model::{LayerKind, LogitsFor, ModelConfig};
+use crate::sampling::argmax;
+
+/// Benchmark settings.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Context sizes to measure at.
+    pub contexts: Vec<usize>,
+    /// Tokens decoded at each frontier.
+    pub decode_tokens: usize,
+    /// Prefill chunk size.
+    pub prefill_chunk: usize,
+    /// Seed of the random prompt.
+    pub seed: u64,
+}
+
+/// One frontier's figures.
+#[derive(Debug, Clone)]
+pub struct BenchRow {
+    /// Context size.
+    pub context: usize,
+    /// Prefill tokens per second.
+    pub prefill_tok_s: f64,
+    /// Time to first token, ms.
+    pub ttft_ms: f64,
+    /// Decode tokens per second at this context.
+    pub decode_tok_s: f64,
+    /// Mean decode step, ms.
+    pub decode_ms: f64,
+}
+
+impl BenchRow {
+    /// CSV header.
+    pub const CSV_HEADER: &'static str = "context,prefill_tok_s,ttft_ms,decode_tok_s,decode_ms_per_token";
+    /// One CSV line.
+    pub fn csv(&self) -> String {
+        format!(
+            "{},{:.1},{:.2},{:.2},{:.3}",
+            self.context, self.prefill_tok_s, self.ttft_ms, self.decode_tok_s, self.decode_ms
+        )
+    }
+}
+
+/// Runs the benchmark.
+pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, BackendError> {
+    let vocab = runner.config().vocab as u64;
+    let mut rows = Vec::new();
+    for &ctx in &opts.contexts {
+        let mut st = runner.new_state(ctx + opts.decode_tokens + 1)?;
+        let mut x = opts.seed | 1;
+        // Random ordinary tokens (below the special-token range when the vocabulary is Qwen's).
+        let limit = vocab.min(248_000);
+        let prompt: Vec<u32> = (0..ctx)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % limit) as u32
+            })
+            .collect();
+        let t0 = Instant::now();
+        let mut logits = Vec::new();
+        let chunks: Vec<&[u32]> = prompt.chunks(opts.prefill_chunk.max(1)).collect();
+        for (i, c) in chunks.iter().enumerate() {
+            let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
+            logits = runner.forward(&mut st, c, want)?;
+        }
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let mut tok = argmax(&logits).unwrap_or(0) as u32;
+        let ttft_ms = t0.elapsed().as_secs_f64() * 1e3;
+        // One untimed step warms up decode-shaped kernels.
+        logits = runner.forward(&mut st, &[tok], LogitsFor::Last)?;
+        tok = argmax(&logits).unwrap_or(0) as u32;
+        let t1 = Instant::now();
+        for _ in 0..opts.decode_tokens {
+            logits = runner.forward(&mut st, &[tok], LogitsFor::Last)?;
+            tok = argmax(&logits).unwrap_or(0) as u32;
+        }
+        let dec_s = t1.elapsed().as_secs_f64();
+        rows.push(BenchRow {
+            context: ctx,
+            prefill_tok_s: ctx as f64 / prefill_s,
+            ttft_ms,
+            decode_tok_s: opts.decode_tokens as f64 / dec_s,
+            decode_ms: dec_s * 1e3 / opts.decode_tokens.max(1) as f64,
+        });
+    }
+    Ok(rows)
+}
+
+/// Bytes a decode step reads at context `ctx`, given the bytes per weight of each kind (from the loaded model):
+/// every dense trunk weight, `n_expert_used` routed experts per layer, one head row per vocabulary entry (the
+/// whole head: greedy decoding needs every logit), the attention KV of the selected tokens and the Gated DeltaNet
+/// states (read and written).
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeBytes {
+    /// Dense weights (everything but routed experts), bytes.
+    pub dense: u64,
+    /// Routed expert weights actually used, bytes.
+    pub experts: u64,
+    /// KV cache and recurrent state traffic, bytes.
+    pub state: u64,
+}
+
+impl DecodeBytes {
+    /// Total bytes.
+    pub fn total(&self) -> u64 {
+        self.dense + self.experts + self.state
+    }
+}
+
+/// Computes [`DecodeBytes`] for `cfg` from the weight bytes of the model: `dense_weight_bytes` is every weight but
+/// the routed experts and the n-gram table, `expert_bytes` one expert's gate + up + down.
+pub fn decode_bytes(cfg: &ModelConfig, dense_weight_bytes: u64, expert_bytes: u64, ctx: usize) -> DecodeBytes {
+    let mut state = 0u64;
+    for kind in &cfg.layer_kinds {
+        match kind {
+            LayerKind::LinearAttention => {
+                // S is read and written; f32.
+                state += 2 * (cfg.ssm_v_heads * cfg.ssm_head_dim * cfg.ssm_head_dim * 4) as u64;
+            }
+            LayerKind::IndexedAttention { compress_ratio } => {
+                let keys =
+                    if *compress_ratio > 0 { ctx.min(cfg.indexer.token_budget + compress_ratio - 1) } else { ctx };
+                state += (2 * keys * cfg.n_head_kv * cfg.head_dim * 4) as u64;
+                if *compress_ratio > 0 {
+                    state += ((ctx / compress_ratio) * cfg.indexer.head_dim * 4) as u64;
+                }
+            }
+        }
+    }
+    DecodeBytes { dense: dense_weight_bytes, experts: expert_bytes * (cfg.n_expert_used * cfg.n_layer) as u64, state }
+}

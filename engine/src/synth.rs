@@ -1,0 +1,565 @@
+//! `nebula synth`: a random-weight `qwen4exp` GGUF at the real widths, for benchmarks.
+//!
+//! The file has every tensor and key a real `qwen4exp` GGUF has (as `nebula convert` writes them, so llama.cpp
+//! loads it unchanged), a chosen number of layers in the 3:1 Gated DeltaNet : attention pattern, weight types from a
+//! recipe, an n-gram table of a chosen size, and the real tokenizer and chat template copied from another GGUF
+//! (the embedded demo model). Quantized tensors are written as random *valid* blocks whose values have the
+//! intended spread (so no float weights are materialized: a 17 GB file writes in seconds on many cores).
+//!
+//! Routers are built so routing is as skewed as the real model's: the original study found the top 32 / 64 /
+//! 128 / 256 of 512 experts carrying about 37 / 53 / 73 / 93 % of the routing mass. Router row `e` is a random
+//! direction scaled by `exp(beta * u_e)` (expert 0 most popular), with `beta` and the overall scale fitted by
+//! simulating softmax top-k routing over random inputs of the expected norm; the report gives the fitted shares.
+//! The routing the benchmark then measures depends on the real activations, so `nebula bench` reports the shares
+//! it actually saw.
+
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+
+use crate::gguf::{GgmlType, GgufError, GgufFile, GgufWriter, MetadataValue};
+use crate::quant::f32_to_bf16_bits;
+
+/// Weight types of the synthetic model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SynthRecipe {
+    /// The original product's component table (`nebula-q4`): Q4_K expert gate/up and dense projections,
+    /// IQ4_NL expert down, shared-expert down, hyper-connection up and n-gram table, F32 routers, norms, GDN
+    /// alpha/beta, BF16 indexer.
+    NebulaQ4,
+    /// Q8_0 for every matrix (F32 norms and routers, BF16 indexer), as ggml-org's Q8_0 files.
+    Q8_0,
+    /// BF16 for every matrix.
+    Bf16,
+}
+
+impl std::str::FromStr for SynthRecipe {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "nebula-q4" => Ok(Self::NebulaQ4),
+            "q8_0" => Ok(Self::Q8_0),
+            "bf16" => Ok(Self::Bf16),
+            other => Err(format!("unknown synth recipe '{other}' (nebula-q4, q8_0, bf16)")),
+        }
+    }
+}
+
+/// Shape and content of the synthetic model.
+#[derive(Debug, Clone)]
+pub struct SynthOptions {
+    /// Trunk layers (every 4th is attention, as the release).
+    pub layers: usize,
+    /// Rows of each n-gram hash head (16 heads); the release has about 20 M.
+    pub ngram_rows_per_head: u64,
+    /// Weight types.
+    pub recipe: SynthRecipe,
+    /// Random seed.
+    pub seed: u64,
+    /// Build routers with the real model's routing skew (otherwise uniform).
+    pub routing_skew: bool,
+    /// Experts per layer (512 in the release).
+    pub experts: usize,
+    /// Vocabulary rows (248,320).
+    pub vocab: usize,
+    /// Trained context written to the metadata.
+    pub context_length: usize,
+}
+
+impl Default for SynthOptions {
+    fn default() -> Self {
+        Self {
+            layers: 12,
+            ngram_rows_per_head: 1 << 20,
+            recipe: SynthRecipe::NebulaQ4,
+            seed: 42,
+            routing_skew: true,
+            experts: 512,
+            vocab: 248_320,
+            context_length: 262_144,
+        }
+    }
+}
+
+/// What was written.
+#[derive(Debug, Clone)]
+pub struct SynthReport {
+    /// Files written.
+    pub files: Vec<PathBuf>,
+    /// Bytes of tensor data.
+    pub data_bytes: u64,
+    /// Routing-mass shares of the top 32/64/128/256 experts in the router fit (simulation).
+    pub fitted_shares: [f64; 4],
+}
+
+/// Real widths (`shared/design/qwen4exp-format.md` §1).
+const D: usize = 2560;
+const HC: usize = 4;
+const RANK: usize = 320;
+const HEADS: usize = 24;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 256;
+const SSM_K: usize = 16;
+const SSM_V: usize = 48;
+const SSM_DIM: usize = 128;
+const FF: usize = 640;
+const TOP_K: usize = 10;
+const IDX_HEADS: usize = 4;
+const IDX_DIM: usize = 128;
+const PLE_HEAD_DIM: usize = 160;
+
+/// How a tensor's values are drawn.
+#[derive(Clone, Copy, Debug)]
+enum Init {
+    /// Uniform noise of standard deviation `std` around `mean`.
+    Noise { mean: f32, std: f32 },
+    /// Router rows: row `e` scaled by `popularity(e) * scale`.
+    Router { beta: f32, gamma: f32, scale: f32 },
+    /// `-(0.2..2)`, the stored `-exp(A_log)`.
+    NegDecay,
+}
+
+struct Spec {
+    name: String,
+    dims: Vec<u64>,
+    ty: GgmlType,
+    init: Init,
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// A small fast generator (xorshift64*), seeded per chunk so parallel generation is deterministic.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(splitmix(seed) | 1)
+    }
+    #[inline]
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [-1, 1).
+    #[inline]
+    fn sym(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    /// Standard normal (Box-Muller).
+    fn normal(&mut self) -> f64 {
+        let u1 = ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let u2 = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+fn f16_bytes(x: f32) -> [u8; 2] {
+    half::f16::from_f32(x).to_le_bytes()
+}
+
+/// Standard deviation of the IQ4_NL levels (uniform index).
+fn iq4nl_std() -> f32 {
+    let k = crate::quant::grids::KVALUES_IQ4NL;
+    let n = k.len() as f64;
+    let mean = k.iter().map(|&v| v as f64).sum::<f64>() / n;
+    (k.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n).sqrt() as f32
+}
+
+/// Writes `n_rows` rows of `cols` values of type `ty` with values of spread `std` into `out`.
+fn fill_rows(ty: GgmlType, cols: usize, row0: usize, n_rows: usize, init: Init, rng: &mut Rng, out: &mut Vec<u8>) {
+    let value = |rng: &mut Rng, _row: usize| -> f32 {
+        match init {
+            Init::Noise { mean, std } => mean + rng.sym() * std * 3f32.sqrt(),
+            Init::NegDecay => -(0.2 + 0.9 * (rng.sym() + 1.0)),
+            Init::Router { .. } => unreachable!("routers are generated by rows"),
+        }
+    };
+    let std = match init {
+        Init::Noise { std, .. } => std,
+        _ => 1.0,
+    };
+    match ty {
+        GgmlType::F32 => {
+            for r in row0..row0 + n_rows {
+                for _ in 0..cols {
+                    out.extend_from_slice(&value(rng, r).to_le_bytes());
+                }
+            }
+        }
+        GgmlType::F16 => {
+            for r in row0..row0 + n_rows {
+                for _ in 0..cols {
+                    out.extend_from_slice(&f16_bytes(value(rng, r)));
+                }
+            }
+        }
+        GgmlType::BF16 => {
+            for r in row0..row0 + n_rows {
+                for _ in 0..cols {
+                    out.extend_from_slice(&f32_to_bf16_bits(value(rng, r)).to_le_bytes());
+                }
+            }
+        }
+        GgmlType::Q8_0 => {
+            let d = f16_bytes(std / 73.3);
+            for _ in 0..n_rows * cols / 32 {
+                out.extend_from_slice(&d);
+                for _ in 0..4 {
+                    out.extend_from_slice(&rng.next().to_le_bytes());
+                }
+            }
+        }
+        GgmlType::IQ4_NL => {
+            let d = f16_bytes(std / iq4nl_std());
+            for _ in 0..n_rows * cols / 32 {
+                out.extend_from_slice(&d);
+                out.extend_from_slice(&rng.next().to_le_bytes());
+                out.extend_from_slice(&rng.next().to_le_bytes());
+            }
+        }
+        GgmlType::Q4_K => {
+            // Every sub-block scale and min is 32: value = 32 (d q - dmin), q uniform in 0..16, zero mean with
+            // dmin = 7.5 d, standard deviation 32 * 4.61 * d.
+            let dv = std / (32.0 * 4.61);
+            let (d, dmin) = (f16_bytes(dv), f16_bytes(7.5 * dv));
+            for _ in 0..n_rows * cols / 256 {
+                out.extend_from_slice(&d);
+                out.extend_from_slice(&dmin);
+                out.extend_from_slice(&[160, 160, 160, 160, 160, 160, 160, 160, 0, 0, 0, 0]);
+                for _ in 0..16 {
+                    out.extend_from_slice(&rng.next().to_le_bytes());
+                }
+            }
+        }
+        other => unreachable!("synth never plans type {}", other.name()),
+    }
+}
+
+/// Routing-mass shares of the top 32/64/128/256 experts when logits are `scale * exp(beta * u_e) * z`
+/// (z standard normal per token and expert), routed softmax top-k with renormalised weights.
+fn simulate_shares(experts: usize, beta: f64, gamma: f64, scale: f64, tokens: usize, seed: u64) -> [f64; 4] {
+    let mut rng = Rng::new(seed);
+    let a: Vec<f64> = (0..experts).map(|e| popularity(experts, e, beta, gamma)).collect();
+    let mut mass = vec![0f64; experts];
+    let mut logits = vec![0f64; experts];
+    let mut idx: Vec<usize> = (0..experts).collect();
+    for _ in 0..tokens {
+        for e in 0..experts {
+            logits[e] = scale * a[e] * rng.normal();
+        }
+        idx.select_nth_unstable_by(TOP_K - 1, |&x, &y| logits[y].total_cmp(&logits[x]));
+        let top = &idx[..TOP_K];
+        let m = top.iter().map(|&e| logits[e]).fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = top.iter().map(|&e| (logits[e] - m).exp()).sum();
+        for &e in top {
+            mass[e] += (logits[e] - m).exp() / z;
+        }
+    }
+    mass.sort_by(|x, y| y.total_cmp(x));
+    let total: f64 = mass.iter().sum();
+    let share = |k: usize| mass[..k.min(experts)].iter().sum::<f64>() / total;
+    [share(32), share(64), share(128), share(256)]
+}
+
+/// Router row scale of expert `e`: `exp(beta * u^gamma)` with `u = 1` for expert 0 and `0` for the last.
+fn popularity(experts: usize, e: usize, beta: f64, gamma: f64) -> f64 {
+    let u = (experts - 1 - e) as f64 / (experts - 1).max(1) as f64;
+    (beta * u.powf(gamma)).exp()
+}
+
+/// Fits (beta, gamma, scale) to the real model's routing-mass shares (37/53/73/93 %).
+fn fit_router(experts: usize, seed: u64) -> (f64, f64, f64, [f64; 4]) {
+    let target = [0.37, 0.53, 0.73, 0.93];
+    let err = |s: &[f64; 4]| s.iter().zip(&target).map(|(a, b)| (a - b).powi(2)).sum::<f64>();
+    let mut best = (0.0, 1.0, 1.0, f64::INFINITY);
+    for gamma in [1.0, 2.0, 3.0, 4.0, 6.0] {
+        for bi in 0..=16 {
+            let beta = bi as f64 * 0.25;
+            for si in 0..=12 {
+                let scale = 0.25 * 1.3f64.powi(si);
+                let e = err(&simulate_shares(experts, beta, gamma, scale, 300, seed));
+                if e < best.3 {
+                    best = (beta, gamma, scale, e);
+                }
+            }
+        }
+    }
+    let (beta, gamma, scale) = (best.0, best.1, best.2);
+    (beta, gamma, scale, simulate_shares(experts, beta, gamma, scale, 2000, seed ^ 1))
+}
+
+fn plan(opts: &SynthOptions, router: Init) -> Vec<Spec> {
+    let q4 = opts.recipe == SynthRecipe::NebulaQ4;
+    let mat = |cols: usize| -> GgmlType {
+        match opts.recipe {
+            SynthRecipe::NebulaQ4 if cols % 256 == 0 => GgmlType::Q4_K,
+            SynthRecipe::NebulaQ4 => GgmlType::IQ4_NL,
+            SynthRecipe::Q8_0 => GgmlType::Q8_0,
+            SynthRecipe::Bf16 => GgmlType::BF16,
+        }
+    };
+    let nl = |cols: usize| if q4 { GgmlType::IQ4_NL } else { mat(cols) };
+    let idx_ty = if opts.recipe == SynthRecipe::Q8_0 || q4 { GgmlType::BF16 } else { mat(D) };
+    let noise = |cols: usize| Init::Noise { mean: 0.0, std: 1.0 / (cols as f32).sqrt() };
+    let resid = |cols: usize| Init::Noise { mean: 0.0, std: 0.3 / (cols as f32).sqrt() };
+    let ones = Init::Noise { mean: 1.0, std: 0.05 };
+    let dd = HC * D;
+    let mut v: Vec<Spec> = Vec::new();
+    let mut push = |name: String, dims: Vec<usize>, ty: GgmlType, init: Init| {
+        v.push(Spec { name, dims: dims.into_iter().map(|x| x as u64).collect(), ty, init })
+    };
+    push("token_embd.weight".into(), vec![D, opts.vocab], mat(D), Init::Noise { mean: 0.0, std: 0.5 });
+    push("output.weight".into(), vec![D, opts.vocab], mat(D), noise(D));
+    push("output_hc_norm.weight".into(), vec![dd], GgmlType::F32, ones);
+    push("output_hc_down.weight".into(), vec![dd, RANK], mat(dd), noise(dd));
+    push("output_hc_up.weight".into(), vec![RANK, dd], nl(RANK), noise(RANK));
+    let (kd, vd) = (SSM_K * SSM_DIM, SSM_V * SSM_DIM);
+    let conv_dim = 2 * kd + vd;
+    let e = opts.experts;
+    for i in 0..opts.layers {
+        let b = format!("blk.{i}");
+        for gg in ["hc_attn", "hc_ffn"] {
+            push(format!("{b}.{gg}_norm.weight"), vec![dd], GgmlType::F32, ones);
+            push(format!("{b}.{gg}_down.weight"), vec![dd, RANK], mat(dd), noise(dd));
+            push(format!("{b}.{gg}_up.weight"), vec![RANK, dd], nl(RANK), noise(RANK));
+            push(format!("{b}.{gg}_inject.weight"), vec![dd, HC], mat(dd), noise(dd));
+        }
+        if (i + 1) % 4 != 0 {
+            push(format!("{b}.attn_qkv.weight"), vec![D, conv_dim], mat(D), noise(D));
+            push(format!("{b}.attn_gate.weight"), vec![D, vd], mat(D), noise(D));
+            let ab = if q4 { GgmlType::F32 } else { mat(D) };
+            push(format!("{b}.ssm_beta.weight"), vec![D, SSM_V], ab, noise(D));
+            push(format!("{b}.ssm_alpha.weight"), vec![D, SSM_V], ab, noise(D));
+            push(
+                format!("{b}.ssm_conv1d.weight"),
+                vec![4, conv_dim],
+                GgmlType::F32,
+                Init::Noise { mean: 0.0, std: 0.3 },
+            );
+            push(format!("{b}.ssm_dt.bias"), vec![SSM_V], GgmlType::F32, Init::Noise { mean: 0.0, std: 0.5 });
+            push(format!("{b}.ssm_a"), vec![SSM_V], GgmlType::F32, Init::NegDecay);
+            push(format!("{b}.ssm_norm.weight"), vec![SSM_DIM], GgmlType::F32, ones);
+            push(format!("{b}.ssm_out.weight"), vec![vd, D], mat(vd), resid(vd));
+        } else {
+            push(format!("{b}.attn_q.weight"), vec![D, HEADS * HEAD_DIM * 2], mat(D), noise(D));
+            push(format!("{b}.attn_k.weight"), vec![D, KV_HEADS * HEAD_DIM], mat(D), noise(D));
+            push(format!("{b}.attn_v.weight"), vec![D, KV_HEADS * HEAD_DIM], mat(D), noise(D));
+            push(
+                format!("{b}.attn_output.weight"),
+                vec![HEADS * HEAD_DIM, D],
+                mat(HEADS * HEAD_DIM),
+                resid(HEADS * HEAD_DIM),
+            );
+            push(format!("{b}.attn_q_norm.weight"), vec![HEAD_DIM], GgmlType::F32, ones);
+            push(format!("{b}.attn_k_norm.weight"), vec![HEAD_DIM], GgmlType::F32, ones);
+            push(format!("{b}.indexer.q_proj.weight"), vec![D, IDX_HEADS * IDX_DIM], idx_ty, noise(D));
+            push(format!("{b}.indexer.k_proj.weight"), vec![D, IDX_DIM], idx_ty, noise(D));
+            push(format!("{b}.indexer.q_norm.weight"), vec![IDX_DIM], GgmlType::F32, ones);
+            push(format!("{b}.indexer.k_norm.weight"), vec![IDX_DIM], GgmlType::F32, ones);
+        }
+        push(format!("{b}.ffn_gate_inp.weight"), vec![D, e], GgmlType::F32, router);
+        push(format!("{b}.ffn_gate_exps.weight"), vec![D, FF, e], mat(D), noise(D));
+        push(format!("{b}.ffn_up_exps.weight"), vec![D, FF, e], mat(D), noise(D));
+        push(format!("{b}.ffn_down_exps.weight"), vec![FF, D, e], nl(FF), resid(FF));
+        push(format!("{b}.ffn_gate_shexp.weight"), vec![D, FF], mat(D), noise(D));
+        push(format!("{b}.ffn_up_shexp.weight"), vec![D, FF], mat(D), noise(D));
+        push(format!("{b}.ffn_down_shexp.weight"), vec![FF, D], nl(FF), resid(FF));
+        push(format!("{b}.ffn_gate_inp_shexp.weight"), vec![D], GgmlType::F32, noise(D));
+        if i == 1 {
+            push(format!("{b}.ple_key.weight"), vec![D, dd], mat(D), noise(D));
+            push(format!("{b}.ple_value.weight"), vec![D, D], mat(D), noise(D));
+            for n in ["ple_norm_key", "ple_norm_query", "ple_norm_conv"] {
+                push(format!("{b}.{n}.weight"), vec![dd], GgmlType::F32, ones);
+            }
+            push(format!("{b}.ple_conv1d.weight"), vec![4, dd], GgmlType::F32, Init::Noise { mean: 0.0, std: 0.3 });
+        }
+    }
+    let table_rows = head_sizes(opts.ngram_rows_per_head, 16).iter().sum::<u64>().div_ceil(128) * 128;
+    push(
+        "per_layer_token_embd.weight".into(),
+        vec![PLE_HEAD_DIM, table_rows as usize],
+        nl(PLE_HEAD_DIM),
+        Init::Noise { mean: 0.0, std: 0.5 },
+    );
+    v
+}
+
+/// Distinct primes >= base, one per head (the reference's `_find_nth_prime_after`).
+fn head_sizes(base: u64, n: usize) -> Vec<u64> {
+    let is_prime = |v: u64| v >= 2 && (2..).take_while(|d| d * d <= v).all(|d| v % d != 0);
+    let mut out = Vec::with_capacity(n);
+    let mut p = base.saturating_sub(1);
+    while out.len() < n {
+        p += 1;
+        while !is_prime(p) {
+            p += 1;
+        }
+        out.push(p);
+    }
+    out
+}
+
+/// Writes the synthetic model to `out`; tokenizer and chat template keys are copied from `tokenizer_from`.
+pub fn synth(out: &Path, opts: &SynthOptions, tokenizer_from: &GgufFile) -> Result<SynthReport, GgufError> {
+    let (router, fitted) = if opts.routing_skew {
+        let (beta, gamma, scale, shares) = fit_router(opts.experts, opts.seed);
+        // A router row of norm s maps an input of norm |m| to logits of std s |m| / sqrt(D) * sqrt(D)... the fit
+        // is in units of the logits' standard deviation; the MoE input has roughly unit-scale elements, so
+        // |m| ~ sqrt(D) and a row of norm `scale` gives logits of std ~ `scale`.
+        (Init::Router { beta: beta as f32, gamma: gamma as f32, scale: (scale / (D as f64).sqrt()) as f32 }, shares)
+    } else {
+        (
+            Init::Noise { mean: 0.0, std: 1.0 / (D as f32).sqrt() },
+            [32.0 / 512.0, 64.0 / 512.0, 128.0 / 512.0, 256.0 / 512.0],
+        )
+    };
+    let specs = plan(opts, router);
+    let mut w = GgufWriter::create(out, 32)?;
+    let a = "qwen4exp";
+    let u = |x: usize| x as u32;
+    w.add_kv("general.architecture", a)?;
+    w.add_kv("general.name", format!("nebula-synth-{}l", opts.layers).as_str())?;
+    w.add_kv(format!("{a}.block_count"), u(opts.layers))?;
+    w.add_kv(format!("{a}.context_length"), u(opts.context_length))?;
+    w.add_kv(format!("{a}.embedding_length"), u(D))?;
+    w.add_kv(format!("{a}.attention.head_count"), u(HEADS))?;
+    w.add_kv(format!("{a}.attention.head_count_kv"), u(KV_HEADS))?;
+    w.add_kv(format!("{a}.attention.key_length"), u(HEAD_DIM))?;
+    w.add_kv(format!("{a}.attention.value_length"), u(HEAD_DIM))?;
+    w.add_kv(format!("{a}.attention.layer_norm_rms_epsilon"), 1e-6f32)?;
+    w.add_kv(format!("{a}.rope.freq_base"), 1e7f32)?;
+    w.add_kv(format!("{a}.rope.dimension_count"), 64u32)?;
+    w.add_kv(format!("{a}.rope.dimension_sections"), vec![11i32, 11, 10, 0])?;
+    w.add_kv(format!("{a}.expert_count"), u(opts.experts))?;
+    w.add_kv(format!("{a}.expert_used_count"), u(TOP_K))?;
+    w.add_kv(format!("{a}.expert_feed_forward_length"), u(FF))?;
+    w.add_kv(format!("{a}.expert_shared_feed_forward_length"), u(FF))?;
+    w.add_kv(format!("{a}.ssm.conv_kernel"), 4u32)?;
+    w.add_kv(format!("{a}.ssm.state_size"), u(SSM_DIM))?;
+    w.add_kv(format!("{a}.ssm.group_count"), u(SSM_K))?;
+    w.add_kv(format!("{a}.ssm.time_step_rank"), u(SSM_V))?;
+    w.add_kv(format!("{a}.ssm.inner_size"), u(SSM_V * SSM_DIM))?;
+    w.add_kv(format!("{a}.full_attention_interval"), 4u32)?;
+    w.add_kv(format!("{a}.hyper_connection.count"), u(HC))?;
+    w.add_kv(format!("{a}.hyper_connection.low_rank"), u(RANK))?;
+    w.add_kv(format!("{a}.attention.indexer.head_count"), u(IDX_HEADS))?;
+    w.add_kv(format!("{a}.attention.indexer.key_length"), u(IDX_DIM))?;
+    w.add_kv(format!("{a}.attention.indexer.top_k"), 2048u32)?;
+    let ratios: Vec<i32> = (0..opts.layers).map(|i| if (i + 1) % 4 == 0 { 4 } else { 0 }).collect();
+    w.add_kv(format!("{a}.attention.compress_ratios"), ratios)?;
+    w.add_kv(format!("{a}.ple.layers"), vec![1i32])?;
+    w.add_kv(format!("{a}.ple.ngram_size"), 3u32)?;
+    w.add_kv(format!("{a}.ple.heads_per_ngram"), 8u32)?;
+    w.add_kv(format!("{a}.ple.conv_kernel"), 4u32)?;
+    w.add_kv(format!("{a}.ple.eos_token_id"), 248_044u32)?;
+    w.add_kv(format!("{a}.ple.image_token_id"), 248_056u32)?;
+    w.add_kv(format!("{a}.embedding_length_per_layer_input"), u(PLE_HEAD_DIM))?;
+    // Hash multipliers as the reference derives them (seed 1234, layer index 0).
+    let mmax = ((1u64 << 63) - 1) / opts.vocab as u64;
+    let half = (mmax / 2).max(1);
+    let mults: Vec<u64> = (0..3u64)
+        .map(|i| 2 * (splitmix(1234u64.wrapping_add(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i + 1))) % half) + 1)
+        .collect();
+    let sizes = head_sizes(opts.ngram_rows_per_head, 16);
+    let offsets: Vec<u64> = sizes
+        .iter()
+        .scan(0u64, |acc, &s| {
+            let o = *acc;
+            *acc += s;
+            Some(o)
+        })
+        .collect();
+    w.add_kv(format!("{a}.ple.layer_multipliers"), mults)?;
+    w.add_kv(format!("{a}.ple.head_offsets"), offsets)?;
+    w.add_kv(format!("{a}.ple.head_vocab_sizes"), sizes)?;
+    for (k, v) in tokenizer_from.metadata().entries() {
+        if k.starts_with("tokenizer.") {
+            w.add_kv(k.clone(), v.clone())?;
+        }
+    }
+    for s in &specs {
+        w.add_tensor(s.name.clone(), &s.dims, s.ty)?;
+    }
+    let mut data = w.begin_data()?;
+    let mut bytes = 0u64;
+    for (ti, s) in specs.iter().enumerate() {
+        let cols = s.dims[0] as usize;
+        let rows: usize = s.dims[1..].iter().product::<u64>().max(1) as usize;
+        data.begin_tensor(&s.name)?;
+        let rows_per_chunk = ((32 << 20) / (cols * 4).max(1)).clamp(1, rows);
+        let chunks: Vec<usize> = (0..rows).step_by(rows_per_chunk).collect();
+        // Generate a batch of chunks in parallel, write them in order.
+        for batch in chunks.chunks(rayon::current_num_threads().max(1) * 2) {
+            let parts: Vec<Vec<u8>> = batch
+                .par_iter()
+                .map(|&r0| {
+                    let n = rows_per_chunk.min(rows - r0);
+                    let mut rng = Rng::new(opts.seed ^ ((ti as u64) << 40) ^ r0 as u64);
+                    let mut out = Vec::new();
+                    match s.init {
+                        Init::Router { beta, gamma, scale } => {
+                            for r in r0..r0 + n {
+                                let e = r % opts.experts;
+                                let a = popularity(opts.experts, e, beta as f64, gamma as f64) as f32;
+                                let mut row: Vec<f32> = (0..cols).map(|_| rng.normal() as f32).collect();
+                                let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt();
+                                let f = scale * a * (cols as f32).sqrt() / norm;
+                                for x in &mut row {
+                                    out.extend_from_slice(&(*x * f).to_le_bytes());
+                                }
+                            }
+                        }
+                        init => fill_rows(s.ty, cols, r0, n, init, &mut rng, &mut out),
+                    }
+                    out
+                })
+                .collect();
+            for p in parts {
+                bytes += p.len() as u64;
+                data.write_chunk(&p)?;
+            }
+        }
+        data.end_tensor()?;
+    }
+    let files = data.finish()?;
+    let _ = MetadataValue::U32(0);
+    Ok(SynthReport { files, data_bytes: bytes, fitted_shares: fitted })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uniform_routing_shares_are_proportional_and_skew_concentrates_them() {
+        // With equal rows the sorted shares only reflect sampling noise; scaled rows concentrate the mass.
+        let flat = simulate_shares(512, 0.0, 1.0, 1.0, 2000, 1);
+        assert!(flat[3] < 0.6 && flat[0] < 0.1, "{flat:?}");
+        let skewed = simulate_shares(512, 3.0, 1.0, 1.5, 2000, 1);
+        assert!(skewed[0] > flat[0] * 2.0, "{skewed:?} vs {flat:?}");
+        assert!(skewed.windows(2).all(|w| w[0] < w[1]), "{skewed:?}");
+    }
+
+    #[test]
+    fn head_sizes_are_distinct_primes_from_the_base() {
+        let s = head_sizes(20_000_000, 3);
+        assert_eq!(s, vec![20_000_003, 20_000_023, 20_000_033], "the release's first head sizes (format doc §1)");
+    }
+}
+
+#[cfg(test)]
+mod fit_probe {
+    #[test]
+    #[ignore = "prints the router fit: cargo test --release -p nebula-engine --lib fit_probe -- --ignored --nocapture"]
+    fn print_fit() {
+        let (b, g, s, sh) = super::fit_router(512, 42);
+        println!("beta {b} gamma {g} scale {s} shares {sh:?}");
+    }
+}
