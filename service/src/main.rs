@@ -1,4 +1,5 @@
-//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF).
+//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF), `profile detect`
+//! (the hardware profile the container entry point writes before `serve`).
 
 use std::path::PathBuf;
 
@@ -38,6 +39,8 @@ enum Command {
         #[arg(long)]
         name: Option<String>,
     },
+    /// Hardware profiles: `nebula profile detect` chooses one of deploy/profiles.toml and writes it.
+    Profile(nebula_service::profile::ProfileArgs),
 }
 
 /// Logs to stderr; `RUST_LOG` filters (default: `info`).
@@ -51,6 +54,7 @@ fn init_tracing() {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Profile(args) => std::process::exit(nebula_service::profile::run(args).into()),
         Command::Serve(args) => {
             init_tracing();
             Ok(nebula_service::serve(args.into())?)
