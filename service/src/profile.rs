@@ -886,7 +886,7 @@ impl Default for Sources {
 }
 
 /// The arguments `nvidia-smi` is run with.
-pub const NVIDIA_SMI_ARGS: [&str; 3] = ["--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"];
+pub const NVIDIA_SMI_ARGS: [&str; 2] = ["--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"];
 
 /// Reads the GPUs, memory and CPUs from `sources`.
 ///
@@ -1181,11 +1181,11 @@ pub fn detect(args: &DetectArgs) -> Result<String, DetectError> {
         profile.model = Some(model.display().to_string());
         let _ = writeln!(
             summary,
-            "model: {} ({} part{}, {:.1} GiB{})",
+            "model: {} ({} part{}, {}{})",
             model.display(),
             m.parts,
             if m.parts == 1 { "" } else { "s" },
-            m.bytes as f64 / GIB,
+            human_size(m.bytes),
             m.name.map_or(String::new(), |n| format!(", {n}"))
         );
     }
@@ -1229,6 +1229,12 @@ pub fn detect(args: &DetectArgs) -> Result<String, DetectError> {
         let _ = writeln!(summary, "wrote {}", args.out.display());
     }
     Ok(summary)
+}
+
+/// `94.3 GiB`, `28.6 MiB`.
+fn human_size(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= GIB { format!("{:.1} GiB", b / GIB) } else { format!("{:.1} MiB", b / MIB) }
 }
 
 /// Writes `text` to `path` through a temporary file and a rename, so readers never see half a profile.

@@ -3,10 +3,12 @@
 
 use super::*;
 
-/// SPEC §6, one line per VRAM step: (VRAM GB, GPU experts, max prefill, max context,
-/// CPU experts for 32/64/96/128 GB RAM, SSD experts for 32/64/96/128 GB RAM). The n-gram table is on SSD except
-/// with 128 GB of RAM.
-const SPEC_TABLE: [(u32, u32, u64, u64, [u32; 4], [u32; 4]); 4] = [
+/// One VRAM step of SPEC §6: (VRAM GB, GPU experts, max prefill, max context, CPU experts for 32/64/96/128 GB RAM,
+/// SSD experts for 32/64/96/128 GB RAM).
+type SpecLine = (u32, u32, u64, u64, [u32; 4], [u32; 4]);
+
+/// SPEC §6. The n-gram table is on SSD except with 128 GB of RAM.
+const SPEC_TABLE: [SpecLine; 4] = [
     (8, 11, 1024, 8192, [141, 400, 501, 501], [360, 101, 0, 0]),
     (12, 27, 2048, 24576, [124, 383, 485, 485], [361, 102, 0, 0]),
     (16, 34, 4096, 49152, [114, 372, 478, 478], [364, 106, 0, 0]),
@@ -358,7 +360,14 @@ fn broken_tables_are_refused_with_the_row_named() {
     let cases = [
         (good.replacen("ssd_experts_per_layer = 360", "ssd_experts_per_layer = 361", 1), "= 513 experts per layer"),
         (good.replacen("name = \"12gb-vram-64gb-ram\"", "name = \"twelve\"", 1), "should be '12gb-vram-64gb-ram'"),
-        (good.replacen("vram_gb = 16\nram_gb = 32", "vram_gb = 16\nram_gb = 64", 1), "a second row"),
+        (
+            good.replacen(
+                "name = \"16gb-vram-32gb-ram\"\nvram_gb = 16\nram_gb = 32",
+                "name = \"16gb-vram-64gb-ram\"\nvram_gb = 16\nram_gb = 64",
+                1,
+            ),
+            "a second row for 16 GB VRAM / 64 GB RAM",
+        ),
         (good.replacen("gpu_copies_in_ram = 27", "gpu_copies_in_ram = 26", 1), "gpu_copies_in_ram = 26"),
         (good.replacen("ram_steps_gb = [32, 64, 96, 128]", "ram_steps_gb = [64, 32, 96, 128]", 1), "ascending"),
         (good.replacen("ngram_table = \"ram\"", "ngram_table = \"gpu\"", 1), "unknown variant"),
