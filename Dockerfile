@@ -39,12 +39,13 @@ COPY engine ./engine
 COPY kernels ./kernels
 COPY service ./service
 COPY tests ./tests
-# build.rs prints "CUDA kernels compiled ahead of time" when nvcc did its work; without it the image would fall
-# back to NVRTC at run time, so make its absence a build failure.
+# kernels/build.rs finds nvcc (CUDA_HOME) and embeds one fatbin per kernels/cuda/*.cu; without them the image would
+# fall back to NVRTC at run time, so a build that made none fails here.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p nebula-service --bin nebula 2>&1 | tee /tmp/build.log \
-    && grep -q "CUDA kernels compiled ahead of time" /tmp/build.log \
+    cargo build --release --locked -p nebula-service --bin nebula \
+    && fatbins=$(find target/release/build -path '*nebula-kernels-*/out/*.fatbin' | wc -l) \
+    && echo "embedded CUDA fatbins: ${fatbins}" && [ "${fatbins}" -gt 0 ] \
     && install -D -m 0755 target/release/nebula /out/nebula
 
 # ---- CPU builder: the official Rust image (Debian), no CUDA toolkit ----------------------------------------------
