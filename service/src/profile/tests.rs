@@ -148,6 +148,10 @@ fn real_cards_and_machines_round_to_their_nominal_step() {
         let p = detect_on(&smi(&[(0, "g", 12288)]), &meminfo(kib), &DetectOptions::default()).unwrap();
         assert_eq!(p.ram_gb, want, "MemTotal {kib} kB");
     }
+    // Read on the project's H200 machine (128 GiB installed): nvidia-smi "0, NVIDIA H200, 143771" and MemTotal
+    // 131981020 kB (125.9 GiB, which plain rounding down would call 96).
+    let p = detect_on("0, NVIDIA H200, 143771\n", &meminfo(131_981_020), &DetectOptions::default()).unwrap();
+    assert_eq!(p.name, "24gb-vram-128gb-ram");
     // The original's example: 20 GB of VRAM and 80 GB of RAM use the 16 GB / 64 GB profile.
     let p = detect_on(&smi(&[(0, "g", 20 * 1024)]), &meminfo(gib_kib(80.0)), &DetectOptions::default()).unwrap();
     assert_eq!(p.name, "16gb-vram-64gb-ram");
