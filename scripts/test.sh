@@ -11,6 +11,7 @@ python3 scripts/make_tokenizer.py
 
 cargo build --release --workspace --all-targets
 cargo test --release --workspace
+NEBULA_BIN=target/release/nebula DEPLOY_CHECK_SKIP_CARGO=1 deploy/check.sh
 scripts/test_sdk.sh
 webui/scripts/test.sh
 echo "all tests passed"

@@ -19,6 +19,7 @@ pub mod error;
 pub mod extract;
 pub mod generation;
 pub mod openai;
+pub mod profile;
 pub mod routes;
 pub mod state;
 pub mod stream;

@@ -1,5 +1,6 @@
-//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF), `synth`
-//! (random-weight real-width GGUF for benchmarks), `bench` (speed).
+//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF), `profile detect`
+//! (the hardware profile the container entry point writes before `serve`), `synth` (random-weight real-width GGUF
+//! for benchmarks), `bench` (speed).
 
 use std::path::PathBuf;
 
@@ -44,6 +45,8 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Hardware profiles: `nebula profile detect` chooses one of deploy/profiles.toml and writes it.
+    Profile(nebula_service::profile::ProfileArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -63,6 +66,7 @@ fn init_tracing() {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Profile(args) => std::process::exit(nebula_service::profile::run(args).into()),
         Command::Serve(args) => {
             init_tracing();
             Ok(nebula_service::serve(args.into())?)
