@@ -6,8 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
-python3 scripts/make_tokenizer.py
+# The Python truth sources live in their own venv (works on distributions that forbid system-wide pip, PEP 668).
+venv=build/test-venv
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
+"$venv/bin/python" scripts/make_tokenizer.py
 
 cargo build --release --workspace --all-targets
 cargo test --release --workspace

@@ -92,6 +92,13 @@ fn main() -> anyhow::Result<()> {
                 if report.mtp { "yes" } else { "no" },
                 if report.tokenizer { "yes" } else { "no" }
             );
+            if !report.tokenizer {
+                eprintln!(
+                    "warning: {} has no tokenizer.json, so the GGUF has no tokenizer and `nebula serve` will refuse it; \
+                     put tokenizer.json (and tokenizer_config.json, chat_template.jinja) beside the checkpoint and convert again",
+                    input.display()
+                );
+            }
             Ok(())
         }
     }
