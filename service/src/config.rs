@@ -8,7 +8,11 @@ use std::time::Duration;
 
 /// The demo model built into the binary (`models/nebula-demo.gguf`, made by `scripts/make_demo_model.py`), served
 /// when no model is given so that a fresh clone and any copied binary work.
+#[cfg(not(feature = "lean"))]
 pub static EMBEDDED_DEMO_MODEL: &[u8] = include_bytes!("../../models/nebula-demo.gguf");
+/// Built with the `lean` feature: no demo model inside (a smaller binary to carry to benchmark machines).
+#[cfg(feature = "lean")]
+pub static EMBEDDED_DEMO_MODEL: &[u8] = &[];
 
 /// Label of the embedded demo model in logs and errors (it stands where a path would).
 pub const EMBEDDED_DEMO_LABEL: &str = "<embedded>/nebula-demo.gguf";

@@ -45,6 +45,8 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Greedy continuation of a raw text prompt (engine comparisons).
+    Generate(nebula_service::cli::generate::GenerateArgs),
     /// Hardware profiles: `nebula profile detect` chooses one of deploy/profiles.toml and writes it.
     Profile(nebula_service::profile::ProfileArgs),
 }
@@ -72,6 +74,7 @@ fn main() -> anyhow::Result<()> {
             Ok(nebula_service::serve(args.into())?)
         }
         Command::Synth(args) => nebula_service::cli::synth::run(args),
+        Command::Generate(args) => nebula_service::cli::generate::run(args),
         Command::Bench(BenchCommand::Model(args)) => nebula_service::cli::bench::run_model(args),
         Command::Convert { input, output, outtype, no_mtp, split_max_gib, name } => {
             let opts = ConvertOptions {

@@ -30,12 +30,18 @@ pub struct SynthArgs {
     /// Random seed.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// GGUF whose tokenizer and chat template are copied (default: the embedded demo model).
+    #[arg(long)]
+    pub tokenizer_from: Option<PathBuf>,
 }
 
 /// Runs `nebula synth`.
 pub fn run(args: SynthArgs) -> anyhow::Result<()> {
-    let tok = GgufFile::from_bytes("embedded demo model", crate::config::EMBEDDED_DEMO_MODEL.to_vec())
-        .context("reading the embedded demo model's tokenizer")?;
+    let tok = match &args.tokenizer_from {
+        Some(p) => GgufFile::open(p).with_context(|| format!("reading the tokenizer of {}", p.display()))?,
+        None => GgufFile::from_bytes("embedded demo model", crate::config::EMBEDDED_DEMO_MODEL.to_vec())
+            .context("reading the embedded demo model's tokenizer (a `lean` build has none: pass --tokenizer-from)")?,
+    };
     let opts = SynthOptions {
         layers: args.layers,
         ngram_rows_per_head: args.ngram_rows,
