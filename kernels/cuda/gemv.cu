@@ -190,3 +190,80 @@ __device__ __forceinline__ void dequant_elem_body(const uint8_t* __restrict__ W,
 ELEM(f32, T_F32)
 ELEM(f16, T_F16)
 ELEM(bf16, T_BF16)
+
+// Grouped expert products for prefill: block (row group, expert e) multiplies expert e's rows with the inputs of
+// every slot routed to it (perm[offsets[e] .. offsets[e+1]], from moe_sort), 8 slots per pass so each weight
+// chunk is decoded once per 8 tokens. Slot s reads x + (s / x_div) * x_stride and writes y + s * rows.
+template <int T>
+__device__ __forceinline__ void moe_grouped_body(const uint8_t* __restrict__ W, long long expert_bytes,
+                                                 long long row_bytes, int rows, int cols,
+                                                 const int* __restrict__ offsets, const int* __restrict__ perm,
+                                                 const float* __restrict__ x, int x_div, long long x_stride,
+                                                 float* __restrict__ y, int lanes) {
+    const int e = blockIdx.y;
+    const int start = offsets[e], end = offsets[e + 1];
+    if (start == end) return;
+    const int rows_per_block = blockDim.x / lanes;
+    const int r = blockIdx.x * rows_per_block + threadIdx.x / lanes;
+    const int lane = threadIdx.x % lanes;
+    if (r >= rows) return;
+    const uint8_t* row = W + (long long)e * expert_bytes + (long long)r * row_bytes;
+    const int nchunks = cols / 32;
+    float w[32];
+    for (int base = start; base < end; base += 8) {
+        const int nt = min(8, end - base);
+        int slot[8];
+        const float* xs[8];
+        for (int t = 0; t < 8; t++) {
+            slot[t] = t < nt ? perm[base + t] : perm[base];
+            xs[t] = x + (long long)(slot[t] / x_div) * x_stride;
+        }
+        float acc[8];
+#pragma unroll
+        for (int t = 0; t < 8; t++) acc[t] = 0.f;
+        for (int c = lane; c < nchunks; c += lanes) {
+            dequant_chunk<T>(row, c, w);
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                const float4* xp = reinterpret_cast<const float4*>(xs[t] + 32 * c);
+                float a = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const float4 v = __ldg(xp + i);
+                    a += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+                }
+                acc[t] += a;
+            }
+        }
+        if constexpr (Block<T>::elems == 1) {
+            for (int i = 32 * nchunks + lane; i < cols; i += lanes) {
+                const float wv = load_one<T>(row, i);
+#pragma unroll
+                for (int t = 0; t < 8; t++) acc[t] += wv * xs[t][i];
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const float s = warp_sum(acc[t], lanes);
+            if (lane == 0 && t < nt) y[(long long)slot[t] * rows + r] = s;
+        }
+    }
+}
+
+#define GROUPED(NAME, T)                                                                                          \
+    extern "C" __global__ void moe_grouped_##NAME(const uint8_t* W, long long eb, long long rb, int rows, int cols,   \
+                                                  const int* offsets, const int* perm, const float* x, int x_div,    \
+                                                  long long xs, float* y, int lanes) {                               \
+        moe_grouped_body<T>(W, eb, rb, rows, cols, offsets, perm, x, x_div, xs, y, lanes);                         \
+    }
+GROUPED(f32, T_F32)
+GROUPED(f16, T_F16)
+GROUPED(bf16, T_BF16)
+GROUPED(q4_0, T_Q4_0)
+GROUPED(q5_0, T_Q5_0)
+GROUPED(q8_0, T_Q8_0)
+GROUPED(iq4_nl, T_IQ4_NL)
+GROUPED(q4_k, T_Q4_K)
+GROUPED(q5_k, T_Q5_K)
+GROUPED(q6_k, T_Q6_K)
+GROUPED(iq4_xs, T_IQ4_XS)

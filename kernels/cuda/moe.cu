@@ -111,3 +111,24 @@ extern "C" __global__ void add_gated_shared(const float* __restrict__ shared, co
     if (i >= (long long)n * d) return;
     out[i] += sigmoidf_(sg[i / d]) * shared[i];
 }
+
+// Groups the routed (token, expert) slots by expert, stably: offsets[e]..offsets[e+1] index perm, which lists the
+// slots routed to expert e in ascending slot order. One block; E <= 1024.
+extern "C" __global__ void moe_sort(const int* __restrict__ ids, int slots, int E, int* offsets, int* perm) {
+    __shared__ int cnt[1024];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) atomicAdd(&cnt[ids[s]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int e = 0; e < E; e++) {
+            const int c = cnt[e];
+            offsets[e] = acc;
+            cnt[e] = acc;
+            acc += c;
+        }
+        offsets[E] = acc;
+        for (int s = 0; s < slots; s++) perm[cnt[ids[s]]++] = s;
+    }
+}

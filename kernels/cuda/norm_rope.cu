@@ -37,8 +37,11 @@ extern "C" __global__ void l2_norm_heads(float* x, int rows, int width, int per_
 // position when i % 3 == 1 && i < 3*sec1, the width position when i % 3 == 2 && i < 3*sec2, else time; text
 // tokens have all three equal to (pos0 + t) * pos_mul (pos_mul = the QSA block size for pooled block keys, which
 // rotate at their block's first position). thread = (t, h, i).
+// The first position comes from *pos_dev when given (CUDA Graph replays), else from pos0.
 extern "C" __global__ void rope_heads(float* x, int n, int heads, long long token_stride, long long head_stride,
-                                      int pos0, int pos_mul, int rope_dim, float theta, int sec1, int sec2) {
+                                      int pos0, const int* pos_dev, int pos_mul, int rope_dim, float theta, int sec1,
+                                      int sec2) {
+    if (pos_dev) pos0 = *pos_dev;
     const int half = rope_dim / 2;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * heads * half) return;
@@ -88,4 +91,14 @@ extern "C" __global__ void mask_logits(float* logits, int n, int vocab, const in
     const int v = idx % vocab;
     for (int k = 0; k < nranges; k++)
         if (v >= ranges[2 * k] && v < ranges[2 * k + 1]) logits[idx] = -INFINITY;
+}
+
+// dst[(pos + t) * width + i] = src[t * width + i]: appends n rows at the sequence position (KV caches, raw indexer
+// keys). pos = *pos_dev when given, else pos0.
+extern "C" __global__ void copy_rows_at(const float* __restrict__ src, float* dst, int pos0, const int* pos_dev, int n,
+                                        int width) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * width) return;
+    const int pos = pos_dev ? *pos_dev : pos0;
+    dst[(long long)pos * width + idx] = src[idx];
 }

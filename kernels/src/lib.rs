@@ -125,7 +125,7 @@ fn expand_names(src: &str) -> Vec<String> {
     let mut out: Vec<String> = templates.iter().filter(|n| !n.contains("##")).cloned().collect();
     for line in src.lines() {
         let line = line.trim();
-        for macro_name in ["GEMV", "GET_ROWS", "ELEM"] {
+        for macro_name in ["GEMV", "GET_ROWS", "ELEM", "GROUPED"] {
             if let Some(args) = line.strip_prefix(&format!("{macro_name}(")) {
                 let ty = args.split(',').next().unwrap_or("").trim();
                 let block: String = src
@@ -167,7 +167,8 @@ impl Gpu {
         }
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|_| GpuError::Driver("the CUDA driver library could not be loaded".into()))??;
-        let stream = ctx.default_stream();
+        // A stream of our own: CUDA Graph capture is not allowed on the legacy default stream.
+        let stream = ctx.new_stream()?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let capability = ctx.compute_capability().unwrap_or((0, 0));
         let force_nvrtc = std::env::var("NEBULA_NVRTC").is_ok_and(|v| v == "1");

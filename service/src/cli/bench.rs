@@ -102,6 +102,27 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             floor.unwrap_or_else(|| "-".into())
         );
     }
+    if let Runner::Cuda(m) = &runner {
+        let prof = m.take_profile();
+        if !prof.is_empty() {
+            let total: f64 = prof.iter().map(|p| p.1).sum();
+            println!("phase breakdown (NEBULA_CUDA_PROFILE=1, stream synchronised after each phase, all runs):");
+            for (name, secs, count) in prof {
+                println!("  {name:<20} {:>9.1} ms {:>5.1} %  ({count} times)", secs * 1e3, secs / total * 100.0);
+            }
+        }
+    }
+    if let Runner::Cuda(m) = &runner {
+        let mut kt = m.take_kernel_times();
+        if !kt.is_empty() {
+            kt.sort_by(|a, b| b.1.total_cmp(&a.1));
+            let total: f64 = kt.iter().map(|k| k.1).sum();
+            println!("kernels by time (NEBULA_CUDA_PROFILE=kernels, synchronised around each launch, all runs):");
+            for (name, secs, count) in kt.iter().take(20) {
+                println!("  {name:<24} {:>9.2} ms {:>5.1} %  {count:>6} launches, {:>8.1} us each", secs * 1e3, secs / total * 100.0, secs * 1e6 / *count as f64);
+            }
+        }
+    }
     if let Some(path) = &args.csv {
         let mut f = std::fs::File::create(path)?;
         writeln!(f, "{}", BenchRow::CSV_HEADER)?;

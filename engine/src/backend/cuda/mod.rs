@@ -12,7 +12,7 @@ mod ops;
 
 use std::sync::Mutex;
 
-use nebula_kernels::cudarc::driver::CudaSlice;
+use nebula_kernels::cudarc::driver::{CudaGraph, CudaSlice, sys as driver_sys};
 use nebula_kernels::{Gpu, GpuError};
 
 use crate::gguf::GgmlType;
@@ -152,7 +152,21 @@ struct DevLayer {
 /// Per-layer device state of one sequence.
 enum DevLayerState {
     Gdn { conv: CudaSlice<f32>, s: CudaSlice<f32> },
-    Attn { k: CudaSlice<f32>, v: CudaSlice<f32>, raw: CudaSlice<f32>, pooled: CudaSlice<f32>, blocks: usize },
+    Attn { k: CudaSlice<f32>, v: CudaSlice<f32>, raw: CudaSlice<f32>, pooled: CudaSlice<f32> },
+}
+
+/// Fixed device buffers of a decode step, so a captured CUDA Graph replays with the same addresses: the token
+/// id, its PLE row ids and the logits.
+struct StepBuffers {
+    token: CudaSlice<i32>,
+    ple_rows: CudaSlice<i32>,
+    logits: CudaSlice<f32>,
+}
+
+/// A captured decode step and the arena generation its temporaries live in.
+struct DecodeGraph {
+    graph: CudaGraph,
+    arena_generation: u64,
 }
 
 /// The state of one sequence on the GPU (KV caches sized for `max_len` tokens up front).
@@ -164,6 +178,12 @@ pub struct CudaState {
     layers: Vec<DevLayerState>,
     ple_context: Vec<u32>,
     ple_conv: Option<CudaSlice<f32>>,
+    /// The position the next token takes, on the device (kernels read it, so graph replays advance).
+    pos_dev: CudaSlice<i32>,
+    step: StepBuffers,
+    graph: Option<DecodeGraph>,
+    /// Decode steps run so far (a graph is captured on the second, once the arena holds its size).
+    decode_steps: usize,
 }
 
 /// The model on the GPU.
@@ -178,8 +198,58 @@ pub struct CudaModel {
     masked: CudaSlice<i32>,
     n_masked: usize,
     scratch: Mutex<Option<CudaSlice<f32>>>,
+    arena: Mutex<Arena>,
+    graphs: bool,
+    /// Per-phase wall time (`NEBULA_CUDA_PROFILE=1`: the stream is synchronised after each phase).
+    profile: Option<Mutex<PhaseTimes>>,
     /// Bytes of weights uploaded.
     pub weight_bytes: usize,
+}
+
+/// Accumulated wall time per phase of the forward pass, for `nebula bench model`'s breakdown.
+#[derive(Default)]
+struct PhaseTimes {
+    last: Option<std::time::Instant>,
+    totals: Vec<(&'static str, f64, u64)>,
+}
+
+/// Bump allocator for a forward pass's temporaries: one device buffer reused by every call, so decode steps
+/// allocate nothing and a captured graph's addresses stay valid. When a pass needs more, a bigger buffer is added
+/// for the rest of that pass and the two are merged at the next reset; the generation counter changes then, so
+/// graphs captured over the old buffer are recaptured.
+struct Arena {
+    chunks: Vec<CudaSlice<f32>>,
+    used: usize,
+    generation: u64,
+}
+
+impl Arena {
+    /// Values per allocation are rounded up to this (256-byte alignment).
+    const ALIGN: usize = 64;
+
+    fn reset(&mut self, dev: &Dev) -> Result<(), CudaError> {
+        if self.chunks.len() > 1 {
+            let total: usize = self.chunks.iter().map(|c| c.len()).sum();
+            self.chunks.clear();
+            self.chunks.push(zeros(dev, total)?);
+            self.generation += 1;
+        }
+        self.used = 0;
+        Ok(())
+    }
+
+    fn take(&mut self, dev: &Dev, n: usize) -> Result<u64, CudaError> {
+        let n = n.max(1).div_ceil(Self::ALIGN) * Self::ALIGN;
+        let cur = self.chunks.last().map_or(0, |c| c.len());
+        if self.chunks.is_empty() || self.used + n > cur {
+            self.chunks.push(zeros(dev, (2 * cur).max(n).max(1 << 20))?);
+            self.used = 0;
+            self.generation += 1;
+        }
+        let p = ptr(self.chunks.last().expect("pushed above"), dev.stream(), self.used);
+        self.used += n;
+        Ok(p)
+    }
 }
 
 impl std::fmt::Debug for CudaModel {
@@ -271,15 +341,6 @@ impl DevMatrix {
 }
 
 impl DevStack {
-    fn expert(&self, dev: &Dev, e: usize) -> MatRef {
-        MatRef {
-            ty: self.ty,
-            rows: self.rows,
-            cols: self.cols,
-            row_bytes: self.row_bytes,
-            ptr: ptr(&self.data, dev.stream(), e * self.rows * self.row_bytes),
-        }
-    }
     fn expert_bytes(&self) -> usize {
         self.rows * self.row_bytes
     }
@@ -406,6 +467,10 @@ impl CudaModel {
             masked,
             n_masked,
             scratch: Mutex::new(None),
+            arena: Mutex::new(Arena { chunks: Vec::new(), used: 0, generation: 0 }),
+            graphs: std::env::var("NEBULA_CUDA_GRAPHS").map_or(true, |v| v != "0")
+                && std::env::var("NEBULA_CUDA_PROFILE").is_err(),
+            profile: std::env::var("NEBULA_CUDA_PROFILE").is_ok_and(|v| v == "1").then(|| Mutex::new(PhaseTimes::default())),
             weight_bytes,
         })
     }
@@ -453,7 +518,6 @@ impl CudaModel {
                         v: zeros(dev, max_len * kvw)?,
                         raw: zeros(dev, max_len * ihd)?,
                         pooled: zeros(dev, if ratio > 0 { (max_len / ratio + 1) * ihd } else { 1 })?,
-                        blocks: 0,
                     }
                 }
             });
@@ -468,11 +532,60 @@ impl CudaModel {
                 Some(p) => Some(zeros(dev, p.cfg.conv_state_len() * cfg.hc_dim())?),
                 None => None,
             },
+            pos_dev: dev.stream().alloc_zeros::<i32>(1)?,
+            step: StepBuffers {
+                token: dev.stream().alloc_zeros::<i32>(1)?,
+                ple_rows: dev.stream().alloc_zeros::<i32>(ple.map_or(1, |p| p.cfg.n_heads()))?,
+                logits: zeros(dev, cfg.vocab)?,
+            },
+            graph: None,
+            decode_steps: 0,
         })
+    }
+
+    /// Closes the current profiling phase as `name` (no-op unless profiling).
+    fn phase(&self, name: &'static str) -> Result<(), CudaError> {
+        if let Some(prof) = &self.profile {
+            self.dev.stream().synchronize()?;
+            let now = std::time::Instant::now();
+            let mut p = prof.lock().expect("profile lock");
+            if let Some(last) = p.last {
+                let dt = (now - last).as_secs_f64();
+                match p.totals.iter_mut().find(|t| t.0 == name) {
+                    Some(t) => {
+                        t.1 += dt;
+                        t.2 += 1;
+                    }
+                    None => p.totals.push((name, dt, 1)),
+                }
+            }
+            p.last = Some(now);
+        }
+        Ok(())
+    }
+
+    /// Per-kernel (name, total seconds, launches) when `NEBULA_CUDA_PROFILE=kernels`; then clears it.
+    pub fn take_kernel_times(&self) -> Vec<(String, f64, u64)> {
+        self.dev.kernel_times.as_ref().map_or_else(Vec::new, |t| std::mem::take(&mut *t.lock().expect("kernel times lock")))
+    }
+
+    /// Turns decode-step CUDA Graphs on or off (on by default; `NEBULA_CUDA_GRAPHS=0` turns them off).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs = on;
+    }
+
+    /// The profile so far: (phase, total seconds, count), when `NEBULA_CUDA_PROFILE=1`; then clears it.
+    pub fn take_profile(&self) -> Vec<(&'static str, f64, u64)> {
+        self.profile.as_ref().map_or_else(Vec::new, |p| std::mem::take(&mut p.lock().expect("profile lock").totals))
     }
 
     fn p(&self, buf: &CudaSlice<f32>, offset: usize) -> u64 {
         ptr(buf, self.dev.stream(), offset)
+    }
+
+    /// A temporary of `n` f32 (or i32) values from the arena, valid until the end of the forward pass.
+    fn tmp(&self, n: usize) -> Result<u64, CudaError> {
+        self.arena.lock().expect("arena lock").take(&self.dev, n)
     }
 
     /// `y[n][rows] = x[n][cols] . W^T`.
@@ -520,38 +633,18 @@ impl CudaModel {
         while r0 < w.rows {
             let rows = rows_per.min(w.rows - r0);
             let wp = w.ptr + (r0 * w.row_bytes) as u64;
+            let args =
+                [Arg::Ptr(wp), Arg::I64(w.row_bytes as i64), Arg::I32(rows as i32), Arg::I32(w.cols as i32), Arg::Ptr(sp)];
             if elem {
-                dev.launch_1d(
-                    &format!("dequant_elem_f32_{sfx}"),
-                    rows * w.cols,
-                    &[
-                        Arg::Ptr(wp),
-                        Arg::I64(w.row_bytes as i64),
-                        Arg::I32(rows as i32),
-                        Arg::I32(w.cols as i32),
-                        Arg::Ptr(sp),
-                    ],
-                )?;
+                dev.launch_1d(&format!("dequant_elem_f32_{sfx}"), rows * w.cols, &args)?;
             } else {
-                dev.launch_1d(
-                    &format!("dequant_f32_{sfx}"),
-                    rows * (w.cols / 32),
-                    &[
-                        Arg::Ptr(wp),
-                        Arg::I64(w.row_bytes as i64),
-                        Arg::I32(rows as i32),
-                        Arg::I32(w.cols as i32),
-                        Arg::Ptr(sp),
-                    ],
-                )?;
+                dev.launch_1d(&format!("dequant_f32_{sfx}"), rows * (w.cols / 32), &args)?;
             }
-            // y[:, r0..r0+rows] (row stride w.rows): one GEMM per row block writes a column slab, so run it on a
-            // contiguous temporary when the block is partial.
             if rows == w.rows {
                 dev.sgemm(sp, x, y, rows, n, w.cols)?;
             } else {
-                let tmp = zeros(dev, n * rows)?;
-                let tp = ptr(&tmp, dev.stream(), 0);
+                // A partial row block writes a column slab of y: multiply into a temporary, then copy.
+                let tp = self.tmp(n * rows)?;
                 dev.sgemm(sp, x, tp, rows, n, w.cols)?;
                 dev.launch_1d(
                     "copy_rows",
@@ -590,16 +683,8 @@ impl CudaModel {
         Ok(())
     }
 
-    fn rope(
-        &self,
-        x: u64,
-        n: usize,
-        heads: usize,
-        token_stride: usize,
-        head_stride: usize,
-        pos0: usize,
-        pos_mul: usize,
-    ) -> Result<(), CudaError> {
+    /// Rotates `heads` heads of `n` tokens starting at the sequence position (`pos_dev`).
+    fn rope(&self, x: u64, n: usize, heads: usize, token_stride: usize, head_stride: usize, pos_dev: u64) -> Result<(), CudaError> {
         let cfg = &self.config;
         let half = cfg.rope_dim / 2;
         self.dev.launch_1d(
@@ -611,8 +696,9 @@ impl CudaModel {
                 Arg::I32(heads as i32),
                 Arg::I64(token_stride as i64),
                 Arg::I64(head_stride as i64),
-                Arg::I32(pos0 as i32),
-                Arg::I32(pos_mul as i32),
+                Arg::I32(0),
+                Arg::Ptr(pos_dev),
+                Arg::I32(1),
                 Arg::I32(cfg.rope_dim as i32),
                 Arg::F32(cfg.rope_theta),
                 Arg::I32(cfg.rope_sections[1] as i32),
@@ -622,63 +708,48 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Hyper-connection mixer: returns (m [n][d], a [n][S] or empty).
-    fn hc_mix(&self, hc: &DevHc, x: u64, n: usize) -> Result<(CudaSlice<f32>, Option<CudaSlice<f32>>), CudaError> {
+    /// Hyper-connection mixer: returns (m [n][d], a [n][S] when the mixer injects).
+    fn hc_mix(&self, hc: &DevHc, x: u64, n: usize) -> Result<(u64, Option<u64>), CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
         let (s, d) = (cfg.hc_count, cfg.hidden);
         let dim = s * d;
         let inv_s = 1.0 / s as f32;
-        let xn = zeros(dev, n * dim)?;
-        self.rms_norm(x, self.p(&hc.norm, 0), self.p(&xn, 0), n * s, d, s)?;
+        let xn = self.tmp(n * dim)?;
+        self.rms_norm(x, self.p(&hc.norm, 0), xn, n * s, d, s)?;
         let rank = hc.down.rows;
-        let low = zeros(dev, n * rank)?;
-        self.matmul(hc.down.r(dev), self.p(&xn, 0), n, self.p(&low, 0))?;
-        dev.launch_1d(
-            "hc_low_act",
-            n * rank,
-            &[Arg::Ptr(self.p(&low, 0)), Arg::I64((n * rank) as i64), Arg::F32(inv_s)],
-        )?;
-        let g = zeros(dev, n * dim)?;
-        self.matmul(hc.up.r(dev), self.p(&low, 0), n, self.p(&g, 0))?;
-        let m = zeros(dev, n * d)?;
+        let low = self.tmp(n * rank)?;
+        self.matmul(hc.down.r(dev), xn, n, low)?;
+        dev.launch_1d("hc_low_act", n * rank, &[Arg::Ptr(low), Arg::I64((n * rank) as i64), Arg::F32(inv_s)])?;
+        let g = self.tmp(n * dim)?;
+        self.matmul(hc.up.r(dev), low, n, g)?;
+        let m = self.tmp(n * d)?;
         dev.launch_1d(
             "hc_mix",
             n * d,
-            &[
-                Arg::Ptr(self.p(&g, 0)),
-                Arg::Ptr(self.p(&xn, 0)),
-                Arg::Ptr(self.p(&m, 0)),
-                Arg::I32(n as i32),
-                Arg::I32(s as i32),
-                Arg::I32(d as i32),
-            ],
+            &[Arg::Ptr(g), Arg::Ptr(xn), Arg::Ptr(m), Arg::I32(n as i32), Arg::I32(s as i32), Arg::I32(d as i32)],
         )?;
         let a = match &hc.inject {
             None => None,
             Some(wi) => {
-                let a = zeros(dev, n * s)?;
-                self.matmul(wi.r(dev), self.p(&xn, 0), n, self.p(&a, 0))?;
-                dev.launch_1d(
-                    "hc_inject_act",
-                    n * s,
-                    &[Arg::Ptr(self.p(&a, 0)), Arg::I64((n * s) as i64), Arg::F32(inv_s)],
-                )?;
+                let a = self.tmp(n * s)?;
+                self.matmul(wi.r(dev), xn, n, a)?;
+                dev.launch_1d("hc_inject_act", n * s, &[Arg::Ptr(a), Arg::I64((n * s) as i64), Arg::F32(inv_s)])?;
                 Some(a)
             }
         };
         Ok((m, a))
     }
 
-    fn hc_residual(&self, x: u64, y: &CudaSlice<f32>, a: &CudaSlice<f32>, n: usize) -> Result<(), CudaError> {
+    fn hc_residual(&self, x: u64, y: u64, a: u64, n: usize) -> Result<(), CudaError> {
         let cfg = &self.config;
         self.dev.launch_1d(
             "hc_residual",
             n * cfg.hc_dim(),
             &[
                 Arg::Ptr(x),
-                Arg::Ptr(self.p(y, 0)),
-                Arg::Ptr(self.p(a, 0)),
+                Arg::Ptr(y),
+                Arg::Ptr(a),
                 Arg::I32(n as i32),
                 Arg::I32(cfg.hc_count as i32),
                 Arg::I32(cfg.hidden as i32),
@@ -687,33 +758,26 @@ impl CudaModel {
         Ok(())
     }
 
-    fn gdn(
-        &self,
-        g: &DevGdn,
-        st: &mut DevLayerState,
-        m: &CudaSlice<f32>,
-        n: usize,
-    ) -> Result<CudaSlice<f32>, CudaError> {
+    fn gdn(&self, g: &DevGdn, st: &DevLayerState, m: u64, n: usize) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
         let DevLayerState::Gdn { conv, s } = st else { unreachable!("state follows the layer kinds") };
         let (nk, nv, dk) = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_dim);
         let (kd, vd, c) = (nk * dk, nv * dk, cfg.ssm_conv_dim());
-        let mp = self.p(m, 0);
-        let qkv = zeros(dev, n * c)?;
-        self.matmul(g.qkv.r(dev), mp, n, self.p(&qkv, 0))?;
-        let z = zeros(dev, n * vd)?;
-        self.matmul(g.z.r(dev), mp, n, self.p(&z, 0))?;
-        let b = zeros(dev, n * nv)?;
-        self.matmul(g.b.r(dev), mp, n, self.p(&b, 0))?;
-        let a = zeros(dev, n * nv)?;
-        self.matmul(g.a.r(dev), mp, n, self.p(&a, 0))?;
+        let qkv = self.tmp(n * c)?;
+        self.matmul(g.qkv.r(dev), m, n, qkv)?;
+        let z = self.tmp(n * vd)?;
+        self.matmul(g.z.r(dev), m, n, z)?;
+        let b = self.tmp(n * nv)?;
+        self.matmul(g.b.r(dev), m, n, b)?;
+        let a = self.tmp(n * nv)?;
+        self.matmul(g.a.r(dev), m, n, a)?;
         dev.launch(
             "gdn_conv",
             (c.div_ceil(256) as u32, 1, 1),
             256,
             &[
-                Arg::Ptr(self.p(&qkv, 0)),
+                Arg::Ptr(qkv),
                 Arg::Ptr(self.p(conv, 0)),
                 Arg::Ptr(self.p(&g.conv, 0)),
                 Arg::I32(n as i32),
@@ -728,7 +792,7 @@ impl CudaModel {
                 ((n * nk) as u32, 1, 1),
                 128,
                 &[
-                    Arg::Ptr(self.p(&qkv, off)),
+                    Arg::Ptr(qkv + (off * 4) as u64),
                     Arg::I32((n * nk) as i32),
                     Arg::I32(dk as i32),
                     Arg::I32(nk as i32),
@@ -738,23 +802,23 @@ impl CudaModel {
                 ],
             )?;
         }
-        let beta = zeros(dev, n * nv)?;
-        let gg = zeros(dev, n * nv)?;
+        let beta = self.tmp(n * nv)?;
+        let gg = self.tmp(n * nv)?;
         dev.launch_1d(
             "gdn_gates",
             n * nv,
             &[
-                Arg::Ptr(self.p(&b, 0)),
-                Arg::Ptr(self.p(&a, 0)),
+                Arg::Ptr(b),
+                Arg::Ptr(a),
                 Arg::Ptr(self.p(&g.a_neg_exp, 0)),
                 Arg::Ptr(self.p(&g.dt_bias, 0)),
-                Arg::Ptr(self.p(&beta, 0)),
-                Arg::Ptr(self.p(&gg, 0)),
+                Arg::Ptr(beta),
+                Arg::Ptr(gg),
                 Arg::I32(n as i32),
                 Arg::I32(nv as i32),
             ],
         )?;
-        let o = zeros(dev, n * vd)?;
+        let o = self.tmp(n * vd)?;
         let kernel = match dk {
             128 => "gdn_recurrent_128",
             64 => "gdn_recurrent_64",
@@ -770,11 +834,11 @@ impl CudaModel {
             (nv as u32, (dk / cols) as u32, 1),
             cols as u32,
             &[
-                Arg::Ptr(self.p(&qkv, 0)),
-                Arg::Ptr(self.p(&beta, 0)),
-                Arg::Ptr(self.p(&gg, 0)),
+                Arg::Ptr(qkv),
+                Arg::Ptr(beta),
+                Arg::Ptr(gg),
                 Arg::Ptr(self.p(s, 0)),
-                Arg::Ptr(self.p(&o, 0)),
+                Arg::Ptr(o),
                 Arg::I32(n as i32),
                 Arg::I32(nk as i32),
                 Arg::I32(nv as i32),
@@ -786,8 +850,8 @@ impl CudaModel {
             ((n * nv) as u32, 1, 1),
             128,
             &[
-                Arg::Ptr(self.p(&o, 0)),
-                Arg::Ptr(self.p(&z, 0)),
+                Arg::Ptr(o),
+                Arg::Ptr(z),
                 Arg::Ptr(self.p(&g.norm, 0)),
                 Arg::I32((n * nv) as i32),
                 Arg::I32(dk as i32),
@@ -795,315 +859,226 @@ impl CudaModel {
                 Arg::I32(g.silu_gate as i32),
             ],
         )?;
-        let y = zeros(dev, n * cfg.hidden)?;
-        self.matmul(g.out.r(dev), self.p(&o, 0), n, self.p(&y, 0))?;
+        let y = self.tmp(n * cfg.hidden)?;
+        self.matmul(g.out.r(dev), o, n, y)?;
         Ok(y)
     }
 
-    fn attn(
-        &self,
-        at: &DevAttn,
-        st: &mut DevLayerState,
-        m: &CudaSlice<f32>,
-        n: usize,
-        pos0: usize,
-    ) -> Result<CudaSlice<f32>, CudaError> {
+    /// Gated attention for `n` tokens at the position in `pos_dev`; `capacity` is the state's token capacity
+    /// (it sizes the QSA score rows so the launch shapes do not depend on the position).
+    fn attn(&self, at: &DevAttn, st: &DevLayerState, m: u64, n: usize, pos_dev: u64, capacity: usize) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
-        let DevLayerState::Attn { k: kc, v: vc, raw, pooled, blocks } = st else {
-            unreachable!("state follows the layer kinds")
-        };
+        let DevLayerState::Attn { k: kc, v: vc, raw, pooled } = st else { unreachable!("state follows the layer kinds") };
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
         let kvw = nkv * hd;
-        let mp = self.p(m, 0);
-        let pq = zeros(dev, n * nh * hd * 2)?;
-        self.matmul(at.q.r(dev), mp, n, self.p(&pq, 0))?;
-        let q = zeros(dev, n * nh * hd)?;
-        let gate = zeros(dev, n * nh * hd)?;
+        let pq = self.tmp(n * nh * hd * 2)?;
+        self.matmul(at.q.r(dev), m, n, pq)?;
+        let q = self.tmp(n * nh * hd)?;
+        let gate = self.tmp(n * nh * hd)?;
         dev.launch_1d(
             "attn_split_q",
             n * nh * hd,
-            &[
-                Arg::Ptr(self.p(&pq, 0)),
-                Arg::Ptr(self.p(&q, 0)),
-                Arg::Ptr(self.p(&gate, 0)),
-                Arg::I32(n as i32),
-                Arg::I32(nh as i32),
-                Arg::I32(hd as i32),
-            ],
+            &[Arg::Ptr(pq), Arg::Ptr(q), Arg::Ptr(gate), Arg::I32(n as i32), Arg::I32(nh as i32), Arg::I32(hd as i32)],
         )?;
-        self.rms_norm(self.p(&q, 0), self.p(&at.q_norm, 0), self.p(&q, 0), n * nh, hd, 1)?;
-        self.rope(self.p(&q, 0), n, nh, nh * hd, hd, pos0, 1)?;
-        // New keys and values go straight into the caches.
-        let kp = self.p(kc, pos0 * kvw);
-        self.matmul(at.k.r(dev), mp, n, kp)?;
-        self.matmul(at.v.r(dev), mp, n, self.p(vc, pos0 * kvw))?;
-        self.rms_norm(kp, self.p(&at.k_norm, 0), kp, n * nkv, hd, 1)?;
-        self.rope(kp, n, nkv, kvw, hd, pos0, 1)?;
-
-        let total = pos0 + n;
-        let mut selection: Option<(CudaSlice<i32>, CudaSlice<i32>, usize)> = None;
+        self.rms_norm(q, self.p(&at.q_norm, 0), q, n * nh, hd, 1)?;
+        self.rope(q, n, nh, nh * hd, hd, pos_dev)?;
+        let kn = self.tmp(n * kvw)?;
+        let vn = self.tmp(n * kvw)?;
+        self.matmul(at.k.r(dev), m, n, kn)?;
+        self.matmul(at.v.r(dev), m, n, vn)?;
+        self.rms_norm(kn, self.p(&at.k_norm, 0), kn, n * nkv, hd, 1)?;
+        self.rope(kn, n, nkv, kvw, hd, pos_dev)?;
+        for (src, dst) in [(kn, kc), (vn, vc)] {
+            dev.launch_1d(
+                "copy_rows_at",
+                n * kvw,
+                &[Arg::Ptr(src), Arg::Ptr(self.p(dst, 0)), Arg::I32(0), Arg::Ptr(pos_dev), Arg::I32(n as i32), Arg::I32(kvw as i32)],
+            )?;
+        }
+        let mut selection: Option<(u64, u64, usize)> = None;
         if let Some(ix) = &at.indexer {
             let ic = cfg.indexer;
             let (nih, ihd, r) = (ic.n_heads, ic.head_dim, ix.ratio);
-            let qi = zeros(dev, n * nih * ihd)?;
-            self.matmul(ix.q.r(dev), mp, n, self.p(&qi, 0))?;
-            self.rms_norm(self.p(&qi, 0), self.p(&ix.q_norm, 0), self.p(&qi, 0), n * nih, ihd, 1)?;
-            self.rope(self.p(&qi, 0), n, nih, nih * ihd, ihd, pos0, 1)?;
-            self.matmul(ix.k.r(dev), mp, n, self.p(raw, pos0 * ihd))?;
-            let b1 = total / r;
-            if b1 > *blocks {
-                let b0 = *blocks;
-                dev.launch(
-                    "qsa_pool",
-                    ((b1 - b0) as u32, 1, 1),
-                    128,
-                    &[
-                        Arg::Ptr(self.p(raw, 0)),
-                        Arg::Ptr(self.p(pooled, 0)),
-                        Arg::I32(b0 as i32),
-                        Arg::I32(b1 as i32),
-                        Arg::I32(r as i32),
-                        Arg::I32(ihd as i32),
-                        Arg::Ptr(self.p(&ix.k_norm, 0)),
-                        Arg::F32(cfg.rms_eps),
-                    ],
-                )?;
-                self.rope(self.p(pooled, b0 * ihd), b1 - b0, 1, ihd, ihd, b0, r)?;
-                *blocks = b1;
-            }
+            let qi = self.tmp(n * nih * ihd)?;
+            self.matmul(ix.q.r(dev), m, n, qi)?;
+            self.rms_norm(qi, self.p(&ix.q_norm, 0), qi, n * nih, ihd, 1)?;
+            self.rope(qi, n, nih, nih * ihd, ihd, pos_dev)?;
+            let kr = self.tmp(n * ihd)?;
+            self.matmul(ix.k.r(dev), m, n, kr)?;
+            dev.launch_1d(
+                "copy_rows_at",
+                n * ihd,
+                &[Arg::Ptr(kr), Arg::Ptr(self.p(raw, 0)), Arg::I32(0), Arg::Ptr(pos_dev), Arg::I32(n as i32), Arg::I32(ihd as i32)],
+            )?;
+            dev.launch(
+                "qsa_pool_new",
+                ((n / r + 1) as u32, 1, 1),
+                128,
+                &[
+                    Arg::Ptr(self.p(raw, 0)),
+                    Arg::Ptr(self.p(pooled, 0)),
+                    Arg::I32(0),
+                    Arg::Ptr(pos_dev),
+                    Arg::I32(n as i32),
+                    Arg::I32(r as i32),
+                    Arg::I32(ihd as i32),
+                    Arg::Ptr(self.p(&ix.k_norm, 0)),
+                    Arg::F32(cfg.rms_eps),
+                    Arg::I32(cfg.rope_dim as i32),
+                    Arg::F32(cfg.rope_theta),
+                ],
+            )?;
             let keep = ic.token_budget / r;
-            if b1 > keep {
-                let max_blocks = b1;
-                let scores = zeros(dev, n * max_blocks)?;
-                dev.launch_1d(
-                    "qsa_scores",
-                    n * max_blocks,
-                    &[
-                        Arg::Ptr(self.p(&qi, 0)),
-                        Arg::Ptr(self.p(pooled, 0)),
-                        Arg::Ptr(self.p(&scores, 0)),
-                        Arg::I32(n as i32),
-                        Arg::I32(pos0 as i32),
-                        Arg::I32(r as i32),
-                        Arg::I32(nih as i32),
-                        Arg::I32(ihd as i32),
-                        Arg::I32(max_blocks as i32),
-                    ],
-                )?;
-                let cap = keep * r + r - 1;
-                let sel = dev.stream().alloc_zeros::<i32>(n * cap)?;
-                let count = dev.stream().alloc_zeros::<i32>(n)?;
-                dev.launch(
-                    "qsa_select",
-                    (n as u32, 1, 1),
-                    256,
-                    &[
-                        Arg::Ptr(self.p(&scores, 0)),
-                        Arg::I32(max_blocks as i32),
-                        Arg::I32(keep as i32),
-                        Arg::I32(pos0 as i32),
-                        Arg::I32(r as i32),
-                        Arg::Ptr(ptr(&sel, dev.stream(), 0)),
-                        Arg::Ptr(ptr(&count, dev.stream(), 0)),
-                        Arg::I32(cap as i32),
-                    ],
-                )?;
-                selection = Some((sel, count, cap));
-            }
+            let max_blocks = (capacity / r).max(1);
+            let scores = self.tmp(n * max_blocks)?;
+            dev.launch_1d(
+                "qsa_scores",
+                n * max_blocks,
+                &[
+                    Arg::Ptr(qi),
+                    Arg::Ptr(self.p(pooled, 0)),
+                    Arg::Ptr(scores),
+                    Arg::I32(n as i32),
+                    Arg::I32(0),
+                    Arg::Ptr(pos_dev),
+                    Arg::I32(r as i32),
+                    Arg::I32(nih as i32),
+                    Arg::I32(ihd as i32),
+                    Arg::I32(max_blocks as i32),
+                ],
+            )?;
+            let cap = keep * r + r - 1;
+            let sel = self.tmp(n * cap)?;
+            let count = self.tmp(n)?;
+            dev.launch(
+                "qsa_select",
+                (n as u32, 1, 1),
+                256,
+                &[
+                    Arg::Ptr(scores),
+                    Arg::I32(max_blocks as i32),
+                    Arg::I32(keep as i32),
+                    Arg::I32(0),
+                    Arg::Ptr(pos_dev),
+                    Arg::I32(r as i32),
+                    Arg::Ptr(sel),
+                    Arg::Ptr(count),
+                    Arg::I32(cap as i32),
+                ],
+            )?;
+            selection = Some((sel, count, cap));
         }
-        let out = zeros(dev, n * nh * hd)?;
-        let (sp, cp, cap) = match &selection {
-            Some((s, c, cap)) => (ptr(s, dev.stream(), 0), ptr(c, dev.stream(), 0), *cap),
-            None => (0, 0, 0),
-        };
+        let out = self.tmp(n * nh * hd)?;
+        let (sp, cp, cap) = selection.unwrap_or((0, 0, 0));
         dev.launch(
             "attention",
             ((n * nh) as u32, 1, 1),
             128,
             &[
-                Arg::Ptr(self.p(&q, 0)),
+                Arg::Ptr(q),
                 Arg::Ptr(self.p(kc, 0)),
                 Arg::Ptr(self.p(vc, 0)),
                 Arg::Ptr(sp),
                 Arg::Ptr(cp),
                 Arg::I32(cap as i32),
-                Arg::I32(pos0 as i32),
-                Arg::Ptr(self.p(&out, 0)),
+                Arg::I32(0),
+                Arg::Ptr(pos_dev),
+                Arg::Ptr(out),
                 Arg::I32(nh as i32),
                 Arg::I32(nkv as i32),
                 Arg::I32(hd as i32),
                 Arg::F32(1.0 / (hd as f32).sqrt()),
             ],
         )?;
-        dev.launch_1d(
-            "mul_sigmoid",
-            n * nh * hd,
-            &[Arg::Ptr(self.p(&out, 0)), Arg::Ptr(self.p(&gate, 0)), Arg::I64((n * nh * hd) as i64)],
-        )?;
-        let y = zeros(dev, n * cfg.hidden)?;
-        self.matmul(at.o.r(dev), self.p(&out, 0), n, self.p(&y, 0))?;
+        dev.launch_1d("mul_sigmoid", n * nh * hd, &[Arg::Ptr(out), Arg::Ptr(gate), Arg::I64((n * nh * hd) as i64)])?;
+        let y = self.tmp(n * cfg.hidden)?;
+        self.matmul(at.o.r(dev), out, n, y)?;
         Ok(y)
     }
 
-    fn moe(&self, moe: &DevMoe, m: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+    /// The MoE block: routing, the routed experts (one GEMV per token-expert slot for small batches, grouped by
+    /// expert for larger ones, both without a host round trip) and the gated shared expert.
+    fn moe(&self, moe: &DevMoe, m: u64, n: usize) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
         let (d, e, k, ff) = (cfg.hidden, cfg.n_expert, cfg.n_expert_used, cfg.expert_ff);
-        let mp = self.p(m, 0);
-        let logits = zeros(dev, n * e)?;
-        self.matmul(moe.router.r(dev), mp, n, self.p(&logits, 0))?;
-        let ids = dev.stream().alloc_zeros::<i32>(n * k)?;
-        let w = zeros(dev, n * k)?;
         if e > 1024 {
             return Err(CudaError::Unsupported(format!("{e} experts (the router kernel takes up to 1024)")));
         }
+        let logits = self.tmp(n * e)?;
+        self.matmul(moe.router.r(dev), m, n, logits)?;
+        let ids = self.tmp(n * k)?;
+        let w = self.tmp(n * k)?;
         dev.launch(
             "router_topk",
             (n as u32, 1, 1),
             256,
-            &[
-                Arg::Ptr(self.p(&logits, 0)),
-                Arg::I32(e as i32),
-                Arg::I32(k as i32),
-                Arg::Ptr(ptr(&ids, dev.stream(), 0)),
-                Arg::Ptr(self.p(&w, 0)),
-            ],
+            &[Arg::Ptr(logits), Arg::I32(e as i32), Arg::I32(k as i32), Arg::Ptr(ids), Arg::Ptr(w)],
         )?;
         // Shared expert and its gate.
         let sff = moe.sh_gate.rows;
-        let sg = zeros(dev, n * sff)?;
-        let su = zeros(dev, n * sff)?;
-        self.matmul(moe.sh_gate.r(dev), mp, n, self.p(&sg, 0))?;
-        self.matmul(moe.sh_up.r(dev), mp, n, self.p(&su, 0))?;
-        dev.launch_1d(
-            "silu_mul",
-            n * sff,
-            &[Arg::Ptr(self.p(&sg, 0)), Arg::Ptr(self.p(&su, 0)), Arg::I64((n * sff) as i64)],
-        )?;
-        let shared = zeros(dev, n * d)?;
-        self.matmul(moe.sh_down.r(dev), self.p(&sg, 0), n, self.p(&shared, 0))?;
-        let sgate = zeros(dev, n)?;
-        self.matmul(moe.sh_gate_inp.r(dev), mp, n, self.p(&sgate, 0))?;
+        let sg = self.tmp(n * sff)?;
+        let su = self.tmp(n * sff)?;
+        self.matmul(moe.sh_gate.r(dev), m, n, sg)?;
+        self.matmul(moe.sh_up.r(dev), m, n, su)?;
+        dev.launch_1d("silu_mul", n * sff, &[Arg::Ptr(sg), Arg::Ptr(su), Arg::I64((n * sff) as i64)])?;
+        let shared = self.tmp(n * d)?;
+        self.matmul(moe.sh_down.r(dev), sg, n, shared)?;
+        let sgate = self.tmp(n)?;
+        self.matmul(moe.sh_gate_inp.r(dev), m, n, sgate)?;
 
-        let out = zeros(dev, n * d)?;
+        let slots = n * k;
+        let g = self.tmp(slots * ff)?;
+        let u = self.tmp(slots * ff)?;
+        let ys = self.tmp(slots * d)?;
         if n <= GEMV_MAX_TOKENS / 2 {
             // Decode: one GEMV per (token, expert) slot, expert ids read on the device.
-            let slots = n * k;
-            let g = zeros(dev, slots * ff)?;
-            let u = zeros(dev, slots * ff)?;
-            let ys = zeros(dev, slots * d)?;
-            let idp = ptr(&ids, dev.stream(), 0);
-            for (stack, x, xs, spx, y) in [(&moe.gate, mp, d, k, &g), (&moe.up, mp, d, k, &u)] {
-                self.moe_gemv(stack, idp, slots, x, xs, spx, self.p(y, 0))?;
-            }
-            dev.launch_1d(
-                "silu_mul",
-                slots * ff,
-                &[Arg::Ptr(self.p(&g, 0)), Arg::Ptr(self.p(&u, 0)), Arg::I64((slots * ff) as i64)],
+            self.moe_gemv(&moe.gate, ids, slots, m, d, k, g)?;
+            self.moe_gemv(&moe.up, ids, slots, m, d, k, u)?;
+            dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
+            self.moe_gemv(&moe.down, ids, slots, g, ff, 1, ys)?;
+        } else {
+            // Prefill: slots grouped by expert on the device; each expert's weights decoded once per 8 tokens.
+            let offsets = self.tmp(e + 1)?;
+            let perm = self.tmp(slots)?;
+            dev.launch(
+                "moe_sort",
+                (1, 1, 1),
+                1024,
+                &[Arg::Ptr(ids), Arg::I32(slots as i32), Arg::I32(e as i32), Arg::Ptr(offsets), Arg::Ptr(perm)],
             )?;
-            self.moe_gemv(&moe.down, idp, slots, self.p(&g, 0), ff, 1, self.p(&ys, 0))?;
-            dev.launch_1d(
-                "moe_combine",
-                n * d,
-                &[
-                    Arg::Ptr(self.p(&ys, 0)),
-                    Arg::Ptr(self.p(&w, 0)),
-                    Arg::Ptr(self.p(&shared, 0)),
-                    Arg::Ptr(self.p(&sgate, 0)),
-                    Arg::Ptr(self.p(&out, 0)),
-                    Arg::I32(n as i32),
-                    Arg::I32(k as i32),
-                    Arg::I32(d as i32),
-                ],
-            )?;
-            return Ok(out);
+            self.moe_grouped(&moe.gate, offsets, perm, m, k, d, g)?;
+            self.moe_grouped(&moe.up, offsets, perm, m, k, d, u)?;
+            dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
+            self.moe_grouped(&moe.down, offsets, perm, g, 1, ff, ys)?;
         }
-        // Prefill: group tokens by expert on the host, then one batched product per expert.
-        let ids_h: Vec<i32> = dev.stream().clone_dtoh(&ids)?;
-        let w_h: Vec<f32> = dev.stream().clone_dtoh(&w)?;
-        let mut by_expert: Vec<Vec<(i32, f32)>> = vec![Vec::new(); e];
-        for t in 0..n {
-            for j in 0..k {
-                let ex = ids_h[t * k + j];
-                if ex < 0 || ex as usize >= e {
-                    return Err(CudaError::Unsupported(format!("router produced expert id {ex}")));
-                }
-                by_expert[ex as usize].push((t as i32, w_h[t * k + j]));
-            }
-        }
-        for (ex, users) in by_expert.iter().enumerate() {
-            if users.is_empty() {
-                continue;
-            }
-            let c = users.len();
-            let idx: Vec<i32> = users.iter().map(|u| u.0).collect();
-            let wts: Vec<f32> = users.iter().map(|u| u.1).collect();
-            let idx_d = dev.stream().clone_htod(&idx)?;
-            let w_d = dev.stream().clone_htod(&wts)?;
-            let xe = zeros(dev, c * d)?;
-            dev.launch_1d(
-                "gather_rows",
-                c * d,
-                &[
-                    Arg::Ptr(mp),
-                    Arg::Ptr(ptr(&idx_d, dev.stream(), 0)),
-                    Arg::Ptr(self.p(&xe, 0)),
-                    Arg::I32(c as i32),
-                    Arg::I32(d as i32),
-                ],
-            )?;
-            let ge = zeros(dev, c * ff)?;
-            let ue = zeros(dev, c * ff)?;
-            self.matmul(moe.gate.expert(dev, ex), self.p(&xe, 0), c, self.p(&ge, 0))?;
-            self.matmul(moe.up.expert(dev, ex), self.p(&xe, 0), c, self.p(&ue, 0))?;
-            dev.launch_1d(
-                "silu_mul",
-                c * ff,
-                &[Arg::Ptr(self.p(&ge, 0)), Arg::Ptr(self.p(&ue, 0)), Arg::I64((c * ff) as i64)],
-            )?;
-            let ye = zeros(dev, c * d)?;
-            self.matmul(moe.down.expert(dev, ex), self.p(&ge, 0), c, self.p(&ye, 0))?;
-            dev.launch_1d(
-                "scatter_add_rows",
-                c * d,
-                &[
-                    Arg::Ptr(self.p(&ye, 0)),
-                    Arg::Ptr(ptr(&idx_d, dev.stream(), 0)),
-                    Arg::Ptr(self.p(&w_d, 0)),
-                    Arg::Ptr(self.p(&out, 0)),
-                    Arg::I32(c as i32),
-                    Arg::I32(d as i32),
-                ],
-            )?;
-        }
+        let out = self.tmp(n * d)?;
         dev.launch_1d(
-            "add_gated_shared",
+            "moe_combine",
             n * d,
             &[
-                Arg::Ptr(self.p(&shared, 0)),
-                Arg::Ptr(self.p(&sgate, 0)),
-                Arg::Ptr(self.p(&out, 0)),
+                Arg::Ptr(ys),
+                Arg::Ptr(w),
+                Arg::Ptr(shared),
+                Arg::Ptr(sgate),
+                Arg::Ptr(out),
                 Arg::I32(n as i32),
+                Arg::I32(k as i32),
                 Arg::I32(d as i32),
             ],
         )?;
         Ok(out)
     }
 
+    fn lanes(cols: usize) -> u32 {
+        if cols / 32 >= 24 { 32 } else { 16 }
+    }
+
     #[allow(clippy::too_many_arguments)]
-    fn moe_gemv(
-        &self,
-        stack: &DevStack,
-        ids: u64,
-        slots: usize,
-        x: u64,
-        x_stride: usize,
-        slots_per_x: usize,
-        y: u64,
-    ) -> Result<(), CudaError> {
+    fn moe_gemv(&self, stack: &DevStack, ids: u64, slots: usize, x: u64, x_stride: usize, slots_per_x: usize, y: u64) -> Result<(), CudaError> {
         let sfx = type_suffix(stack.ty)?;
-        let lanes: u32 = if stack.cols / 32 >= 24 { 32 } else { 16 };
+        let lanes = Self::lanes(stack.cols);
         let rows_per_block = 256 / lanes as usize;
         self.dev.launch(
             &format!("moe_gemv_{sfx}"),
@@ -1126,15 +1101,36 @@ impl CudaModel {
         Ok(())
     }
 
-    fn get_rows(
-        &self,
-        w: &DevMatrix,
-        ids: u64,
-        n: usize,
-        out: u64,
-        out_stride: usize,
-        copies: usize,
-    ) -> Result<(), CudaError> {
+    #[allow(clippy::too_many_arguments)]
+    fn moe_grouped(&self, stack: &DevStack, offsets: u64, perm: u64, x: u64, x_div: usize, x_stride: usize, y: u64) -> Result<(), CudaError> {
+        let sfx = type_suffix(stack.ty)?;
+        let lanes = Self::lanes(stack.cols);
+        let rows_per_block = 256 / lanes as usize;
+        let experts = self.config.n_expert;
+        self.dev.launch(
+            &format!("moe_grouped_{sfx}"),
+            (stack.rows.div_ceil(rows_per_block) as u32, experts as u32, 1),
+            256,
+            &[
+                Arg::Ptr(ptr(&stack.data, self.dev.stream(), 0)),
+                Arg::I64(stack.expert_bytes() as i64),
+                Arg::I64(stack.row_bytes as i64),
+                Arg::I32(stack.rows as i32),
+                Arg::I32(stack.cols as i32),
+                Arg::Ptr(offsets),
+                Arg::Ptr(perm),
+                Arg::Ptr(x),
+                Arg::I32(x_div as i32),
+                Arg::I64(x_stride as i64),
+                Arg::Ptr(y),
+                Arg::I32(lanes as i32),
+            ],
+        )?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn get_rows(&self, w: &DevMatrix, ids: u64, n: usize, out: u64, out_stride: usize, copies: usize) -> Result<(), CudaError> {
         let sfx = type_suffix(w.ty)?;
         let args = [
             Arg::Ptr(ptr(&w.data, self.dev.stream(), 0)),
@@ -1154,57 +1150,32 @@ impl CudaModel {
         Ok(())
     }
 
-    fn ple(&self, ple: &DevPle, st: &mut CudaState, x: u64, tokens: &[u32]) -> Result<(), CudaError> {
+    /// The PLE block for `n` tokens whose table row ids are already on the device (`rows`, `[n][heads]`).
+    fn ple(&self, ple: &DevPle, conv_state: &CudaSlice<f32>, x: u64, rows: u64, n: usize) -> Result<(), CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
-        let n = tokens.len();
         let (s, d) = (cfg.hc_count, cfg.hidden);
         let dim = s * d;
         let heads = ple.cfg.n_heads();
-        let rows = crate::model::ple::ngram_rows(&ple.cfg, &st.ple_context, tokens);
-        let ctx = st.ple_context.len();
-        let mut hist = st.ple_context.clone();
-        hist.extend_from_slice(tokens);
-        st.ple_context.copy_from_slice(&hist[hist.len() - ctx..]);
-        let table_rows = ple.table.rows as u64;
-        let ids: Vec<i32> = rows
-            .iter()
-            .map(|&r| {
-                if r < table_rows {
-                    Ok(r as i32)
-                } else {
-                    Err(CudaError::Unsupported(format!("n-gram row {r} past the table")))
-                }
-            })
-            .collect::<Result<_, _>>()?;
-        let ids_d = dev.stream().clone_htod(&ids)?;
         let pe = heads * ple.cfg.head_dim;
-        let emb = zeros(dev, n * pe)?;
-        self.get_rows(&ple.table, ptr(&ids_d, dev.stream(), 0), n * heads, self.p(&emb, 0), ple.cfg.head_dim, 1)?;
-        let key = zeros(dev, n * dim)?;
-        self.matmul(ple.key.r(dev), self.p(&emb, 0), n, self.p(&key, 0))?;
-        let value = zeros(dev, n * d)?;
-        self.matmul(ple.value.r(dev), self.p(&emb, 0), n, self.p(&value, 0))?;
-        self.rms_norm(self.p(&key, 0), self.p(&ple.norm_key, 0), self.p(&key, 0), n * s, d, s)?;
-        let qn = zeros(dev, n * dim)?;
-        self.rms_norm(x, self.p(&ple.norm_query, 0), self.p(&qn, 0), n * s, d, s)?;
-        let u = zeros(dev, n * dim)?;
+        let emb = self.tmp(n * pe)?;
+        self.get_rows(&ple.table, rows, n * heads, emb, ple.cfg.head_dim, 1)?;
+        let key = self.tmp(n * dim)?;
+        self.matmul(ple.key.r(dev), emb, n, key)?;
+        let value = self.tmp(n * d)?;
+        self.matmul(ple.value.r(dev), emb, n, value)?;
+        self.rms_norm(key, self.p(&ple.norm_key, 0), key, n * s, d, s)?;
+        let qn = self.tmp(n * dim)?;
+        self.rms_norm(x, self.p(&ple.norm_query, 0), qn, n * s, d, s)?;
+        let u = self.tmp(n * dim)?;
         dev.launch(
             "ple_gate",
             ((n * s) as u32, 1, 1),
             128,
-            &[
-                Arg::Ptr(self.p(&key, 0)),
-                Arg::Ptr(self.p(&qn, 0)),
-                Arg::Ptr(self.p(&value, 0)),
-                Arg::Ptr(self.p(&u, 0)),
-                Arg::I32(s as i32),
-                Arg::I32(d as i32),
-            ],
+            &[Arg::Ptr(key), Arg::Ptr(qn), Arg::Ptr(value), Arg::Ptr(u), Arg::I32(s as i32), Arg::I32(d as i32)],
         )?;
-        let nrm = zeros(dev, n * dim)?;
-        self.rms_norm(self.p(&u, 0), self.p(&ple.norm_conv, 0), self.p(&nrm, 0), n * s, d, s)?;
-        let conv_state = st.ple_conv.as_ref().expect("PLE state exists with a PLE layer");
+        let nrm = self.tmp(n * dim)?;
+        self.rms_norm(u, self.p(&ple.norm_conv, 0), nrm, n * s, d, s)?;
         if ple.cfg.conv_state_len() + 1 > 32 {
             return Err(CudaError::Unsupported("PLE conv history over 31 steps".into()));
         }
@@ -1213,22 +1184,108 @@ impl CudaModel {
             (dim.div_ceil(256) as u32, 1, 1),
             256,
             &[
-                Arg::Ptr(self.p(&nrm, 0)),
+                Arg::Ptr(nrm),
                 Arg::Ptr(self.p(conv_state, 0)),
                 Arg::Ptr(self.p(&ple.conv, 0)),
-                Arg::Ptr(self.p(&u, 0)),
+                Arg::Ptr(u),
                 Arg::I32(n as i32),
                 Arg::I32(dim as i32),
                 Arg::I32(ple.cfg.conv_kernel as i32),
                 Arg::I32(ple.cfg.ngram_size as i32),
             ],
         )?;
-        dev.launch_1d("add_inplace", n * dim, &[Arg::Ptr(x), Arg::Ptr(self.p(&u, 0)), Arg::I64((n * dim) as i64)])?;
+        dev.launch_1d("add_inplace", n * dim, &[Arg::Ptr(x), Arg::Ptr(u), Arg::I64((n * dim) as i64)])?;
+        Ok(())
+    }
+
+    /// Table rows of the PLE hash heads for `tokens`, advancing the host-side n-gram context.
+    fn ple_rows(&self, st: &mut CudaState, tokens: &[u32]) -> Result<Vec<i32>, CudaError> {
+        let Some(ple) = self.layers.iter().find_map(|l| l.ple.as_ref()) else { return Ok(Vec::new()) };
+        let rows = crate::model::ple::ngram_rows(&ple.cfg, &st.ple_context, tokens);
+        let ctx = st.ple_context.len();
+        let mut hist = st.ple_context.clone();
+        hist.extend_from_slice(tokens);
+        st.ple_context.copy_from_slice(&hist[hist.len() - ctx..]);
+        let table_rows = ple.table.rows as u64;
+        rows.iter()
+            .map(|&r| {
+                if r < table_rows {
+                    Ok(r as i32)
+                } else {
+                    Err(CudaError::Unsupported(format!("n-gram row {r} past the table of {table_rows} rows")))
+                }
+            })
+            .collect()
+    }
+
+    /// Every launch of one forward pass of `n` tokens (ids and PLE rows already on the device, the position in
+    /// `st.pos_dev`), ending with the logits of `rows` tokens from `r0` in `logits` (when `rows > 0`). Issues no
+    /// host synchronisation, so the decode step can be captured as a CUDA Graph.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_pass(&self, st: &CudaState, n: usize, ids: u64, ple_rows: u64, r0: usize, rows: usize, logits: u64) -> Result<(), CudaError> {
+        let cfg = &self.config;
+        let dev = &self.dev;
+        let (s, d) = (cfg.hc_count, cfg.hidden);
+        let dim = s * d;
+        let pos_dev = ptr(&st.pos_dev, dev.stream(), 0);
+        self.phase("start")?;
+        let x = self.tmp(n * dim)?;
+        self.get_rows(&self.embed, ids, n, x, dim, s)?;
+        self.phase("embedding")?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            if let Some(ple) = &layer.ple {
+                let conv = st.ple_conv.as_ref().expect("PLE state exists with a PLE layer");
+                self.ple(ple, conv, x, ple_rows, n)?;
+                self.phase("ple")?;
+            }
+            let (m, a) = self.hc_mix(&layer.attn_hc, x, n)?;
+            self.phase("hyper-connections")?;
+            let ls = &st.layers[li];
+            let y = match &layer.mixer {
+                DevMixer::Gdn(g) => {
+                    let y = self.gdn(g, ls, m, n)?;
+                    self.phase("gated deltanet")?;
+                    y
+                }
+                DevMixer::Attn(at) => {
+                    let y = self.attn(at, ls, m, n, pos_dev, st.max_len)?;
+                    self.phase("attention + qsa")?;
+                    y
+                }
+            };
+            self.hc_residual(x, y, a.expect("layers inject"), n)?;
+            let (m, a) = self.hc_mix(&layer.mlp_hc, x, n)?;
+            self.phase("hyper-connections")?;
+            let y = self.moe(&layer.moe, m, n)?;
+            self.hc_residual(x, y, a.expect("layers inject"), n)?;
+            self.phase("moe")?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let (h, _) = self.hc_mix(&self.mixer, x + (r0 * dim * 4) as u64, rows)?;
+        self.matmul(self.lm_head.r(dev), h, rows, logits)?;
+        self.phase("head")?;
+        if self.n_masked > 0 {
+            dev.launch_1d(
+                "mask_logits",
+                rows * cfg.vocab,
+                &[
+                    Arg::Ptr(logits),
+                    Arg::I32(rows as i32),
+                    Arg::I32(cfg.vocab as i32),
+                    Arg::Ptr(ptr(&self.masked, dev.stream(), 0)),
+                    Arg::I32(self.n_masked as i32),
+                ],
+            )?;
+        }
         Ok(())
     }
 
     /// Runs `tokens` through the model on the GPU, continuing `st`, and returns the logits asked for
-    /// (`[rows, vocab]`, masked ids at `-inf`), as [`Qwen4Exp::forward`] does on the CPU.
+    /// (`[rows, vocab]`, masked ids at `-inf`), as [`Qwen4Exp::forward`] does on the CPU. Single-token steps that
+    /// want the last logits run as a CUDA Graph captured on the state's second such step (disable with
+    /// `NEBULA_CUDA_GRAPHS=0`).
     pub fn forward(&self, st: &mut CudaState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, CudaError> {
         let cfg = &self.config;
         let dev = &self.dev;
@@ -1243,55 +1300,68 @@ impl CudaModel {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let (s, d) = (cfg.hc_count, cfg.hidden);
-        let dim = s * d;
-        let pos0 = st.pos;
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let ids_d = dev.stream().clone_htod(&ids)?;
-        let x = zeros(dev, n * dim)?;
-        let xp = self.p(&x, 0);
-        self.get_rows(&self.embed, ptr(&ids_d, dev.stream(), 0), n, xp, dim, s)?;
-        for (li, layer) in self.layers.iter().enumerate() {
-            if let Some(ple) = &layer.ple {
-                self.ple(ple, st, xp, tokens)?;
+        let stream = dev.stream().clone();
+        let ple_rows = self.ple_rows(st, tokens)?;
+        stream.memcpy_htod(&[st.pos as i32], &mut st.pos_dev)?;
+        let decode_step = n == 1 && want == LogitsFor::Last;
+        if decode_step {
+            stream.memcpy_htod(&[tokens[0] as i32], &mut st.step.token)?;
+            if !ple_rows.is_empty() {
+                stream.memcpy_htod(&ple_rows, &mut st.step.ple_rows)?;
             }
-            let (m, a) = self.hc_mix(&layer.attn_hc, xp, n)?;
-            let ls = &mut st.layers[li];
-            let y = match &layer.mixer {
-                DevMixer::Gdn(g) => self.gdn(g, ls, &m, n)?,
-                DevMixer::Attn(at) => self.attn(at, ls, &m, n, pos0)?,
+            let generation = {
+                let mut arena = self.arena.lock().expect("arena lock");
+                arena.reset(dev)?;
+                arena.generation
             };
-            self.hc_residual(xp, &y, a.as_ref().expect("layers inject"), n)?;
-            let (m, a) = self.hc_mix(&layer.mlp_hc, xp, n)?;
-            let y = self.moe(&layer.moe, &m, n)?;
-            self.hc_residual(xp, &y, a.as_ref().expect("layers inject"), n)?;
-        }
-        st.pos = needed;
-        let (r0, rows) = match want {
-            LogitsFor::None => {
-                dev.stream().synchronize()?;
-                return Ok(Vec::new());
+            let fresh = st.graph.as_ref().is_some_and(|g| g.arena_generation == generation);
+            if self.graphs && fresh {
+                st.graph.as_ref().expect("checked").graph.launch()?;
+            } else {
+                let ids = ptr(&st.step.token, &stream, 0);
+                let rows = ptr(&st.step.ple_rows, &stream, 0);
+                let logits = ptr(&st.step.logits, &stream, 0);
+                let capture = self.graphs && st.decode_steps >= 1;
+                if capture {
+                    stream.begin_capture(driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+                }
+                let pass = self.launch_pass(st, 1, ids, rows, 0, 1, logits);
+                if capture {
+                    let graph = stream.end_capture(driver_sys::CUgraphInstantiate_flags(0))?;
+                    pass?;
+                    let generation = self.arena.lock().expect("arena lock").generation;
+                    if let Some(graph) = graph {
+                        graph.launch()?;
+                        st.graph = Some(DecodeGraph { graph, arena_generation: generation });
+                    }
+                } else {
+                    pass?;
+                }
             }
+            st.decode_steps += 1;
+            st.pos = needed;
+            return Ok(stream.clone_dtoh(&st.step.logits)?);
+        }
+        // Prefill (or a multi-token step): eager launches on fresh temporaries.
+        self.arena.lock().expect("arena lock").reset(dev)?;
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let ids_d = stream.clone_htod(&ids)?;
+        let rows_d = stream.clone_htod(if ple_rows.is_empty() { &[0i32][..] } else { &ple_rows[..] })?;
+        let (r0, rows) = match want {
+            LogitsFor::None => (0, 0),
             LogitsFor::Last => (n - 1, 1),
             LogitsFor::All => (0, n),
         };
-        let (h, _) = self.hc_mix(&self.mixer, self.p(&x, r0 * dim), rows)?;
-        let logits = zeros(dev, rows * cfg.vocab)?;
-        self.matmul(self.lm_head.r(dev), self.p(&h, 0), rows, self.p(&logits, 0))?;
-        if self.n_masked > 0 {
-            dev.launch_1d(
-                "mask_logits",
-                rows * cfg.vocab,
-                &[
-                    Arg::Ptr(self.p(&logits, 0)),
-                    Arg::I32(rows as i32),
-                    Arg::I32(cfg.vocab as i32),
-                    Arg::Ptr(ptr(&self.masked, dev.stream(), 0)),
-                    Arg::I32(self.n_masked as i32),
-                ],
-            )?;
+        let logits = zeros(dev, (rows * cfg.vocab).max(1))?;
+        self.launch_pass(st, n, ptr(&ids_d, &stream, 0), ptr(&rows_d, &stream, 0), r0, rows, self.p(&logits, 0))?;
+        st.pos = needed;
+        if rows == 0 {
+            stream.synchronize()?;
+            return Ok(Vec::new());
         }
-        Ok(dev.stream().clone_dtoh(&logits)?)
+        let mut out = stream.clone_dtoh(&logits)?;
+        out.truncate(rows * cfg.vocab);
+        Ok(out)
     }
 }
 

@@ -49,6 +49,8 @@ pub(crate) fn type_suffix(ty: GgmlType) -> Result<&'static str, GpuError> {
 pub(crate) struct Dev {
     pub(crate) gpu: Gpu,
     pub(crate) blas: CudaBlas,
+    /// Per-kernel wall time when `NEBULA_CUDA_PROFILE=kernels` (the stream is synchronised around each launch).
+    pub(crate) kernel_times: Option<std::sync::Mutex<Vec<(String, f64, u64)>>>,
 }
 
 impl Dev {
@@ -56,7 +58,8 @@ impl Dev {
         // One stream: ordering is the program order, so cudarc's per-buffer event tracking is not needed.
         unsafe { gpu.ctx.disable_event_tracking() };
         let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| GpuError::Driver(format!("cuBLAS: {e:?}")))?;
-        Ok(Self { gpu, blas })
+        let kernel_times = std::env::var("NEBULA_CUDA_PROFILE").is_ok_and(|v| v == "kernels").then(Default::default);
+        Ok(Self { gpu, blas, kernel_times })
     }
 
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
@@ -69,6 +72,13 @@ impl Dev {
             return Ok(());
         }
         let f = self.gpu.func(name)?;
+        let t0 = match &self.kernel_times {
+            Some(_) => {
+                self.gpu.stream.synchronize().map_err(GpuError::from)?;
+                Some(std::time::Instant::now())
+            }
+            None => None,
+        };
         let mut b = self.gpu.stream.launch_builder(f);
         for a in args {
             match a {
@@ -80,6 +90,18 @@ impl Dev {
         }
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
         unsafe { b.launch(cfg) }.map_err(|e| GpuError::Driver(format!("launching {name}: {e}")))?;
+        if let (Some(times), Some(t0)) = (&self.kernel_times, t0) {
+            self.gpu.stream.synchronize().map_err(GpuError::from)?;
+            let dt = t0.elapsed().as_secs_f64();
+            let mut t = times.lock().expect("kernel times lock");
+            match t.iter_mut().find(|e| e.0 == name) {
+                Some(e) => {
+                    e.1 += dt;
+                    e.2 += 1;
+                }
+                None => t.push((name.to_string(), dt, 1)),
+            }
+        }
         Ok(())
     }
 
