@@ -1,10 +1,13 @@
-//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF).
+//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF), `bench`
+//! (benchmarks).
+
+mod bench;
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use nebula_engine::convert::{ConvertOptions, OutType, convert};
+use nebula_engine::convert::{ConvertOptions, OutType, QuantRecipe, RecipeName, convert};
 
 /// Nebula: an inference server for Qwen3.8-Flash-Next (qwen4exp).
 #[derive(Parser, Debug)]
@@ -37,19 +40,47 @@ enum Command {
         /// `general.name` of the output.
         #[arg(long)]
         name: Option<String>,
+        /// Quantization recipe: nebula-q4 (the product's component table), q8_0 (ggml-org's Q8_0 files),
+        /// ud-q4_k_xl (Unsloth's UD-Q4_K_XL mix) or iq4_xs (llama.cpp's IQ4_XS mix). Overrides --outtype for
+        /// the weights it quantizes.
+        #[arg(long, conflicts_with = "recipe_from")]
+        recipe: Option<RecipeName>,
+        /// Copy the type of every tensor from this published GGUF (its first part when split); tensors it
+        /// lacks take the nebula-q4 type.
+        #[arg(long)]
+        recipe_from: Option<PathBuf>,
     },
+    /// Benchmarks (numbers are printed, nothing is asserted).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// CPU kernels: memory read bandwidth and expert matrix-vector throughput of each weight type.
+    Kernels(bench::KernelBenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => nebula_service::serve(args),
-        Command::Convert { input, output, outtype, no_mtp, split_max_gib, name } => {
+        Command::Bench(BenchCommand::Kernels(args)) => bench::run_kernels(&args),
+        Command::Convert { input, output, outtype, no_mtp, split_max_gib, name, recipe, recipe_from } => {
+            let recipe = match (recipe, recipe_from) {
+                (Some(r), _) => Some(QuantRecipe::Named(r)),
+                (None, Some(path)) => Some(
+                    QuantRecipe::from_gguf(&path)
+                        .with_context(|| format!("reading tensor types of {}", path.display()))?,
+                ),
+                (None, None) => None,
+            };
             let opts = ConvertOptions {
                 out_type: outtype,
                 include_mtp: !no_mtp,
                 split_max_bytes: split_max_gib.map(|g| (g * (1u64 << 30) as f64) as u64),
                 name,
+                recipe,
             };
             let report = convert(&input, &output, &opts)
                 .with_context(|| format!("converting {} to {}", input.display(), output.display()))?;

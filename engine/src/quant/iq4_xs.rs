@@ -50,10 +50,12 @@ impl BlockFormat for Iq4Xs {
 
 impl Unpack256 for Iq4Xs {
     fn unpack(block: &[u8], u: &mut Unpacked) {
-        for i in 0..256 {
-            u.set(i, level(block, i) as i32);
-        }
         for j in 0..8 {
+            for l in 0..16 {
+                let b = block[8 + 16 * j + l];
+                u.q[32 * j + l] = KVALUES_IQ4NL[(b & 15) as usize];
+                u.q[32 * j + 16 + l] = KVALUES_IQ4NL[(b >> 4) as usize];
+            }
             let s = run_scale(block, j) as i16;
             u.scale[2 * j] = s;
             u.scale[2 * j + 1] = s;

@@ -42,8 +42,15 @@ impl BlockFormat for Q6K {
 
 impl Unpack256 for Q6K {
     fn unpack(block: &[u8], u: &mut Unpacked) {
-        for i in 0..256 {
-            u.set(i, level(block, i));
+        for h in 0..2 {
+            let (ql, qh) = (&block[64 * h..64 * h + 64], &block[128 + 32 * h..160 + 32 * h]);
+            for l in 0..32 {
+                let o = 128 * h + l;
+                u.q[o] = ((ql[l] & 15) | ((qh[l] & 3) << 4)) as i8 - 32;
+                u.q[o + 32] = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                u.q[o + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                u.q[o + 96] = ((ql[l + 32] >> 4) | ((qh[l] >> 6) << 4)) as i8 - 32;
+            }
         }
         for j in 0..16 {
             u.scale[j] = (block[192 + j] as i8) as i16;
