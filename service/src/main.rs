@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use nebula_engine::convert::{ConvertOptions, OutType, QuantRecipe, RecipeName, convert};
+use nebula_engine::convert::{ConvertOptions, OutType, QuantRecipe, RecipeName, convert, requantize};
 
 /// Nebula: an inference server for Qwen3.8-Flash-Next (qwen4exp).
 #[derive(Parser, Debug)]
@@ -21,9 +21,11 @@ struct Cli {
 enum Command {
     /// Serve the OpenAI-compatible API (the embedded demo model when no model is given).
     Serve(nebula_service::ServeArgs),
-    /// Convert a Hugging Face qwen4_exp safetensors checkpoint directory to a qwen4exp GGUF file.
+    /// Convert a Hugging Face qwen4_exp safetensors checkpoint directory to a qwen4exp GGUF file, or requantize a
+    /// GGUF file with --recipe / --recipe-from.
     Convert {
-        /// Checkpoint directory (config.json, *.safetensors, optionally tokenizer.json and chat_template.jinja).
+        /// Checkpoint directory (config.json, *.safetensors, optionally tokenizer.json and chat_template.jinja), or
+        /// a .gguf file to requantize.
         input: PathBuf,
         /// Output GGUF path.
         #[arg(short, long)]
@@ -75,6 +77,20 @@ fn main() -> anyhow::Result<()> {
                 ),
                 (None, None) => None,
             };
+            if input.is_file() {
+                let recipe = recipe.context("a GGUF input is requantized: give --recipe or --recipe-from")?;
+                let report = requantize(&input, &output, &recipe)
+                    .with_context(|| format!("requantizing {} to {}", input.display(), output.display()))?;
+                for f in &report.files {
+                    println!("wrote {}", f.display());
+                }
+                println!(
+                    "{} tensors, {:.1} MiB of tensor data",
+                    report.tensors,
+                    report.data_bytes as f64 / (1 << 20) as f64
+                );
+                return Ok(());
+            }
             let opts = ConvertOptions {
                 out_type: outtype,
                 include_mtp: !no_mtp,

@@ -11,6 +11,7 @@
 mod checkpoint;
 mod hf_config;
 pub mod recipe;
+mod requantize;
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -21,6 +22,7 @@ use crate::quant::{f32_to_bf16_bits, quantize};
 pub use checkpoint::{Checkpoint, SourceTensor};
 pub use hf_config::HfTextConfig;
 pub use recipe::{QuantRecipe, RecipeContext, RecipeName};
+pub use requantize::requantize;
 
 /// Conversion failures, each naming the file, key or tensor at fault.
 #[derive(Debug, thiserror::Error)]
