@@ -241,7 +241,7 @@ impl Planner<'_> {
             OutType::F32 => GgmlType::F32,
             OutType::F16 => GgmlType::F16,
             OutType::Bf16 => GgmlType::BF16,
-            OutType::Q8_0 if ne0 % 32 == 0 => GgmlType::Q8_0,
+            OutType::Q8_0 if ne0.is_multiple_of(32) => GgmlType::Q8_0,
             OutType::Q8_0 => GgmlType::F16,
         }
     }
@@ -554,7 +554,7 @@ fn plan_ple(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize) -> Result<(
     );
     // The n-gram table: one tensor or shards `shard_{k}` concatenated in shard order.
     let heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram;
-    if heads == 0 || pe % heads != 0 {
+    if heads == 0 || !pe.is_multiple_of(heads) {
         return Err(ConvertError::Config(format!("ple_embed_dim {pe} is not divisible by {heads} n-gram heads")));
     }
     let hd = pe / heads;

@@ -125,7 +125,7 @@ impl QuantRecipe {
 /// The type llama.cpp falls back to when `ty`'s block does not divide a row of `ne0` values (then F16 when
 /// that does not divide either).
 pub fn fallback(ty: GgmlType, ne0: u64) -> GgmlType {
-    let fits = |t: GgmlType| ne0 % t.block_size() as u64 == 0;
+    let fits = |t: GgmlType| ne0.is_multiple_of(t.block_size() as u64);
     if fits(ty) {
         return ty;
     }
@@ -169,9 +169,7 @@ fn named_type(r: RecipeName, name: &str, ctx: &RecipeContext) -> GgmlType {
         RecipeName::NebulaQ4 => {
             if is_expert_gate_up(name) || is("ffn_gate_shexp") || is("ffn_up_shexp") {
                 T::Q4_K
-            } else if is("ffn_down_exps") || is("ffn_down_shexp") {
-                T::IQ4_NL
-            } else if name == "per_layer_token_embd.weight" {
+            } else if is("ffn_down_exps") || is("ffn_down_shexp") || name == "per_layer_token_embd.weight" {
                 T::IQ4_NL
             } else if is("ssm_alpha") || is("ssm_beta") {
                 T::F32
@@ -200,9 +198,10 @@ fn named_type(r: RecipeName, name: &str, ctx: &RecipeContext) -> GgmlType {
             let first_eighth = layer_of(name).is_some_and(|l| l < ctx.n_layers / 8);
             if name == "output.weight" {
                 T::Q6_K
-            } else if is("attn_v.weight") || is("attn_qkv.weight") {
-                T::Q5_K
-            } else if is("ffn_down") && first_eighth && !ctx.has_imatrix {
+            } else if is("attn_v.weight")
+                || is("attn_qkv.weight")
+                || (is("ffn_down") && first_eighth && !ctx.has_imatrix)
+            {
                 T::Q5_K
             } else {
                 T::IQ4_XS

@@ -255,6 +255,15 @@ pub(crate) mod x86 {
     #[macro_export]
     #[doc(hidden)]
     macro_rules! dispatch_tokens {
+        ($kernel:ident, $row:expr, $xs:expr, $out:expr) => {
+            match $xs.len() {
+                1 => $kernel::<1>($row, $xs, $out),
+                2 => $kernel::<2>($row, $xs, $out),
+                3 => $kernel::<3>($row, $xs, $out),
+                4 => $kernel::<4>($row, $xs, $out),
+                n => panic!("dot kernels take 1 to 4 tokens, got {n}"),
+            }
+        };
         ($kernel:ident :: < $f:ty >, $row:expr, $xs:expr, $out:expr) => {
             match $xs.len() {
                 1 => $kernel::<$f, 1>($row, $xs, $out),

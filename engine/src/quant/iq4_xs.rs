@@ -94,7 +94,7 @@ mod x86 {
     /// AVX2: one run of 32 per vector (nibbles in element order, levels by table lookup), |level| by
     /// sign(x, level) with `maddubs`, the run scale by `madd`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_avx2<F, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    pub unsafe fn dot_avx2<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
         let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i));
         let mut acc = [Acc4::default(); 4];
         for sb in 0..row.len() / 136 {
@@ -124,7 +124,7 @@ mod x86 {
     /// order; |level| and the level signs by two table lookups, the signs moved onto the activations, `maddubs`
     /// then VNNI `vpdpwssd` with the run scales.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn dot_avx512<F, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    pub unsafe fn dot_avx512<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
         let k = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i);
         let table = _mm512_broadcast_i32x4(k);
         let abs_table = _mm512_broadcast_i32x4(_mm_abs_epi8(k));
@@ -168,13 +168,13 @@ mod x86 {
 fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
     use x86::dot_avx2;
     // SAFETY: listed for Isa::Avx2 only, chosen when the CPU has it.
-    unsafe { crate::dispatch_tokens!(dot_avx2::<()>, row, xs, out) }
+    unsafe { crate::dispatch_tokens!(dot_avx2, row, xs, out) }
 }
 #[cfg(target_arch = "x86_64")]
 fn dot_avx512(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
     use x86::dot_avx512;
     // SAFETY: as above, for Isa::Avx512.
-    unsafe { crate::dispatch_tokens!(dot_avx512::<()>, row, xs, out) }
+    unsafe { crate::dispatch_tokens!(dot_avx512, row, xs, out) }
 }
 /// The SIMD dot paths of this format.
 #[cfg(target_arch = "x86_64")]

@@ -17,6 +17,9 @@
 //! [`Matrix`] is a weight matrix in any supported format with row-parallel products; [`moe`] is the fused
 //! routed-expert kernel; [`quantize`] holds the quantizers used by the converter.
 
+// Kernels index blocks, runs and lanes by position, as the format layouts are written.
+#![allow(clippy::needless_range_loop)]
+
 mod acts;
 mod bf16;
 mod blocks32;
@@ -258,7 +261,7 @@ pub fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize, QuantError> {
     if !SUPPORTED.contains(&ty) {
         return Err(QuantError::Unsupported(ty.name()));
     }
-    if cols % ty.block_size() != 0 {
+    if !cols.is_multiple_of(ty.block_size()) {
         return Err(QuantError::PartialBlock { ty: ty.name(), cols, block: ty.block_size() });
     }
     Ok(cols / ty.block_size() * ty.type_size())
@@ -284,7 +287,7 @@ pub fn check_scales(ty: GgmlType, data: &[u8], cols: usize) -> Result<(), QuantE
     }
     let k = row_kernels(ty)?;
     let rb = row_bytes(ty, cols)?;
-    if rb == 0 || data.len() % rb != 0 {
+    if rb == 0 || !data.len().is_multiple_of(rb) {
         return Err(QuantError::WrongSize { what: "tensor".into(), expected: rb, found: data.len() });
     }
     const ROWS: usize = 256;

@@ -141,7 +141,7 @@ pub(crate) mod x86 {
     /// AVX2: per 32 bytes, the low and high nibbles (runs 2c and 2c+1) times the activations with `maddubs`, the
     /// run scale applied by `madd`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_avx2<F, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    pub unsafe fn dot_avx2<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
         let mask = _mm256_set1_epi8(15);
         let nsb = row.len() / 144;
         let mut acc = [Acc4::default(); 4];
@@ -179,7 +179,7 @@ pub(crate) mod x86 {
     /// AVX-512: 64 bytes of levels (runs 2c..2c+4) per load, rearranged into runs (2c, 2c+1) and (2c+2, 2c+3)
     /// in element order; `maddubs` then VNNI `vpdpwssd` with the run scales.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn dot_avx512<F, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    pub unsafe fn dot_avx512<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
         let mask = _mm512_set1_epi8(15);
         // index vectors selecting run scales (2k, 2k+1) into the two 256-bit halves
         let idx: [__m512i; 4] = std::array::from_fn(|k| {
@@ -226,13 +226,13 @@ pub(crate) mod x86 {
 fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
     use x86::dot_avx2;
     // SAFETY: listed for Isa::Avx2 only, chosen when the CPU has it.
-    unsafe { crate::dispatch_tokens!(dot_avx2::<()>, row, xs, out) }
+    unsafe { crate::dispatch_tokens!(dot_avx2, row, xs, out) }
 }
 #[cfg(target_arch = "x86_64")]
 fn dot_avx512(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
     use x86::dot_avx512;
     // SAFETY: as above, for Isa::Avx512.
-    unsafe { crate::dispatch_tokens!(dot_avx512::<()>, row, xs, out) }
+    unsafe { crate::dispatch_tokens!(dot_avx512, row, xs, out) }
 }
 /// The SIMD dot paths of this format.
 #[cfg(target_arch = "x86_64")]

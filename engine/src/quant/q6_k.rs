@@ -84,7 +84,7 @@ mod x86 {
     /// AVX2: 32 levels `u = q + 32` per vector from the nibbles and 2-bit highs, `maddubs` with the activations,
     /// `madd` with the two run scales of the vector; the offset removed with the activation sums.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_avx2<F, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    pub unsafe fn dot_avx2<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
         let m4 = _mm256_set1_epi8(15);
         let m2 = _mm256_set1_epi8(3);
         let mut acc = [Acc4::default(); 4];
@@ -136,7 +136,7 @@ mod x86 {
     /// 0..64, high nibbles 64..128), the highs added from the 32 `qh` bytes; `maddubs` then VNNI `vpdpwssd`
     /// with the run scales.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn dot_avx512<F, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    pub unsafe fn dot_avx512<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
         let m4 = _mm512_set1_epi8(15);
         let m30 = _mm512_set1_epi8(0x30);
         let idx: [__m512i; 4] = std::array::from_fn(|k| {
@@ -187,13 +187,13 @@ mod x86 {
 fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
     use x86::dot_avx2;
     // SAFETY: listed for Isa::Avx2 only, chosen when the CPU has it.
-    unsafe { crate::dispatch_tokens!(dot_avx2::<()>, row, xs, out) }
+    unsafe { crate::dispatch_tokens!(dot_avx2, row, xs, out) }
 }
 #[cfg(target_arch = "x86_64")]
 fn dot_avx512(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
     use x86::dot_avx512;
     // SAFETY: as above, for Isa::Avx512.
-    unsafe { crate::dispatch_tokens!(dot_avx512::<()>, row, xs, out) }
+    unsafe { crate::dispatch_tokens!(dot_avx512, row, xs, out) }
 }
 /// The SIMD dot paths of this format.
 #[cfg(target_arch = "x86_64")]
