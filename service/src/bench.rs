@@ -11,6 +11,10 @@
 //!
 //!    The figure is weight bytes read per second and its fraction of the read bandwidth at the same thread
 //!    count. Activations are prepared once, outside the timing (per token they are a few microseconds).
+//! 3. The MoE kernel as the model runs it (`quant::moe::routed_experts`, one parallel region): a layer of
+//!    `--experts` experts in the `nebula-q4` types (Q4_K gate and up `[640, 2560]`, IQ4_NL down `[2560, 640]`),
+//!    batches of 1 and 17 tokens each routed to 10 random experts, activation quantization included; weight
+//!    bytes of the distinct experts touched per second.
 //!
 //! Numbers are printed, never asserted: this is a benchmark, not a test.
 
@@ -18,6 +22,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use nebula_engine::gguf::GgmlType;
+use nebula_engine::quant::moe::{ExpertRef, ExpertWork, routed_experts};
 use nebula_engine::quant::{Isa, Matrix, WeightBytes, quantize, synthetic_blocks};
 use rayon::prelude::*;
 
@@ -201,6 +206,54 @@ fn expert_throughput(stack: &Stack, threads: usize, seconds: f64, one_region: bo
     Ok(iters as f64 * 10.0 * stack.bytes_each as f64 / start.elapsed().as_secs_f64())
 }
 
+/// Weight bytes/s of the MoE kernel for `tokens` tokens, each routed to 10 random experts of the layer.
+fn moe_kernel_throughput(
+    gate: &Stack,
+    up: &Stack,
+    down: &Stack,
+    tokens: usize,
+    threads: usize,
+    seconds: f64,
+) -> anyhow::Result<f64> {
+    let p = pool(threads)?;
+    let d = gate.experts[0].cols();
+    let x: Vec<f32> = (0..tokens * d).map(|i| ((i * 7919 % 1000) as f32 / 1000.0) - 0.5).collect();
+    let mut out = vec![0f32; tokens * d];
+    let n = gate.experts.len();
+    let expert_bytes = gate.bytes_each + up.bytes_each + down.bytes_each;
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut step = |out: &mut [f32]| -> usize {
+        let mut by: Vec<Vec<(usize, f32)>> = vec![Vec::new(); n];
+        for t in 0..tokens {
+            for e in draw10(&mut rng, n) {
+                by[e].push((t, 0.1));
+            }
+        }
+        let work: Vec<ExpertWork<'_>> = by
+            .into_iter()
+            .enumerate()
+            .filter(|(_, toks)| !toks.is_empty())
+            .map(|(e, toks)| ExpertWork {
+                expert: ExpertRef { gate: &gate.experts[e], up: &up.experts[e], down: &down.experts[e] },
+                tokens: toks,
+            })
+            .collect();
+        p.install(|| routed_experts(&work, &x, tokens, out));
+        work.len() * expert_bytes
+    };
+    for _ in 0..3 {
+        step(&mut out);
+    }
+    let start = Instant::now();
+    let (mut iters, mut bytes) = (0u64, 0usize);
+    while start.elapsed().as_secs_f64() < seconds || iters < 5 {
+        bytes += step(&mut out);
+        iters += 1;
+    }
+    std::hint::black_box(&out);
+    Ok(bytes as f64 / start.elapsed().as_secs_f64())
+}
+
 fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -290,6 +343,21 @@ pub fn run_kernels(args: &KernelBenchArgs) -> anyhow::Result<()> {
                     );
                 }
             }
+        }
+    }
+
+    println!(
+        "\nMoE kernel (routed_experts, one region): {} experts, Q4_K gate/up 640x2560, IQ4_NL down 2560x640, 10 experts/token",
+        args.experts
+    );
+    println!("{:>8} {:>8} {:>12} {:>9}", "tokens", "threads", "GB/s", "% of read");
+    let gate = build_stack(GgmlType::Q4_K, 640, 2560, args.experts, isa)?;
+    let up = build_stack(GgmlType::Q4_K, 640, 2560, args.experts, isa)?;
+    let down = build_stack(GgmlType::IQ4_NL, 2560, 640, args.experts, isa)?;
+    for tokens in [1usize, 17] {
+        for (ti, &t) in threads.iter().enumerate() {
+            let r = moe_kernel_throughput(&gate, &up, &down, tokens, t, args.seconds)?;
+            println!("{tokens:>8} {t:>8} {:>12.2} {:>8.1}%", r / 1e9, 100.0 * r / bw[ti]);
         }
     }
     Ok(())
