@@ -4,7 +4,7 @@
 //! `d * (0.5 + s) * 0.25 * grid * sign` (ggml `block_iq2_s`; tables from `gguf.quants.IQ2_S`).
 
 use super::grids::IQ2S_GRID;
-use super::unpacked::{Unpack256, Unpacked, signed_grid, unpacked_simd};
+use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -49,9 +49,11 @@ impl BlockFormat for Iq2S {
 
 impl Unpack256 for Iq2S {
     fn unpack(block: &[u8], u: &mut Unpacked) {
+        u.signs_apart = true;
         for e in 0..32 {
-            u.q[8 * e..8 * e + 8].copy_from_slice(&signed_grid(grid(block, e), block[34 + e]));
+            u.mag[8 * e..8 * e + 8].copy_from_slice(&grid(block, e).to_le_bytes());
         }
+        u.neg.copy_from_slice(&block[34..66]);
         for j in 0..16 {
             u.scale[j] = 2 * scale16(block, j) as i16 + 1;
         }

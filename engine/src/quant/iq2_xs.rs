@@ -4,7 +4,7 @@
 //! `block_iq2_xs`; tables and order of operations from `gguf.quants.IQ2_XS`).
 
 use super::grids::{IQ2XS_GRID, KSIGNS_IQ2XS};
-use super::unpacked::{Unpack256, Unpacked, signed_grid, unpacked_simd};
+use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -49,9 +49,11 @@ impl BlockFormat for Iq2Xs {
 
 impl Unpack256 for Iq2Xs {
     fn unpack(block: &[u8], u: &mut Unpacked) {
+        u.signs_apart = true;
         for e in 0..32 {
             let (grid, signs) = entry(block, e);
-            u.q[8 * e..8 * e + 8].copy_from_slice(&signed_grid(grid, signs));
+            u.mag[8 * e..8 * e + 8].copy_from_slice(&grid.to_le_bytes());
+            u.neg[e] = signs;
         }
         for j in 0..16 {
             u.scale[j] = 2 * scale16(block, j) as i16 + 1;

@@ -4,7 +4,7 @@
 //! (ggml `block_iq2_xxs`; tables and order of operations from `gguf.quants.IQ2_XXS`).
 
 use super::grids::{IQ2XXS_GRID, KSIGNS_IQ2XS};
-use super::unpacked::{Unpack256, Unpacked, signed_grid, unpacked_simd};
+use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -50,12 +50,14 @@ impl BlockFormat for Iq2Xxs {
 
 impl Unpack256 for Iq2Xxs {
     fn unpack(block: &[u8], u: &mut Unpacked) {
+        u.signs_apart = true;
         for ib in 0..8 {
             let (a0, a1) = aux(block, ib);
             for l in 0..4 {
                 let g = IQ2XXS_GRID[((a0 >> (8 * l)) & 255) as usize];
                 let p = 32 * ib + 8 * l;
-                u.q[p..p + 8].copy_from_slice(&signed_grid(g, KSIGNS_IQ2XS[((a1 >> (7 * l)) & 127) as usize]));
+                u.mag[p..p + 8].copy_from_slice(&g.to_le_bytes());
+                u.neg[4 * ib + l] = KSIGNS_IQ2XS[((a1 >> (7 * l)) & 127) as usize];
             }
             let s = 2 * (a1 >> 28) as i16 + 1;
             u.scale[2 * ib] = s;

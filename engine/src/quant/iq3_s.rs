@@ -4,7 +4,7 @@
 //! `d * (1 + 2s) * grid * sign` (ggml `block_iq3_s`; tables from `gguf.quants.IQ3_S`).
 
 use super::grids::IQ3S_GRID;
-use super::unpacked::{Unpack256, Unpacked, signed_grid, unpacked_simd};
+use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -49,10 +49,11 @@ impl BlockFormat for Iq3S {
 
 impl Unpack256 for Iq3S {
     fn unpack(block: &[u8], u: &mut Unpacked) {
-        for k in 0..32 {
-            let g = grid(block, 2 * k) as u64 | (grid(block, 2 * k + 1) as u64) << 32;
-            u.q[8 * k..8 * k + 8].copy_from_slice(&signed_grid(g, block[74 + k]));
+        u.signs_apart = true;
+        for e in 0..64 {
+            u.mag[4 * e..4 * e + 4].copy_from_slice(&grid(block, e).to_le_bytes());
         }
+        u.neg.copy_from_slice(&block[74..106]);
         for ib in 0..8 {
             let s = 1 + 2 * scale32(block, ib) as i16;
             u.scale[2 * ib] = s;

@@ -4,7 +4,7 @@
 //! `block_iq3_xxs`; tables and order of operations from `gguf.quants.IQ3_XXS`).
 
 use super::grids::{IQ3XXS_GRID, KSIGNS_IQ2XS};
-use super::unpacked::{Unpack256, Unpacked, signed_grid, unpacked_simd};
+use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -49,13 +49,14 @@ impl BlockFormat for Iq3Xxs {
 
 impl Unpack256 for Iq3Xxs {
     fn unpack(block: &[u8], u: &mut Unpacked) {
+        u.signs_apart = true;
+        for e in 0..64 {
+            u.mag[4 * e..4 * e + 4].copy_from_slice(&IQ3XXS_GRID[block[2 + e] as usize].to_le_bytes());
+        }
         for ib in 0..8 {
             let a = aux(block, ib);
             for l in 0..4 {
-                let e = 8 * ib + 2 * l;
-                let g = IQ3XXS_GRID[block[2 + e] as usize] as u64 | (IQ3XXS_GRID[block[3 + e] as usize] as u64) << 32;
-                let p = 32 * ib + 8 * l;
-                u.q[p..p + 8].copy_from_slice(&signed_grid(g, KSIGNS_IQ2XS[((a >> (7 * l)) & 127) as usize]));
+                u.neg[4 * ib + l] = KSIGNS_IQ2XS[((a >> (7 * l)) & 127) as usize];
             }
             let s = 2 * (a >> 28) as i16 + 1;
             u.scale[2 * ib] = s;

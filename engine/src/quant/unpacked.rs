@@ -2,39 +2,47 @@
 //! super-block before the products (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS and the grid i-quants), with
 //! [`ActFormat::Q8K`](super::ActFormat) activations.
 //!
-//! A format unpacks a super-block into signed integer levels `q[256]` (|q| <= 127) and one integer scale per run
-//! of 16 values; the kernels compute `isum = sum_j scale_j * sum_{i in run j} q_i x_i` exactly (the products
+//! A format unpacks a super-block into signed integer levels `q[256]` (|q| <= 127), or for the grid i-quants
+//! magnitudes and sign bits, and one integer scale per run of 16 values; the kernels compute `isum = sum_j scale_j * sum_{i in run j} q_i x_i` exactly (the products
 //! ggml forms with `maddubs`/`madd` after moving the signs of `q` onto the activations), and the format turns
 //! `isum` into the super-block's `f32` term. The unpacking is scalar table work shared by every path; the
 //! products are scalar, AVX2 or AVX-512.
 
 use super::{Acc4, ActRow, BlockFormat};
 
-/// One unpacked super-block.
+/// One unpacked super-block, in one of two forms: signed levels `q` (most formats), or magnitudes `mag` with
+/// sign bits `neg` (the grid i-quants, whose tables hold magnitudes and whose signs come as bit patterns).
 #[derive(Clone)]
 pub(crate) struct Unpacked {
-    /// Signed levels, |q| <= 127.
+    /// Signed levels, |q| <= 127 (when `signs_apart` is false).
     pub q: [i8; 256],
+    /// Magnitudes, 1..=127 (when `signs_apart` is true).
+    pub mag: [u8; 256],
+    /// Sign bits: bit `i % 8` of byte `i / 8` set when value `i` is negative (when `signs_apart`).
+    pub neg: [u8; 32],
+    /// Which form holds the levels.
+    pub signs_apart: bool,
     /// Integer scale of each run of 16 values.
     pub scale: [i16; 16],
 }
 
 impl Default for Unpacked {
     fn default() -> Self {
-        Self { q: [0; 256], scale: [0; 16] }
+        Self { q: [0; 256], mag: [0; 256], neg: [0; 32], signs_apart: false, scale: [0; 16] }
     }
 }
 
-/// Eight magnitudes (bytes of `grid`, each 1..=127) with the signs of bits of `signs` applied: byte `k` is
-/// negated when bit `k` is set. Branch-free SWAR: no carries cross bytes because every magnitude is >= 1.
-#[inline(always)]
-pub(crate) fn signed_grid(grid: u64, signs: u8) -> [i8; 8] {
-    let spread = (signs as u64).wrapping_mul(0x0101_0101_0101_0101) & 0x8040_2010_0804_0201;
-    // byte k: 0x80 when it is non-zero (its sign bit was set), else 0; the masked add cannot carry
-    let hi = (((spread & 0x7f7f_7f7f_7f7f_7f7f) + 0x7f7f_7f7f_7f7f_7f7f) | spread) & 0x8080_8080_8080_8080;
-    let mask = (hi >> 7).wrapping_mul(0xff);
-    let v = (grid ^ mask).wrapping_add(mask & 0x0101_0101_0101_0101);
-    v.to_le_bytes().map(|b| b as i8)
+impl Unpacked {
+    /// The signed level at position `i`, whichever the form.
+    #[inline(always)]
+    pub fn level(&self, i: usize) -> i32 {
+        if self.signs_apart {
+            let m = self.mag[i] as i32;
+            if self.neg[i / 8] >> (i % 8) & 1 != 0 { -m } else { m }
+        } else {
+            self.q[i] as i32
+        }
+    }
 }
 
 /// A super-block format decoded through [`Unpacked`].
@@ -51,7 +59,7 @@ pub(crate) fn isum_scalar(u: &Unpacked, x: &[i8]) -> i32 {
     for j in 0..16 {
         let mut s = 0i32;
         for i in 16 * j..16 * j + 16 {
-            s += u.q[i] as i32 * x[i] as i32;
+            s += u.level(i) * x[i] as i32;
         }
         total += u.scale[j] as i32 * s;
     }
@@ -93,14 +101,22 @@ pub(crate) mod x86 {
     use super::super::simd::x86::hsum_i32_256;
     use super::Unpacked;
 
-    /// Exact scaled integer sum, AVX2: |q| by sign(x, q) with `maddubs`, run scales with `madd`.
+    /// Exact scaled integer sum, AVX2: |q| by sign(x, q) with `maddubs` (or the magnitudes by x with the sign
+    /// bits applied), run scales with `madd`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn isum_avx2(u: &Unpacked, x: &[i8]) -> i32 {
         let mut acc = _mm256_setzero_si256();
         for c in 0..8 {
-            let q = _mm256_loadu_si256(u.q.as_ptr().add(32 * c) as *const __m256i);
             let xv = _mm256_loadu_si256(x.as_ptr().add(32 * c) as *const __m256i);
-            let p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
+            let p = if u.signs_apart {
+                let m = _mm256_loadu_si256(u.mag.as_ptr().add(32 * c) as *const __m256i);
+                let nm =
+                    super::super::simd::x86::bits_to_bytes((u.neg.as_ptr().add(4 * c) as *const u32).read_unaligned());
+                _mm256_maddubs_epi16(m, _mm256_sub_epi8(_mm256_xor_si256(xv, nm), nm))
+            } else {
+                let q = _mm256_loadu_si256(u.q.as_ptr().add(32 * c) as *const __m256i);
+                _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q))
+            };
             let sc = _mm256_set_m128i(_mm_set1_epi16(u.scale[2 * c + 1]), _mm_set1_epi16(u.scale[2 * c]));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
         }
@@ -116,10 +132,16 @@ pub(crate) mod x86 {
             3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
         );
         for c in 0..4 {
-            let q = _mm512_loadu_si512(u.q.as_ptr().add(64 * c) as *const _);
             let xv = _mm512_loadu_si512(x.as_ptr().add(64 * c) as *const _);
-            let xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(q), _mm512_setzero_si512(), xv);
-            let p = _mm512_maddubs_epi16(_mm512_abs_epi8(q), xs);
+            let p = if u.signs_apart {
+                let m = _mm512_loadu_si512(u.mag.as_ptr().add(64 * c) as *const _);
+                let k = (u.neg.as_ptr().add(8 * c) as *const u64).read_unaligned();
+                _mm512_maddubs_epi16(m, _mm512_mask_sub_epi8(xv, k, _mm512_setzero_si512(), xv))
+            } else {
+                let q = _mm512_loadu_si512(u.q.as_ptr().add(64 * c) as *const _);
+                let xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(q), _mm512_setzero_si512(), xv);
+                _mm512_maddubs_epi16(_mm512_abs_epi8(q), xs)
+            };
             let idx = _mm512_add_epi16(base, _mm512_set1_epi16(4 * c as i16));
             acc = _mm512_dpwssd_epi32(acc, p, _mm512_permutexvar_epi16(idx, scales));
         }
