@@ -19,8 +19,12 @@ Configurations (issue 2):
               two indexed layers, hc_count 3
   hc4_moe     hc_count 4, sigmoid output gate, value heads 3x the key heads (exercises the GGUF value-head
               reorder), 32 experts top-8
+  wide256     hidden size 256, so the k-quants (256-value super-blocks) apply to every projection that reads
+              the hidden state, the expert/shared FFN width 64 and the HC low rank 32 take the 32-value block
+              types; for the quantized recipes of issue 3. Its weights are rounded to bfloat16 and stored so (the
+              reference ran on those exact values in float32), which halves the fixture.
 
-Usage: python3 scripts/make_golden.py [--out tests/fixtures/golden]
+Usage: python3 scripts/make_golden.py [--out tests/fixtures/golden] [--only NAME ...]
 """
 
 import argparse
@@ -65,7 +69,19 @@ CONFIGS = {
         indexer_head_dim=16, indexer_budget=32, indexer_compress_ratio=4, eos_token_id=11,
         output_gate_type="sigmoid", rotary=(0.25, [2, 1, 1]),
     ),
+    "wide256": dict(
+        vocab_size=320, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=3, hc_count=2, hc_lowrank=32, ple_layer_ids=[2], ple_embed_dim=64,
+        ngram_vocab_size_base=200, split_ngram_parts=2, indexer_n_heads=4, indexer_kv_heads=1,
+        indexer_head_dim=16, indexer_budget=32, indexer_compress_ratio=4, eos_token_id=5,
+        output_gate_type="sigmoid", rotary=(0.25, [3, 3, 2]),
+    ),
 }
+
+# Cases whose weights are rounded to bfloat16 (and saved as such) before the reference runs.
+BF16_WEIGHTS = {"wide256"}
 
 
 def build_config(spec):
@@ -168,6 +184,10 @@ def run(name, spec, out_dir, seed):
     model = Qwen4ExpForCausalLM(cfg).to(torch.float32)
     model.config._attn_implementation = "eager"
     randomize(model, gen)
+    if name in BF16_WEIGHTS:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
     model.eval()
     ids = token_ids(cfg, gen).unsqueeze(0)
 
@@ -188,7 +208,11 @@ def run(name, spec, out_dir, seed):
 
     d = out_dir / name
     d.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(d, safe_serialization=True)
+    if name in BF16_WEIGHTS:
+        model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+        model.to(torch.float32)
+    else:
+        model.save_pretrained(d, safe_serialization=True)
     logits.numpy().astype("<f4").tofile(d / "logits.bin")
     meta = {
         "source": "transformers Qwen4ExpForCausalLM, random init (scripts/make_golden.py)",
@@ -215,10 +239,13 @@ def run(name, spec, out_dir, seed):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests/fixtures/golden"))
+    ap.add_argument("--only", nargs="*", help="regenerate only these cases")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     out = Path(args.out)
     for i, (name, spec) in enumerate(CONFIGS.items()):
+        if args.only and name not in args.only:
+            continue
         seed = 1000 + i
         # A top-1 that is nearly tied could flip on rounding: move to the next seed until the margin is clear.
         while run(name, spec, out, seed) < 1e-3:

@@ -77,3 +77,72 @@ fn dropping_the_receiver_frees_the_worker() {
     }
     assert!(finished);
 }
+
+/// The greedy answers of the committed model (their text equals transformers' answers on the f32 checkpoint,
+/// `greedy_answers_equal_the_reference`), as `(prompt ids, completion ids)`.
+fn reference_sequences(engine: &Engine) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(nebula_tests::repo_root().join("tests/fixtures/demo/reference_greedy.json")).unwrap(),
+    )
+    .unwrap();
+    fixture["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|case| {
+            let prompt: Vec<u32> =
+                case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            let mut rx = engine.submit(GenerateRequest::new(prompt.clone(), 80)).unwrap();
+            let mut out = Vec::new();
+            while let Some(ev) = rx.blocking_recv() {
+                match ev {
+                    GenerationEvent::Token(t) => out.push(t),
+                    GenerationEvent::Finished { .. } => break,
+                    GenerationEvent::Failed(e) => panic!("{e}"),
+                    GenerationEvent::Started => {}
+                }
+            }
+            (prompt, out)
+        })
+        .collect()
+}
+
+/// The demo model requantized with each recipe (`nebula convert --recipe R nebula-demo.gguf`): top-1 agreement,
+/// teacher-forced along the reference answers, >= 95 % for the 4-bit mixes and >= 99 % for Q8_0. The demo is
+/// 32 wide, so the 256-value k-quant blocks fall back to their 32-value types (Q4_K to Q5_0 and so on) and
+/// IQ4_NL is used as such; the first quantization (Q8_0) stays under the second.
+#[test]
+fn requantized_demo_model_agrees_on_top1() {
+    use nebula_engine::convert::{QuantRecipe, RecipeName, requantize};
+    use nebula_engine::model::{LogitsFor, Qwen4Exp};
+    let src = nebula_tests::repo_root().join("models/nebula-demo.gguf");
+    let refs = reference_sequences(&demo_engine());
+    let tmp = tempfile::tempdir().unwrap();
+    for (recipe, bar) in
+        [(RecipeName::NebulaQ4, 0.95), (RecipeName::UdQ4KXl, 0.95), (RecipeName::Iq4Xs, 0.95), (RecipeName::Q8_0, 0.99)]
+    {
+        let out = tmp.path().join(format!("demo-{}.gguf", recipe.name()));
+        requantize(&src, &out, &QuantRecipe::Named(recipe)).expect("requantize");
+        let model = Qwen4Exp::load(&out).expect("load");
+        let vocab = model.config.vocab;
+        let (mut same, mut total) = (0usize, 0usize);
+        for (prompt, completion) in &refs {
+            let ids: Vec<u32> = prompt.iter().chain(completion).copied().collect();
+            let mut state = model.new_state(ids.len());
+            let logits = model.forward(&mut state, &ids[..ids.len() - 1], LogitsFor::All).unwrap();
+            for (k, &want) in completion.iter().enumerate() {
+                let row = &logits[(prompt.len() - 1 + k) * vocab..(prompt.len() + k) * vocab];
+                let top = row
+                    .iter()
+                    .enumerate()
+                    .fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
+                    .0;
+                same += (top as u32 == want) as usize;
+                total += 1;
+            }
+        }
+        let agreement = same as f64 / total as f64;
+        println!("demo {}: top-1 agreement {:.2} % ({same} of {total})", recipe.name(), 100.0 * agreement);
+        assert!(agreement >= bar, "demo {}: {agreement:.4} < {bar}", recipe.name());
+    }
+}

@@ -1,12 +1,14 @@
-//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF), `profile detect`
-//! (the hardware profile the container entry point writes before `serve`), `synth` (random-weight real-width GGUF
-//! for benchmarks), `bench` (speed).
+//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint or GGUF to GGUF),
+//! `profile detect` (the hardware profile the container entry point writes before `serve`), `synth` (random-weight
+//! real-width GGUF for benchmarks), `bench` (speed), `generate` (greedy continuation).
+
+mod bench;
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use nebula_engine::convert::{ConvertOptions, OutType, convert};
+use nebula_engine::convert::{ConvertOptions, OutType, QuantRecipe, RecipeName, convert, requantize};
 
 /// Nebula: an inference server for Qwen3.8-Flash-Next (qwen4exp).
 #[derive(Parser, Debug)]
@@ -20,9 +22,11 @@ struct Cli {
 enum Command {
     /// Serve the OpenAI-compatible API (the embedded demo model when no model is given).
     Serve(nebula_service::ServeArgs),
-    /// Convert a Hugging Face qwen4_exp safetensors checkpoint directory to a qwen4exp GGUF file.
+    /// Convert a Hugging Face qwen4_exp safetensors checkpoint directory to a qwen4exp GGUF file, or requantize a
+    /// GGUF file with --recipe / --recipe-from.
     Convert {
-        /// Checkpoint directory (config.json, *.safetensors, optionally tokenizer.json and chat_template.jinja).
+        /// Checkpoint directory (config.json, *.safetensors, optionally tokenizer.json and chat_template.jinja), or
+        /// a .gguf file to requantize.
         input: PathBuf,
         /// Output GGUF path.
         #[arg(short, long)]
@@ -39,6 +43,15 @@ enum Command {
         /// `general.name` of the output.
         #[arg(long)]
         name: Option<String>,
+        /// Quantization recipe: nebula-q4 (the product's component table), q8_0 (ggml-org's Q8_0 files),
+        /// ud-q4_k_xl (Unsloth's UD-Q4_K_XL mix) or iq4_xs (llama.cpp's IQ4_XS mix). Overrides --outtype for
+        /// the weights it quantizes.
+        #[arg(long, conflicts_with = "recipe_from")]
+        recipe: Option<RecipeName>,
+        /// Copy the type of every tensor from this published GGUF (its first part when split); tensors it
+        /// lacks take the nebula-q4 type.
+        #[arg(long)]
+        recipe_from: Option<PathBuf>,
     },
     /// Write a random-weight qwen4exp GGUF at the real widths (benchmarks, placement studies).
     Synth(nebula_service::cli::synth::SynthArgs),
@@ -55,6 +68,8 @@ enum Command {
 enum BenchCommand {
     /// Prefill and decode speed at context frontiers on a backend.
     Model(nebula_service::cli::bench::BenchModelArgs),
+    /// CPU kernels: memory read bandwidth and expert matrix-vector throughput of each weight type.
+    Kernels(bench::KernelBenchArgs),
 }
 
 /// Logs to stderr; `RUST_LOG` filters (default: `info`).
@@ -76,12 +91,36 @@ fn main() -> anyhow::Result<()> {
         Command::Synth(args) => nebula_service::cli::synth::run(args),
         Command::Generate(args) => nebula_service::cli::generate::run(args),
         Command::Bench(BenchCommand::Model(args)) => nebula_service::cli::bench::run_model(args),
-        Command::Convert { input, output, outtype, no_mtp, split_max_gib, name } => {
+        Command::Bench(BenchCommand::Kernels(args)) => bench::run_kernels(&args),
+        Command::Convert { input, output, outtype, no_mtp, split_max_gib, name, recipe, recipe_from } => {
+            let recipe = match (recipe, recipe_from) {
+                (Some(r), _) => Some(QuantRecipe::Named(r)),
+                (None, Some(path)) => Some(
+                    QuantRecipe::from_gguf(&path)
+                        .with_context(|| format!("reading tensor types of {}", path.display()))?,
+                ),
+                (None, None) => None,
+            };
+            if input.is_file() {
+                let recipe = recipe.context("a GGUF input is requantized: give --recipe or --recipe-from")?;
+                let report = requantize(&input, &output, &recipe)
+                    .with_context(|| format!("requantizing {} to {}", input.display(), output.display()))?;
+                for f in &report.files {
+                    println!("wrote {}", f.display());
+                }
+                println!(
+                    "{} tensors, {:.1} MiB of tensor data",
+                    report.tensors,
+                    report.data_bytes as f64 / (1 << 20) as f64
+                );
+                return Ok(());
+            }
             let opts = ConvertOptions {
                 out_type: outtype,
                 include_mtp: !no_mtp,
                 split_max_bytes: split_max_gib.map(|g| (g * (1u64 << 30) as f64) as u64),
                 name,
+                recipe,
             };
             let report = convert(&input, &output, &opts)
                 .with_context(|| format!("converting {} to {}", input.display(), output.display()))?;

@@ -10,15 +10,19 @@
 
 mod checkpoint;
 mod hf_config;
+pub mod recipe;
+mod requantize;
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use crate::gguf::{GgmlType, GgufError, GgufWriter, MetadataArray, MetadataValue, TensorDataWriter, ValueType};
-use crate::quant::{f32_to_bf16_bits, quantize_row_q8_0};
+use crate::quant::{f32_to_bf16_bits, quantize};
 
 pub use checkpoint::{Checkpoint, SourceTensor};
 pub use hf_config::HfTextConfig;
+pub use recipe::{QuantRecipe, RecipeContext, RecipeName};
+pub use requantize::requantize;
 
 /// Conversion failures, each naming the file, key or tensor at fault.
 #[derive(Debug, thiserror::Error)]
@@ -85,11 +89,14 @@ pub struct ConvertOptions {
     pub split_max_bytes: Option<u64>,
     /// `general.name`.
     pub name: Option<String>,
+    /// A quantization recipe: when set, it chooses every weight's type and `out_type` only names the float type
+    /// of the weights the recipe leaves unquantized.
+    pub recipe: Option<QuantRecipe>,
 }
 
 impl Default for ConvertOptions {
     fn default() -> Self {
-        Self { out_type: OutType::Bf16, include_mtp: true, split_max_bytes: None, name: None }
+        Self { out_type: OutType::Bf16, include_mtp: true, split_max_bytes: None, name: None, recipe: None }
     }
 }
 
@@ -146,6 +153,8 @@ struct OutTensor {
     ty: GgmlType,
     recipe: Recipe,
     transform: Elementwise,
+    /// A weight whose type a quantization recipe chooses (false: a vector, norm, router or conv kept F32).
+    weight: bool,
 }
 
 /// Converts the checkpoint in `dir` to `out`.
@@ -157,7 +166,13 @@ pub fn convert(dir: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let ckpt = Checkpoint::open(dir)?;
     let names = Names::detect(&ckpt)?;
     let has_mtp = opts.include_mtp && ckpt.get("mtp.fc_hidden.weight").is_some();
-    let plan = plan_tensors(&cfg, &ckpt, &names, opts.out_type, has_mtp)?;
+    let mut plan = plan_tensors(&cfg, &ckpt, &names, opts.out_type, has_mtp)?;
+    if let Some(recipe) = &opts.recipe {
+        let ctx = RecipeContext { n_layers: cfg.num_hidden_layers, has_imatrix: false };
+        for t in plan.iter_mut().filter(|t| t.weight) {
+            t.ty = recipe.tensor_type(&t.name, &t.dims, &ctx);
+        }
+    }
 
     let mut w = GgufWriter::create(out, 32)?;
     if let Some(max) = opts.split_max_bytes {
@@ -226,7 +241,7 @@ impl Planner<'_> {
             OutType::F32 => GgmlType::F32,
             OutType::F16 => GgmlType::F16,
             OutType::Bf16 => GgmlType::BF16,
-            OutType::Q8_0 if ne0 % 32 == 0 => GgmlType::Q8_0,
+            OutType::Q8_0 if ne0.is_multiple_of(32) => GgmlType::Q8_0,
             OutType::Q8_0 => GgmlType::F16,
         }
     }
@@ -238,13 +253,17 @@ impl Planner<'_> {
         }
     }
     fn push(&mut self, name: String, dims: Vec<u64>, ty: GgmlType, recipe: Recipe, transform: Elementwise) {
-        self.tensors.push(OutTensor { name, dims, ty, recipe, transform });
+        self.tensors.push(OutTensor { name, dims, ty, recipe, transform, weight: false });
+    }
+    /// Like `push`, for a weight matrix (a recipe may change its type).
+    fn push_weight(&mut self, name: String, dims: Vec<u64>, ty: GgmlType, recipe: Recipe) {
+        self.tensors.push(OutTensor { name, dims, ty, recipe, transform: Elementwise::None, weight: true });
     }
     /// A 2-D weight `[out, in]` → ggml `[in, out]`, stored in the matrix type.
     fn matrix(&mut self, gguf: String, src: String, rows: usize, cols: usize) -> Result<(), ConvertError> {
         expect_shape(self.ckpt, &src, &[rows, cols])?;
         let ty = self.matrix_type(cols as u64);
-        self.push(gguf, vec![cols as u64, rows as u64], ty, Recipe::Plain { src }, Elementwise::None);
+        self.push_weight(gguf, vec![cols as u64, rows as u64], ty, Recipe::Plain { src });
         Ok(())
     }
     /// A vector stored F32, with a transform.
@@ -292,12 +311,11 @@ fn plan_tensors(
             expect_shape(ckpt, n, &[d, d])?;
         }
         let ty = p.matrix_type(2 * d as u64);
-        p.push(
+        p.push_weight(
             format!("blk.{b}.nextn.eh_proj.weight"),
             vec![2 * d as u64, d as u64],
             ty,
             Recipe::ConcatCols { srcs: eh.to_vec() },
-            Elementwise::None,
         );
         p.vector(
             format!("blk.{b}.nextn.enorm.weight"),
@@ -353,7 +371,7 @@ fn plan_layer(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize, recurrent
         let la = format!("{hf}linear_attn.");
         expect_shape(p.ckpt, &format!("{la}in_proj_qkv.weight"), &[conv_dim, d])?;
         let mt = p.matrix_type(d as u64);
-        p.push(
+        p.push_weight(
             format!("{b}.attn_qkv.weight"),
             vec![d as u64, conv_dim as u64],
             mt,
@@ -363,24 +381,21 @@ fn plan_layer(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize, recurrent
                 block: dk,
                 perm: perm.clone(),
             },
-            Elementwise::None,
         );
         expect_shape(p.ckpt, &format!("{la}in_proj_z.weight"), &[vd, d])?;
-        p.push(
+        p.push_weight(
             format!("{b}.attn_gate.weight"),
             vec![d as u64, vd as u64],
             mt,
             Recipe::RowPermute { src: format!("{la}in_proj_z.weight"), offset: 0, block: dk, perm: perm.clone() },
-            Elementwise::None,
         );
         for (hfn, gg) in [("in_proj_b", "ssm_beta"), ("in_proj_a", "ssm_alpha")] {
             expect_shape(p.ckpt, &format!("{la}{hfn}.weight"), &[nv, d])?;
-            p.push(
+            p.push_weight(
                 format!("{b}.{gg}.weight"),
                 vec![d as u64, nv as u64],
                 mt,
                 Recipe::RowPermute { src: format!("{la}{hfn}.weight"), offset: 0, block: 1, perm: perm.clone() },
-                Elementwise::None,
             );
         }
         expect_shape(p.ckpt, &format!("{la}conv1d.weight"), &[conv_dim, 1, cfg.linear_conv_kernel_dim])?;
@@ -404,12 +419,11 @@ fn plan_layer(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize, recurrent
         p.vector(format!("{b}.ssm_norm.weight"), format!("{la}norm.weight"), dk, Elementwise::None)?;
         expect_shape(p.ckpt, &format!("{la}out_proj.weight"), &[d, vd])?;
         let ot = p.matrix_type(vd as u64);
-        p.push(
+        p.push_weight(
             format!("{b}.ssm_out.weight"),
             vec![vd as u64, d as u64],
             ot,
             Recipe::ColPermute { src: format!("{la}out_proj.weight"), block: dk, perm },
-            Elementwise::None,
         );
     } else {
         let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
@@ -424,19 +438,17 @@ fn plan_layer(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize, recurrent
         let qk = format!("{sa}indexer.index_qk_proj.weight");
         expect_shape(p.ckpt, &qk, &[(nih + 1) * ihd, d])?;
         let ft = if p.out_type == OutType::Q8_0 { p.float_type() } else { p.matrix_type(d as u64) };
-        p.push(
+        p.push_weight(
             format!("{b}.indexer.q_proj.weight"),
             vec![d as u64, (nih * ihd) as u64],
             ft,
             Recipe::RowRange { src: qk.clone(), rows: 0..nih * ihd },
-            Elementwise::None,
         );
-        p.push(
+        p.push_weight(
             format!("{b}.indexer.k_proj.weight"),
             vec![d as u64, ihd as u64],
             ft,
             Recipe::RowRange { src: qk, rows: nih * ihd..(nih + 1) * ihd },
-            Elementwise::None,
         );
         p.vector(
             format!("{b}.indexer.q_norm.weight"),
@@ -467,28 +479,25 @@ fn plan_layer(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize, recurrent
     let dt = p.matrix_type(ff as u64);
     if p.ckpt.get(&fused).is_some() {
         expect_shape(p.ckpt, &fused, &[e, 2 * ff, d])?;
-        p.push(
+        p.push_weight(
             format!("{b}.ffn_gate_exps.weight"),
             vec![d as u64, ff as u64, e as u64],
             gt,
             Recipe::StackRows { src: fused.clone(), n: e, rows_per: 2 * ff, take: 0..ff },
-            Elementwise::None,
         );
-        p.push(
+        p.push_weight(
             format!("{b}.ffn_up_exps.weight"),
             vec![d as u64, ff as u64, e as u64],
             gt,
             Recipe::StackRows { src: fused, n: e, rows_per: 2 * ff, take: ff..2 * ff },
-            Elementwise::None,
         );
         let down = format!("{mlp}experts.down_proj");
         expect_shape(p.ckpt, &down, &[e, d, ff])?;
-        p.push(
+        p.push_weight(
             format!("{b}.ffn_down_exps.weight"),
             vec![ff as u64, d as u64, e as u64],
             dt,
             Recipe::Plain { src: down },
-            Elementwise::None,
         );
     } else {
         for (proj, gg, rows, cols, ty) in [
@@ -500,12 +509,11 @@ fn plan_layer(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize, recurrent
             for sname in &srcs {
                 expect_shape(p.ckpt, sname, &[rows, cols])?;
             }
-            p.push(
+            p.push_weight(
                 format!("{b}.{gg}.weight"),
                 vec![cols as u64, rows as u64, e as u64],
                 ty,
                 Recipe::Concat { srcs },
-                Elementwise::None,
             );
         }
     }
@@ -546,7 +554,7 @@ fn plan_ple(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize) -> Result<(
     );
     // The n-gram table: one tensor or shards `shard_{k}` concatenated in shard order.
     let heads = (cfg.ngram_size - 1) * cfg.heads_per_ngram;
-    if heads == 0 || pe % heads != 0 {
+    if heads == 0 || !pe.is_multiple_of(heads) {
         return Err(ConvertError::Config(format!("ple_embed_dim {pe} is not divisible by {heads} n-gram heads")));
     }
     let hd = pe / heads;
@@ -572,13 +580,7 @@ fn plan_ple(p: &mut Planner, cfg: &HfTextConfig, hf: &str, i: usize) -> Result<(
         rows += t.shape[0];
     }
     let ty = p.matrix_type(hd as u64);
-    p.push(
-        "per_layer_token_embd.weight".into(),
-        vec![hd as u64, rows as u64],
-        ty,
-        Recipe::Concat { srcs },
-        Elementwise::None,
-    );
+    p.push_weight("per_layer_token_embd.weight".into(), vec![hd as u64, rows as u64], ty, Recipe::Concat { srcs });
     Ok(())
 }
 
@@ -600,15 +602,14 @@ fn write_metadata(
             .unwrap_or_else(|| ckpt.dir().file_name().map_or("qwen4exp".into(), |n| n.to_string_lossy().into_owned()))
             .as_str(),
     )?;
-    w.add_kv(
-        "general.file_type",
-        match opts.out_type {
-            OutType::F32 => 0u32,
-            OutType::F16 => 1,
-            OutType::Q8_0 => 7,
-            OutType::Bf16 => 32,
-        },
-    )?;
+    let file_type = match (&opts.recipe, opts.out_type) {
+        (Some(r), _) => r.file_type(),
+        (None, OutType::F32) => 0u32,
+        (None, OutType::F16) => 1,
+        (None, OutType::Q8_0) => 7,
+        (None, OutType::Bf16) => 32,
+    };
+    w.add_kv("general.file_type", file_type)?;
     let u = |x: usize| x as u32;
     w.add_kv(format!("{a}.block_count"), u(n_blocks))?;
     w.add_kv(format!("{a}.context_length"), u(cfg.max_position_embeddings))?;
@@ -844,20 +845,14 @@ fn write_tensor(data: &mut TensorDataWriter, ckpt: &Checkpoint, t: &OutTensor) -
     Ok(written)
 }
 
-/// Encodes whole rows of `ne0` values in `ty`.
+/// Encodes whole rows of `ne0` values in `ty` (rows quantized in parallel).
 fn encode(vals: &[f32], ty: GgmlType, ne0: usize) -> Vec<u8> {
     match ty {
         GgmlType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
         GgmlType::F16 => vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
         GgmlType::BF16 => vals.iter().flat_map(|v| f32_to_bf16_bits(*v).to_le_bytes()).collect(),
-        GgmlType::Q8_0 => {
-            let mut out = Vec::with_capacity(vals.len() / 32 * 34);
-            for row in vals.chunks_exact(ne0) {
-                quantize_row_q8_0(row, &mut out);
-            }
-            out
-        }
-        other => unreachable!("the converter never plans type {}", other.name()),
+        other => quantize::quantize_tensor(other, vals, ne0, None)
+            .unwrap_or_else(|e| unreachable!("the planner only picks writable types with whole blocks: {e}")),
     }
 }
 

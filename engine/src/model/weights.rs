@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use crate::gguf::{GgmlType, GgufFile, TensorInfo};
-use crate::quant::{Matrix, WeightBytes, dequantize_row, row_kernels};
+use crate::quant::{Matrix, WeightBytes, check_scales, dequantize_row, row_kernels};
 
 use super::error::ModelError;
 
@@ -24,8 +24,15 @@ impl AsRef<[u8]> for TensorBytes {
 }
 
 /// Hands out validated weights from one GGUF file.
+///
+/// Besides names, shapes and types, every quantized weight's block scales are checked once, as it is handed
+/// out, to be finite ([`check_scales`]: one `f16` read per block, in parallel): a NaN or infinite scale is an
+/// error naming the tensor, the row and the block, never silent garbage in the logits. The scan pages in the
+/// whole weight, so on a model stored on a slow disk it costs one read of the file; `NEBULA_SKIP_SCALE_SCAN=1`
+/// turns it off.
 pub struct TensorLoader {
     file: Arc<GgufFile>,
+    scan_scales: bool,
 }
 
 const FLOAT_TYPES: &str = "F32, F16 or BF16";
@@ -33,7 +40,20 @@ const FLOAT_TYPES: &str = "F32, F16 or BF16";
 impl TensorLoader {
     /// A loader over `file`.
     pub fn new(file: Arc<GgufFile>) -> Self {
-        Self { file }
+        let scan_scales = std::env::var("NEBULA_SKIP_SCALE_SCAN").map_or(true, |v| v.is_empty() || v == "0");
+        Self { file, scan_scales }
+    }
+
+    /// Checks the block scales of `bytes` (whole rows of `cols` values of the tensor's type).
+    fn scan(&self, info: &TensorInfo, bytes: &WeightBytes, cols: usize) -> Result<(), ModelError> {
+        if !self.scan_scales {
+            return Ok(());
+        }
+        check_scales(info.ggml_type, bytes.as_slice(), cols).map_err(|e| ModelError::TensorValue {
+            file: self.file_name(),
+            name: info.name.clone(),
+            problem: e.to_string(),
+        })
     }
 
     fn file_name(&self) -> String {
@@ -87,7 +107,10 @@ impl TensorLoader {
         let info = self.get(name, &[cols as u64, rows as u64], "any supported weight type")?;
         self.check_matrix_type(info)?;
         let bytes = self.bytes(info)?;
-        Matrix::new(info.ggml_type, rows, cols, bytes).map_err(|source| ModelError::Quant { name: name.into(), source })
+        let m = Matrix::new(info.ggml_type, rows, cols, bytes.clone())
+            .map_err(|source| ModelError::Quant { name: name.into(), source })?;
+        self.scan(info, &bytes, cols)?;
+        Ok(m)
     }
 
     /// A matrix of `cols` columns and at least `min_rows` rows (the n-gram table, whose row count is padded up to a
@@ -109,8 +132,10 @@ impl TensorLoader {
         }
         self.check_matrix_type(info)?;
         let bytes = self.bytes(info)?;
-        Matrix::new(info.ggml_type, info.dims[1] as usize, cols, bytes)
-            .map_err(|source| ModelError::Quant { name: name.into(), source })
+        let m = Matrix::new(info.ggml_type, info.dims[1] as usize, cols, bytes.clone())
+            .map_err(|source| ModelError::Quant { name: name.into(), source })?;
+        self.scan(info, &bytes, cols)?;
+        Ok(m)
     }
 
     /// Like [`TensorLoader::matrix`] but must be `F32` (routers and gates that llama.cpp never quantizes).
@@ -179,6 +204,10 @@ impl TensorLoader {
                     found: bytes.len(),
                 },
             });
+        }
+        if row0 == 0 {
+            // one scan per tensor (a fused gate/up stack is split twice)
+            self.scan(info, &bytes, cols)?;
         }
         (0..n)
             .map(|e| {

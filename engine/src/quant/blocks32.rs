@@ -132,6 +132,26 @@ pub(crate) mod x86 {
         _mm_add_ps(acc, f)
     }
 
+    /// `OFFSET * s` (a shift when the offset is a power of two).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn times_offset<F: Block32>(s: __m128i) -> __m128i {
+        match F::OFFSET {
+            8 => _mm_slli_epi32(s, 3),
+            16 => _mm_slli_epi32(s, 4),
+            128 => _mm_slli_epi32(s, 7),
+            o => _mm_mullo_epi32(s, _mm_set1_epi32(o)),
+        }
+    }
+
+    /// The row result from the four accumulator lanes: `(a0 + a1) + (a2 + a3)`, as [`Acc4::sum`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn lanes_sum(a: __m128) -> f32 {
+        let pairs = _mm_add_ps(a, _mm_shuffle_ps(a, a, 0b10_11_00_01)); // [a0+a1, ., a2+a3, .]
+        _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehl_ps(pairs, pairs)))
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn sums4(x: &ActRow<'_>, b: usize) -> __m128i {
@@ -179,11 +199,17 @@ pub(crate) mod x86 {
                         mul_sum_u8_i8(w2, x2),
                         mul_sum_u8_i8(w3, x3),
                     );
-                    _mm_sub_epi32(raw, _mm_mullo_epi32(s, _mm_set1_epi32(F::OFFSET)))
+                    _mm_sub_epi32(raw, times_offset::<F>(s))
                 };
                 acc[t] = combine4::<F>(acc[t], isum, d, m, x, b, s);
             }
             b += 4;
+        }
+        if nb4 == nb {
+            for t in 0..T {
+                out[t] = lanes_sum(acc[t]);
+            }
+            return;
         }
         let mut lanes = [[0f32; 4]; 4];
         for t in 0..T {
@@ -200,7 +226,6 @@ pub(crate) mod x86 {
         let nb4 = nb / 4 * 4;
         let p = row.as_ptr();
         let mut acc = [_mm_setzero_ps(); T];
-        let off = _mm_set1_epi32(F::OFFSET);
         let mut b = 0;
         while b < nb4 {
             let pb = p.add(b * bb);
@@ -218,11 +243,17 @@ pub(crate) mod x86 {
                 let s = sums4(x, b);
                 let mut isum = hsum4_blocks_512(v01, v23);
                 if F::OFFSET != 0 {
-                    isum = _mm_sub_epi32(isum, _mm_mullo_epi32(s, off));
+                    isum = _mm_sub_epi32(isum, times_offset::<F>(s));
                 }
                 acc[t] = combine4::<F>(acc[t], isum, d, m, x, b, s);
             }
             b += 4;
+        }
+        if nb4 == nb {
+            for t in 0..T {
+                out[t] = lanes_sum(acc[t]);
+            }
+            return;
         }
         let mut lanes = [[0f32; 4]; 4];
         for t in 0..T {
@@ -255,6 +286,15 @@ pub(crate) mod x86 {
     #[macro_export]
     #[doc(hidden)]
     macro_rules! dispatch_tokens {
+        ($kernel:ident, $row:expr, $xs:expr, $out:expr) => {
+            match $xs.len() {
+                1 => $kernel::<1>($row, $xs, $out),
+                2 => $kernel::<2>($row, $xs, $out),
+                3 => $kernel::<3>($row, $xs, $out),
+                4 => $kernel::<4>($row, $xs, $out),
+                n => panic!("dot kernels take 1 to 4 tokens, got {n}"),
+            }
+        };
         ($kernel:ident :: < $f:ty >, $row:expr, $xs:expr, $out:expr) => {
             match $xs.len() {
                 1 => $kernel::<$f, 1>($row, $xs, $out),

@@ -64,9 +64,9 @@ impl Unpack256 for Iq1M {
     fn unpack(block: &[u8], u: &mut Unpacked) {
         for e in 0..32 {
             let (g, neg) = entry(block, e);
-            let delta = if neg { -1 } else { 1 };
+            let delta: i8 = if neg { -1 } else { 1 };
             for (j, &v) in g.iter().enumerate() {
-                u.set(8 * e + j, 8 * v as i32 + delta);
+                u.q[8 * e + j] = 8 * v + delta;
             }
         }
         for j in 0..16 {

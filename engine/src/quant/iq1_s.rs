@@ -54,10 +54,10 @@ impl Unpack256 for Iq1S {
     fn unpack(block: &[u8], u: &mut Unpacked) {
         for ib in 0..8 {
             let h = qh(block, ib);
-            let delta = if h & 0x8000 == 0 { 1 } else { -1 };
+            let delta: i8 = if h & 0x8000 == 0 { 1 } else { -1 };
             for l in 0..4 {
                 for (j, &g) in grid(block, ib, l).iter().enumerate() {
-                    u.set(32 * ib + 8 * l + j, 8 * g as i32 + delta);
+                    u.q[32 * ib + 8 * l + j] = 8 * g + delta;
                 }
             }
             let s = 2 * ((h >> 12) & 7) as i16 + 1;

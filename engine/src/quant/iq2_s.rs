@@ -49,10 +49,11 @@ impl BlockFormat for Iq2S {
 
 impl Unpack256 for Iq2S {
     fn unpack(block: &[u8], u: &mut Unpacked) {
+        u.signs_apart = true;
         for e in 0..32 {
             u.mag[8 * e..8 * e + 8].copy_from_slice(&grid(block, e).to_le_bytes());
-            u.neg[e] = block[34 + e];
         }
+        u.neg.copy_from_slice(&block[34..66]);
         for j in 0..16 {
             u.scale[j] = 2 * scale16(block, j) as i16 + 1;
         }

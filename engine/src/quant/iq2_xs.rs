@@ -49,6 +49,7 @@ impl BlockFormat for Iq2Xs {
 
 impl Unpack256 for Iq2Xs {
     fn unpack(block: &[u8], u: &mut Unpacked) {
+        u.signs_apart = true;
         for e in 0..32 {
             let (grid, signs) = entry(block, e);
             u.mag[8 * e..8 * e + 8].copy_from_slice(&grid.to_le_bytes());

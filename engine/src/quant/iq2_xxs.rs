@@ -50,11 +50,13 @@ impl BlockFormat for Iq2Xxs {
 
 impl Unpack256 for Iq2Xxs {
     fn unpack(block: &[u8], u: &mut Unpacked) {
+        u.signs_apart = true;
         for ib in 0..8 {
             let (a0, a1) = aux(block, ib);
             for l in 0..4 {
+                let g = IQ2XXS_GRID[((a0 >> (8 * l)) & 255) as usize];
                 let p = 32 * ib + 8 * l;
-                u.mag[p..p + 8].copy_from_slice(&IQ2XXS_GRID[((a0 >> (8 * l)) & 255) as usize].to_le_bytes());
+                u.mag[p..p + 8].copy_from_slice(&g.to_le_bytes());
                 u.neg[4 * ib + l] = KSIGNS_IQ2XS[((a1 >> (7 * l)) & 127) as usize];
             }
             let s = 2 * (a1 >> 28) as i16 + 1;

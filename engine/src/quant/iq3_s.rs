@@ -49,6 +49,7 @@ impl BlockFormat for Iq3S {
 
 impl Unpack256 for Iq3S {
     fn unpack(block: &[u8], u: &mut Unpacked) {
+        u.signs_apart = true;
         for e in 0..64 {
             u.mag[4 * e..4 * e + 4].copy_from_slice(&grid(block, e).to_le_bytes());
         }

@@ -182,17 +182,25 @@ impl Matrix {
     pub fn dot_rows(&self, rows: Range<usize>, acts: &Activations, tokens: Range<usize>, out: &mut [f32]) {
         let nt = tokens.len();
         debug_assert_eq!(out.len(), rows.len() * nt);
-        let mut tile: [ActRow<'_>; 4] = [acts.row(tokens.start); 4];
+        if nt == 1 {
+            let x = [acts.row(tokens.start)];
+            for (o, r) in out.iter_mut().zip(rows) {
+                (self.kernels.dot)(self.row_bytes_of(r), &x, std::slice::from_mut(o));
+            }
+            return;
+        }
+        // The token views of each tile, built once for all rows.
+        let tiles: Vec<([ActRow<'_>; 4], usize)> = (0..nt)
+            .step_by(4)
+            .map(|t0| {
+                let k = (nt - t0).min(4);
+                (std::array::from_fn(|i| acts.row(tokens.start + t0 + i.min(k - 1))), k)
+            })
+            .collect();
         for (o, r) in out.chunks_exact_mut(nt).zip(rows) {
             let row = self.row_bytes_of(r);
-            let mut t0 = 0;
-            while t0 < nt {
-                let k = (nt - t0).min(4);
-                for (i, slot) in tile[..k].iter_mut().enumerate() {
-                    *slot = acts.row(tokens.start + t0 + i);
-                }
-                (self.kernels.dot)(row, &tile[..k], &mut o[t0..t0 + k]);
-                t0 += k;
+            for (c, (tile, k)) in tiles.iter().enumerate() {
+                (self.kernels.dot)(row, &tile[..*k], &mut o[4 * c..4 * c + k]);
             }
         }
     }

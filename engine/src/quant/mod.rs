@@ -17,6 +17,9 @@
 //! [`Matrix`] is a weight matrix in any supported format with row-parallel products; [`moe`] is the fused
 //! routed-expert kernel; [`quantize`] holds the quantizers used by the converter.
 
+// Kernels index blocks, runs and lanes by position, as the format layouts are written.
+#![allow(clippy::needless_range_loop)]
+
 mod acts;
 mod bf16;
 mod blocks32;
@@ -258,7 +261,7 @@ pub fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize, QuantError> {
     if !SUPPORTED.contains(&ty) {
         return Err(QuantError::Unsupported(ty.name()));
     }
-    if cols % ty.block_size() != 0 {
+    if !cols.is_multiple_of(ty.block_size()) {
         return Err(QuantError::PartialBlock { ty: ty.name(), cols, block: ty.block_size() });
     }
     Ok(cols / ty.block_size() * ty.type_size())
@@ -284,7 +287,7 @@ pub fn check_scales(ty: GgmlType, data: &[u8], cols: usize) -> Result<(), QuantE
     }
     let k = row_kernels(ty)?;
     let rb = row_bytes(ty, cols)?;
-    if rb == 0 || data.len() % rb != 0 {
+    if rb == 0 || !data.len().is_multiple_of(rb) {
         return Err(QuantError::WrongSize { what: "tensor".into(), expected: rb, found: data.len() });
     }
     const ROWS: usize = 256;
@@ -358,4 +361,81 @@ pub(crate) fn reduce16(a: &[f32; 16]) -> f32 {
     let t = [s[0] + s[4], s[1] + s[5], s[2] + s[6], s[3] + s[7]];
     let u = [t[0] + t[2], t[1] + t[3]];
     u[0] + u[1]
+}
+
+/// Byte offsets of the `f16` scale fields in one block of `ty` (for synthetic data; IQ1_M keeps its scale in
+/// four nibbles and MXFP4 an exponent byte, handled by [`synthetic_blocks`]).
+fn f16_scale_offsets(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::IQ1_S
+        | GgmlType::IQ2_XXS
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ3_S => &[0],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+/// `n_blocks` blocks of `ty` with pseudo-random levels and every scale set to `scale` (a normal `f16`
+/// value), for benchmarks and tests of types the converter cannot write. Plain float types get random values
+/// of magnitude below `scale * 8`.
+pub fn synthetic_blocks(ty: GgmlType, n_blocks: usize, scale: f32, seed: u64) -> Vec<u8> {
+    let bs = ty.type_size();
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let d = half::f16::from_f32(scale).to_bits().to_le_bytes();
+    match ty {
+        GgmlType::F32 => {
+            return (0..n_blocks)
+                .flat_map(|_| ((next() >> 40) as f32 * scale / (1 << 21) as f32).to_le_bytes())
+                .collect();
+        }
+        GgmlType::F16 | GgmlType::BF16 => {
+            return (0..n_blocks)
+                .flat_map(|_| {
+                    let v = ((next() >> 40) as f32 / (1 << 24) as f32 - 0.5) * scale * 8.0;
+                    if ty == GgmlType::F16 {
+                        half::f16::from_f32(v).to_le_bytes()
+                    } else {
+                        f32_to_bf16_bits(v).to_le_bytes()
+                    }
+                })
+                .collect();
+        }
+        _ => {}
+    }
+    let mut out = vec![0u8; n_blocks * bs];
+    for chunk in out.chunks_mut(8) {
+        let v = next().to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+    for b in out.chunks_exact_mut(bs) {
+        for &off in f16_scale_offsets(ty) {
+            b[off..off + 2].copy_from_slice(&d);
+        }
+        match ty {
+            GgmlType::MXFP4 => b[0] = 120,
+            GgmlType::IQ1_M => {
+                let bits = u16::from_le_bytes(d);
+                for k in 0..4 {
+                    let w =
+                        u16::from_le_bytes([b[48 + 2 * k], b[49 + 2 * k]]) & 0x0fff | (((bits >> (4 * k)) & 15) << 12);
+                    b[48 + 2 * k..50 + 2 * k].copy_from_slice(&w.to_le_bytes());
+                }
+            }
+            _ => {}
+        }
+    }
+    out
 }

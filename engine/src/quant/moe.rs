@@ -9,8 +9,9 @@
 //! 1. gate/up: items are (expert, 16 rows); each weight row is dotted with the expert's tokens in tiles of 4
 //!    (one decode of each weight block per tile), and `silu(gate) * up` is written at once;
 //! 2. each expert's hidden vectors are quantized for its down projection;
-//! 3. down: items are 16 output rows; for each row, every expert in the order given adds `w * (down row . h)`
-//!    into each of its tokens' outputs.
+//! 3. down: items are (expert, 32 rows), each a contiguous run of the expert's down projection (so the
+//!    hardware prefetchers stream it), written to the expert's output block;
+//! 4. combine: items are 64 output rows; each output value sums `w * y` over the experts in the order given.
 //!
 //! Every output value is produced by one item in a fixed order (experts in the order of the work list, usually
 //! ascending id), and every dot product goes through the same kernels whatever the tile, so the result is
@@ -42,8 +43,12 @@ pub struct ExpertWork<'a> {
     pub tokens: Vec<(usize, f32)>,
 }
 
-/// Rows per work item.
+/// Rows per gate/up work item.
 const ROWS: usize = 16;
+/// Rows per down-projection work item.
+const DOWN_ROWS: usize = 32;
+/// Output rows per combining work item.
+const COMBINE_ROWS: usize = 64;
 
 /// `x / (1 + e^-x)`.
 #[inline(always)]
@@ -149,7 +154,15 @@ pub fn routed_experts(work: &[ExpertWork<'_>], x: &[f32], n: usize, out: &mut [f
     let mut h_t = vec![0f32; *h_offsets.last().unwrap()];
     let h_shared = Shared::new(&mut h_t);
     let down_acts: Vec<OnceLock<Activations>> = work.iter().map(|_| OnceLock::new()).collect();
-    // Output transposed: [d, n], one item per 16 rows.
+    // Down outputs, one [d, tokens] block per expert (row-major, tokens inner).
+    let mut y_offsets = Vec::with_capacity(work.len() + 1);
+    y_offsets.push(0usize);
+    for w in work {
+        y_offsets.push(y_offsets.last().unwrap() + w.tokens.len() * d);
+    }
+    let mut y_all = vec![0f32; *y_offsets.last().unwrap()];
+    let y_shared = Shared::new(&mut y_all);
+    // Output transposed: [d, n].
     let mut out_t = vec![0f32; d * n];
     let out_shared = Shared::new(&mut out_t);
 
@@ -163,10 +176,17 @@ pub fn routed_experts(work: &[ExpertWork<'_>], x: &[f32], n: usize, out: &mut [f
             items1.push((e, r0));
         }
     }
-    let items3 = d.div_ceil(ROWS);
+    let mut items3 = Vec::new();
+    for (e, w) in work.iter().enumerate() {
+        if !w.tokens.is_empty() {
+            items3.extend((0..d).step_by(DOWN_ROWS).map(|r0| (e, r0)));
+        }
+    }
+    let items4 = d.div_ceil(COMBINE_ROWS);
     let next1 = AtomicUsize::new(0);
     let next2 = AtomicUsize::new(0);
     let next3 = AtomicUsize::new(0);
+    let next4 = AtomicUsize::new(0);
     let threads = rayon::current_num_threads();
     let barrier = SpinBarrier::new(threads);
 
@@ -188,14 +208,14 @@ pub fn routed_experts(work: &[ExpertWork<'_>], x: &[f32], n: usize, out: &mut [f
             let h = unsafe { h_shared.range(h_offsets[e] + r0 * nt, (r1 - r0) * nt) };
             let mut gv = [0f32; 4];
             let mut uv = [0f32; 4];
-            for (k, r) in (r0..r1).enumerate() {
-                let (grow, urow) = (w.expert.gate.row_bytes_of(r), w.expert.up.row_bytes_of(r));
-                for (c, tile) in w.tokens.chunks(4).enumerate() {
-                    let tg: [ActRow<'_>; 4] = std::array::from_fn(|i| ga.row(tile[i.min(tile.len() - 1)].0));
-                    let tu: [ActRow<'_>; 4] = std::array::from_fn(|i| ua.row(tile[i.min(tile.len() - 1)].0));
-                    let m = tile.len();
-                    (w.expert.gate.kernels().dot)(grow, &tg[..m], &mut gv[..m]);
-                    (w.expert.up.kernels().dot)(urow, &tu[..m], &mut uv[..m]);
+            // Token tiles outside, rows inside: the tile's views are built once, the item's rows stay in cache.
+            for (c, tile) in w.tokens.chunks(4).enumerate() {
+                let m = tile.len();
+                let tg: [ActRow<'_>; 4] = std::array::from_fn(|i| ga.row(tile[i.min(m - 1)].0));
+                let tu: [ActRow<'_>; 4] = std::array::from_fn(|i| ua.row(tile[i.min(m - 1)].0));
+                for (k, r) in (r0..r1).enumerate() {
+                    (w.expert.gate.kernels().dot)(w.expert.gate.row_bytes_of(r), &tg[..m], &mut gv[..m]);
+                    (w.expert.up.kernels().dot)(w.expert.up.row_bytes_of(r), &tu[..m], &mut uv[..m]);
                     for i in 0..m {
                         h[k * nt + 4 * c + i] = silu(gv[i]) * uv[i];
                     }
@@ -225,28 +245,49 @@ pub fn routed_experts(work: &[ExpertWork<'_>], x: &[f32], n: usize, out: &mut [f
             let _ = down_acts[e].set(w.expert.down.prepare(&h, nt));
         }
         barrier.wait();
-        // Phase 3: down projections, all experts of a row range in the order of `work`.
+        // Phase 3: down projections, one contiguous run of rows of one expert per item.
         loop {
             let i = next3.fetch_add(1, Ordering::Relaxed);
-            if i >= items3 {
+            if i >= items3.len() {
                 break;
             }
-            let r0 = i * ROWS;
-            let r1 = (r0 + ROWS).min(d);
-            // SAFETY: output rows r0..r1 (all tokens) belong to this item alone.
-            let o = unsafe { out_shared.range(r0 * n, (r1 - r0) * n) };
-            let mut y = [0f32; 4];
-            for (e, w) in work.iter().enumerate() {
-                let Some(da) = down_acts[e].get() else { continue };
+            let (e, r0) = items3[i];
+            let w = &work[e];
+            let nt = w.tokens.len();
+            let r1 = (r0 + DOWN_ROWS).min(d);
+            let da = down_acts[e].get().expect("phase 2 prepared every expert with tokens");
+            // SAFETY: rows r0..r1 of expert e's output block belong to this item alone.
+            let y = unsafe { y_shared.range(y_offsets[e] + r0 * nt, (r1 - r0) * nt) };
+            let mut v = [0f32; 4];
+            for (c, tile) in w.tokens.chunks(4).enumerate() {
+                let m = tile.len();
+                let tx: [ActRow<'_>; 4] = std::array::from_fn(|i| da.row(4 * c + i.min(m - 1)));
                 for (k, r) in (r0..r1).enumerate() {
-                    let row = w.expert.down.row_bytes_of(r);
-                    for (c, tile) in w.tokens.chunks(4).enumerate() {
-                        let tx: [ActRow<'_>; 4] = std::array::from_fn(|i| da.row(4 * c + i.min(tile.len() - 1)));
-                        let m = tile.len();
-                        (w.expert.down.kernels().dot)(row, &tx[..m], &mut y[..m]);
-                        for (i, &(t, wt)) in tile.iter().enumerate() {
-                            o[k * n + t] += wt * y[i];
-                        }
+                    (w.expert.down.kernels().dot)(w.expert.down.row_bytes_of(r), &tx[..m], &mut v[..m]);
+                    y[k * nt + 4 * c..k * nt + 4 * c + m].copy_from_slice(&v[..m]);
+                }
+            }
+        }
+        barrier.wait();
+        // Phase 4: each output value sums its experts' contributions in the order of `work`.
+        loop {
+            let i = next4.fetch_add(1, Ordering::Relaxed);
+            if i >= items4 {
+                break;
+            }
+            let r0 = i * COMBINE_ROWS;
+            let r1 = (r0 + COMBINE_ROWS).min(d);
+            // SAFETY: output rows r0..r1 (all tokens) belong to this item alone; phase 3 is over.
+            let o = unsafe { out_shared.range(r0 * n, (r1 - r0) * n) };
+            for (e, w) in work.iter().enumerate() {
+                let nt = w.tokens.len();
+                if nt == 0 {
+                    continue;
+                }
+                let y = unsafe { y_shared.range(y_offsets[e] + r0 * nt, (r1 - r0) * nt) };
+                for k in 0..r1 - r0 {
+                    for (i, &(t, wt)) in w.tokens.iter().enumerate() {
+                        o[k * n + t] += wt * y[k * nt + i];
                     }
                 }
             }

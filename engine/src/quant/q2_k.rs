@@ -38,10 +38,13 @@ impl BlockFormat for Q2K {
 
 impl Unpack256 for Q2K {
     fn unpack(block: &[u8], u: &mut Unpacked) {
-        for i in 0..256 {
-            u.mag[i] = level(block, i);
+        for h in 0..2 {
+            for s in 0..4 {
+                for l in 0..32 {
+                    u.q[128 * h + 32 * s + l] = ((block[16 + 32 * h + l] >> (2 * s)) & 3) as i8;
+                }
+            }
         }
-        u.neg = [0; 32];
         for j in 0..16 {
             u.scale[j] = (block[j] & 15) as i16;
         }

@@ -50,8 +50,14 @@ impl BlockFormat for Q3K {
 
 impl Unpack256 for Q3K {
     fn unpack(block: &[u8], u: &mut Unpacked) {
-        for i in 0..256 {
-            u.set(i, level(block, i));
+        for h in 0..2 {
+            for s in 0..4 {
+                for l in 0..32 {
+                    let low = (block[32 + 32 * h + l] >> (2 * s)) & 3;
+                    let high = (block[l] >> (4 * h + s)) & 1;
+                    u.q[128 * h + 32 * s + l] = low as i8 - 4 * (1 - high as i8);
+                }
+            }
         }
         for j in 0..16 {
             u.scale[j] = scale(block, j) as i16;

@@ -93,41 +93,82 @@ impl BlockFormat for Q4K {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     #![allow(unsafe_op_in_unsafe_fn)]
     use std::arch::x86_64::*;
 
     use super::super::simd::x86::hsum_i32_256;
     use super::super::{Acc4, ActRow};
-    use super::{min_sum, scales_mins, term};
+
+    /// The eight 6-bit scales and mins of a super-block as two u64 (byte j = run j), from the 12 packed bytes
+    /// at `p`: runs 0..4 are the low 6 bits of words 0 and 1, runs 4..8 the nibbles of word 2 with the top two
+    /// bits of words 0 and 1 (the layout of `scale_min`).
+    #[inline(always)]
+    pub unsafe fn scales_mins_u64(p: *const u8) -> (u64, u64) {
+        let a = (p as *const u32).read_unaligned();
+        let b = (p.add(4) as *const u32).read_unaligned();
+        let c = (p.add(8) as *const u32).read_unaligned();
+        let sc_lo = a & 0x3f3f_3f3f;
+        let m_lo = b & 0x3f3f_3f3f;
+        let sc_hi = (c & 0x0f0f_0f0f) | ((a >> 2) & 0x3030_3030);
+        let m_hi = ((c >> 4) & 0x0f0f_0f0f) | ((b >> 2) & 0x3030_3030);
+        (sc_lo as u64 | (sc_hi as u64) << 32, m_lo as u64 | (m_hi as u64) << 32)
+    }
+
+    /// `sum_j m_j (bs_2j + bs_2j+1)` with the 16 sums of 16 at `bs` (exact).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn min_sum_avx2(m: u64, bs: *const i16) -> i32 {
+        let m8 = _mm_cvtsi64_si128(m as i64);
+        let mm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        hsum_i32_256(_mm256_madd_epi16(_mm256_loadu_si256(bs as *const __m256i), mm))
+    }
+
+    /// `[d, dmin]` of the super-block at `p` (F16C).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn d_dmin(p: *const u8) -> (f32, f32) {
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)))
+    }
+
+    /// The term of one super-block (same `f32` operations as the scalar path).
+    #[inline(always)]
+    fn term(d: f32, dmin: f32, dx: f32, isum: i32, msum: i32) -> f32 {
+        (dx * d) * isum as f32 - (dx * dmin) * msum as f32
+    }
 
     /// AVX2: per 32 bytes, the low and high nibbles (runs 2c and 2c+1) times the activations with `maddubs`, the
     /// run scale applied by `madd`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_avx2<F, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    pub unsafe fn dot_avx2<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
         let mask = _mm256_set1_epi8(15);
+        let nsb = row.len() / 144;
         let mut acc = [Acc4::default(); 4];
-        for (sb, blk) in row.chunks_exact(144).enumerate() {
-            let (sc, m) = scales_mins(&blk[4..16]);
-            let p = blk.as_ptr().add(16);
+        let xq: [*const i8; T] = std::array::from_fn(|t| xs[t].qs.as_ptr());
+        let xb: [*const i16; T] = std::array::from_fn(|t| xs[t].sums.as_ptr());
+        for sb in 0..nsb {
+            let blk = row.as_ptr().add(144 * sb);
+            let (sc, m) = scales_mins_u64(blk.add(4));
+            let (d, dmin) = d_dmin(blk);
             let mut vacc = [_mm256_setzero_si256(); T];
             for c in 0..4 {
-                let q = _mm256_loadu_si256(p.add(32 * c) as *const __m256i);
+                let q = _mm256_loadu_si256(blk.add(16 + 32 * c) as *const __m256i);
                 let lo = _mm256_and_si256(q, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-                let s_lo = _mm256_set1_epi16(sc[2 * c] as i16);
-                let s_hi = _mm256_set1_epi16(sc[2 * c + 1] as i16);
+                // run scales 2c and 2c+1 broadcast to all 16 lanes
+                let s_lo = _mm256_set1_epi16(((sc >> (16 * c)) & 0xff) as i16);
+                let s_hi = _mm256_set1_epi16(((sc >> (16 * c + 8)) & 0xff) as i16);
                 for t in 0..T {
-                    let xp = xs[t].qs.as_ptr().add(256 * sb + 64 * c) as *const __m256i;
+                    let xp = xq[t].add(256 * sb + 64 * c) as *const __m256i;
                     let a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(xp)), s_lo);
                     let b = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(xp.add(1))), s_hi);
                     vacc[t] = _mm256_add_epi32(vacc[t], _mm256_add_epi32(a, b));
                 }
             }
             for t in 0..T {
-                let x = &xs[t];
-                let msum = min_sum(&m, &x.sums[16 * sb..16 * sb + 16]);
-                acc[t].add(sb, term(blk, x, sb, hsum_i32_256(vacc[t]), msum));
+                let msum = min_sum_avx2(m, xb[t].add(16 * sb));
+                acc[t].add(sb, term(d, dmin, *xs[t].d.get_unchecked(sb), hsum_i32_256(vacc[t]), msum));
             }
         }
         for t in 0..T {
@@ -135,32 +176,44 @@ mod x86 {
         }
     }
 
-    /// AVX-512: runs 2c and 2c+1 side by side in one vector (element order), `maddubs` then VNNI `vpdpwssd`
-    /// with the run scales.
+    /// AVX-512: 64 bytes of levels (runs 2c..2c+4) per load, rearranged into runs (2c, 2c+1) and (2c+2, 2c+3)
+    /// in element order; `maddubs` then VNNI `vpdpwssd` with the run scales.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn dot_avx512<F, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
-        let mask = _mm256_set1_epi8(15);
+    pub unsafe fn dot_avx512<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let mask = _mm512_set1_epi8(15);
+        // index vectors selecting run scales (2k, 2k+1) into the two 256-bit halves
+        let idx: [__m512i; 4] = std::array::from_fn(|k| {
+            _mm512_inserti64x4(_mm512_set1_epi16(2 * k as i16), _mm256_set1_epi16(2 * k as i16 + 1), 1)
+        });
+        let nsb = row.len() / 144;
         let mut acc = [Acc4::default(); 4];
-        for (sb, blk) in row.chunks_exact(144).enumerate() {
-            let (sc, m) = scales_mins(&blk[4..16]);
-            let p = blk.as_ptr().add(16);
+        let xq: [*const i8; T] = std::array::from_fn(|t| xs[t].qs.as_ptr());
+        let xb: [*const i16; T] = std::array::from_fn(|t| xs[t].sums.as_ptr());
+        for sb in 0..nsb {
+            let blk = row.as_ptr().add(144 * sb);
+            let (sc, m) = scales_mins_u64(blk.add(4));
+            let (d, dmin) = d_dmin(blk);
+            let sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
             let mut vacc = [_mm512_setzero_si512(); T];
-            for c in 0..4 {
-                let q = _mm256_loadu_si256(p.add(32 * c) as *const __m256i);
-                let lo = _mm256_and_si256(q, mask);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-                let w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                let s =
-                    _mm512_inserti64x4(_mm512_set1_epi16(sc[2 * c] as i16), _mm256_set1_epi16(sc[2 * c + 1] as i16), 1);
+            for h in 0..2 {
+                let v = _mm512_loadu_si512(blk.add(16 + 64 * h) as *const _);
+                let lo = _mm512_and_si512(v, mask);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                let w0 = _mm512_shuffle_i64x2(lo, hi, 0b01_00_01_00);
+                let w1 = _mm512_shuffle_i64x2(lo, hi, 0b11_10_11_10);
+                let s0 = _mm512_permutexvar_epi16(idx[2 * h], sc16);
+                let s1 = _mm512_permutexvar_epi16(idx[2 * h + 1], sc16);
                 for t in 0..T {
-                    let xv = _mm512_loadu_si512(xs[t].qs.as_ptr().add(256 * sb + 64 * c) as *const _);
-                    vacc[t] = _mm512_dpwssd_epi32(vacc[t], _mm512_maddubs_epi16(w, xv), s);
+                    let xp = xq[t].add(256 * sb + 128 * h);
+                    let x0 = _mm512_loadu_si512(xp as *const _);
+                    let x1 = _mm512_loadu_si512(xp.add(64) as *const _);
+                    vacc[t] = _mm512_dpwssd_epi32(vacc[t], _mm512_maddubs_epi16(w0, x0), s0);
+                    vacc[t] = _mm512_dpwssd_epi32(vacc[t], _mm512_maddubs_epi16(w1, x1), s1);
                 }
             }
             for t in 0..T {
-                let x = &xs[t];
-                let msum = min_sum(&m, &x.sums[16 * sb..16 * sb + 16]);
-                acc[t].add(sb, term(blk, x, sb, _mm512_reduce_add_epi32(vacc[t]), msum));
+                let msum = min_sum_avx2(m, xb[t].add(16 * sb));
+                acc[t].add(sb, term(d, dmin, *xs[t].d.get_unchecked(sb), _mm512_reduce_add_epi32(vacc[t]), msum));
             }
         }
         for t in 0..T {
@@ -173,13 +226,13 @@ mod x86 {
 fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
     use x86::dot_avx2;
     // SAFETY: listed for Isa::Avx2 only, chosen when the CPU has it.
-    unsafe { crate::dispatch_tokens!(dot_avx2::<()>, row, xs, out) }
+    unsafe { crate::dispatch_tokens!(dot_avx2, row, xs, out) }
 }
 #[cfg(target_arch = "x86_64")]
 fn dot_avx512(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
     use x86::dot_avx512;
     // SAFETY: as above, for Isa::Avx512.
-    unsafe { crate::dispatch_tokens!(dot_avx512::<()>, row, xs, out) }
+    unsafe { crate::dispatch_tokens!(dot_avx512, row, xs, out) }
 }
 /// The SIMD dot paths of this format.
 #[cfg(target_arch = "x86_64")]

@@ -44,11 +44,12 @@ impl BlockFormat for Q5K {
 
 impl Unpack256 for Q5K {
     fn unpack(block: &[u8], u: &mut Unpacked) {
-        for i in 0..256 {
-            u.mag[i] = level(block, i);
-        }
-        u.neg = [0; 32];
         for j in 0..8 {
+            for l in 0..32 {
+                let low = (block[48 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+                let high = (block[16 + l] >> j) & 1;
+                u.q[32 * j + l] = (low | (high << 4)) as i8;
+            }
             let sc = scale_min(&block[4..16], j).0 as i16;
             u.scale[2 * j] = sc;
             u.scale[2 * j + 1] = sc;

@@ -80,7 +80,7 @@ pub fn quantize_tensor(
         return Err(QuantError::Unsupported(ty.name()));
     }
     let rb = row_bytes(ty, cols)?;
-    if cols == 0 || values.len() % cols != 0 {
+    if cols == 0 || !values.len().is_multiple_of(cols) {
         return Err(QuantError::WrongSize { what: "values".into(), expected: cols, found: values.len() });
     }
     if let Some(w) = imatrix

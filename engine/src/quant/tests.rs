@@ -254,3 +254,17 @@ fn non_finite_scales_are_found() {
         assert_eq!(err, QuantError::NonFiniteScale { ty: ty.name(), row: rows - 1, block: 1 }, "{}", ty.name());
     }
 }
+
+#[test]
+fn synthetic_blocks_have_finite_scales_of_every_type() {
+    for &ty in &SUPPORTED {
+        let n = 40;
+        let b = synthetic_blocks(ty, n, 0.01, 3);
+        assert_eq!(b.len(), n * ty.type_size());
+        let cols = n * ty.block_size();
+        check_scales(ty, &b, cols).unwrap();
+        let mut v = vec![0f32; cols];
+        dequantize_row(ty, &b, &mut v).unwrap();
+        assert!(v.iter().all(|x| x.is_finite() && x.abs() < 100.0), "{}", ty.name());
+    }
+}

@@ -2,48 +2,46 @@
 //! super-block before the products (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS and the grid i-quants), with
 //! [`ActFormat::Q8K`](super::ActFormat) activations.
 //!
-//! A format unpacks a super-block into magnitudes `mag[256]` (`u8`, at most 127), sign bits `neg[32]` (bit `i`
-//! of the 256-bit mask set: value `i` is negative) and one integer scale per run of 16 values; the kernels
-//! compute `isum = sum_j scale_j * sum_{i in run j} (+-mag_i) * x_i` exactly (the same products ggml forms with
-//! `maddubs`/`madd` after moving the signs onto the activations), and the format turns `isum` into the
-//! super-block's `f32` term. The unpacking is scalar table work shared by every path; the products are scalar,
-//! AVX2 or AVX-512.
+//! A format unpacks a super-block into signed integer levels `q[256]` (|q| <= 127), or for the grid i-quants
+//! magnitudes and sign bits, and one integer scale per run of 16 values; the kernels compute `isum = sum_j scale_j * sum_{i in run j} q_i x_i` exactly (the products
+//! ggml forms with `maddubs`/`madd` after moving the signs of `q` onto the activations), and the format turns
+//! `isum` into the super-block's `f32` term. The unpacking is scalar table work shared by every path; the
+//! products are scalar, AVX2 or AVX-512.
 
 use super::{Acc4, ActRow, BlockFormat};
 
-/// One unpacked super-block.
+/// One unpacked super-block, in one of two forms: signed levels `q` (most formats), or magnitudes `mag` with
+/// sign bits `neg` (the grid i-quants, whose tables hold magnitudes and whose signs come as bit patterns).
 #[derive(Clone)]
 pub(crate) struct Unpacked {
-    /// Level magnitudes, at most 127.
+    /// Signed levels, |q| <= 127 (when `signs_apart` is false).
+    pub q: [i8; 256],
+    /// Magnitudes, 1..=127 (when `signs_apart` is true).
     pub mag: [u8; 256],
-    /// Sign bits: bit `i % 8` of byte `i / 8` set when value `i` is negative.
+    /// Sign bits: bit `i % 8` of byte `i / 8` set when value `i` is negative (when `signs_apart`).
     pub neg: [u8; 32],
+    /// Which form holds the levels.
+    pub signs_apart: bool,
     /// Integer scale of each run of 16 values.
     pub scale: [i16; 16],
 }
 
 impl Default for Unpacked {
     fn default() -> Self {
-        Self { mag: [0; 256], neg: [0; 32], scale: [0; 16] }
+        Self { q: [0; 256], mag: [0; 256], neg: [0; 32], signs_apart: false, scale: [0; 16] }
     }
 }
 
 impl Unpacked {
-    /// Stores signed level `q` at position `i`.
-    #[inline(always)]
-    pub fn set(&mut self, i: usize, q: i32) {
-        self.mag[i] = q.unsigned_abs() as u8;
-        if q < 0 {
-            self.neg[i / 8] |= 1 << (i % 8);
-        } else {
-            self.neg[i / 8] &= !(1 << (i % 8));
-        }
-    }
-    /// The signed level at position `i`.
+    /// The signed level at position `i`, whichever the form.
     #[inline(always)]
     pub fn level(&self, i: usize) -> i32 {
-        let m = self.mag[i] as i32;
-        if self.neg[i / 8] >> (i % 8) & 1 != 0 { -m } else { m }
+        if self.signs_apart {
+            let m = self.mag[i] as i32;
+            if self.neg[i / 8] >> (i % 8) & 1 != 0 { -m } else { m }
+        } else {
+            self.q[i] as i32
+        }
     }
 }
 
@@ -100,20 +98,25 @@ pub(crate) mod x86 {
     #![allow(unsafe_op_in_unsafe_fn)]
     use std::arch::x86_64::*;
 
-    use super::super::simd::x86::{bits_to_bytes, hsum_i32_256};
+    use super::super::simd::x86::hsum_i32_256;
     use super::Unpacked;
 
-    /// Exact scaled integer sum, AVX2.
+    /// Exact scaled integer sum, AVX2: |q| by sign(x, q) with `maddubs` (or the magnitudes by x with the sign
+    /// bits applied), run scales with `madd`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn isum_avx2(u: &Unpacked, x: &[i8]) -> i32 {
         let mut acc = _mm256_setzero_si256();
         for c in 0..8 {
-            let m = _mm256_loadu_si256(u.mag.as_ptr().add(32 * c) as *const __m256i);
             let xv = _mm256_loadu_si256(x.as_ptr().add(32 * c) as *const __m256i);
-            let bits = u32::from_le_bytes([u.neg[4 * c], u.neg[4 * c + 1], u.neg[4 * c + 2], u.neg[4 * c + 3]]);
-            let nm = bits_to_bytes(bits);
-            let xs = _mm256_sub_epi8(_mm256_xor_si256(xv, nm), nm);
-            let p = _mm256_maddubs_epi16(m, xs);
+            let p = if u.signs_apart {
+                let m = _mm256_loadu_si256(u.mag.as_ptr().add(32 * c) as *const __m256i);
+                let nm =
+                    super::super::simd::x86::bits_to_bytes((u.neg.as_ptr().add(4 * c) as *const u32).read_unaligned());
+                _mm256_maddubs_epi16(m, _mm256_sub_epi8(_mm256_xor_si256(xv, nm), nm))
+            } else {
+                let q = _mm256_loadu_si256(u.q.as_ptr().add(32 * c) as *const __m256i);
+                _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q))
+            };
             let sc = _mm256_set_m128i(_mm_set1_epi16(u.scale[2 * c + 1]), _mm_set1_epi16(u.scale[2 * c]));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
         }
@@ -125,47 +128,21 @@ pub(crate) mod x86 {
     pub unsafe fn isum_avx512(u: &Unpacked, x: &[i8]) -> i32 {
         let scales = _mm512_castsi256_si512(_mm256_loadu_si256(u.scale.as_ptr() as *const __m256i));
         let mut acc = _mm512_setzero_si512();
+        let base = _mm512_set_epi16(
+            3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
+        );
         for c in 0..4 {
-            let m = _mm512_loadu_si512(u.mag.as_ptr().add(64 * c) as *const _);
             let xv = _mm512_loadu_si512(x.as_ptr().add(64 * c) as *const _);
-            let k = u64::from_le_bytes(u.neg[8 * c..8 * c + 8].try_into().unwrap());
-            let xs = _mm512_mask_sub_epi8(xv, k, _mm512_setzero_si512(), xv);
-            let p = _mm512_maddubs_epi16(m, xs);
-            let b = 4 * c as i16;
-            let idx = _mm512_set_epi16(
-                b + 3,
-                b + 3,
-                b + 3,
-                b + 3,
-                b + 3,
-                b + 3,
-                b + 3,
-                b + 3,
-                b + 2,
-                b + 2,
-                b + 2,
-                b + 2,
-                b + 2,
-                b + 2,
-                b + 2,
-                b + 2,
-                b + 1,
-                b + 1,
-                b + 1,
-                b + 1,
-                b + 1,
-                b + 1,
-                b + 1,
-                b + 1,
-                b,
-                b,
-                b,
-                b,
-                b,
-                b,
-                b,
-                b,
-            );
+            let p = if u.signs_apart {
+                let m = _mm512_loadu_si512(u.mag.as_ptr().add(64 * c) as *const _);
+                let k = (u.neg.as_ptr().add(8 * c) as *const u64).read_unaligned();
+                _mm512_maddubs_epi16(m, _mm512_mask_sub_epi8(xv, k, _mm512_setzero_si512(), xv))
+            } else {
+                let q = _mm512_loadu_si512(u.q.as_ptr().add(64 * c) as *const _);
+                let xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(q), _mm512_setzero_si512(), xv);
+                _mm512_maddubs_epi16(_mm512_abs_epi8(q), xs)
+            };
+            let idx = _mm512_add_epi16(base, _mm512_set1_epi16(4 * c as i16));
             acc = _mm512_dpwssd_epi32(acc, p, _mm512_permutexvar_epi16(idx, scales));
         }
         _mm512_reduce_add_epi32(acc)
