@@ -9,6 +9,7 @@ pub mod backend;
 pub mod convert;
 pub mod gguf;
 pub mod model;
+pub mod prefix_cache;
 pub mod quant;
 pub mod sampling;
 pub mod text;

@@ -1,4 +1,5 @@
-//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF).
+//! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint to GGUF), `openapi` (print
+//! the API's OpenAPI document).
 
 use std::path::PathBuf;
 
@@ -16,8 +17,11 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Serve the OpenAI-compatible API (the embedded demo model when no model is given).
+    /// Serve the OpenAI-compatible API (the embedded demo model when no model is given). Settings: flags,
+    /// NEBULA_* variables and nebula.toml (docs/config.md).
     Serve(nebula_service::ServeArgs),
+    /// Print the OpenAPI document (the committed copy is openapi/openapi.json).
+    Openapi,
     /// Convert a Hugging Face qwen4_exp safetensors checkpoint directory to a qwen4exp GGUF file.
     Convert {
         /// Checkpoint directory (config.json, *.safetensors, optionally tokenizer.json and chat_template.jinja).
@@ -40,20 +44,16 @@ enum Command {
     },
 }
 
-/// Logs to stderr; `RUST_LOG` filters (default: `info`).
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tower_http=info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
-}
-
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => {
-            init_tracing();
-            Ok(nebula_service::serve(args.into())?)
+            let config = nebula_service::ServerConfig::resolve(&args)?;
+            Ok(nebula_service::serve(config)?)
+        }
+        Command::Openapi => {
+            print!("{}", nebula_service::openapi::document());
+            Ok(())
         }
         Command::Convert { input, output, outtype, no_mtp, split_max_gib, name } => {
             let opts = ConvertOptions {

@@ -1,26 +1,38 @@
-//! Server-sent events of a streamed chat completion, in OpenAI's order: a first chunk with `delta.role`, one chunk
-//! per piece (`delta.reasoning_content`, `delta.content`, `delta.tool_calls`), a chunk with an empty delta and the
-//! `finish_reason`, with `stream_options.include_usage` a chunk with `choices: []` and the usage, then
-//! `data: [DONE]`. Every chunk but the usage chunk has `usage: null`. An error after the stream began is sent as
-//! an `{"error": ...}` event, then `[DONE]`.
+//! Server-sent events of streamed completions, in OpenAI's order. For a chat completion: per choice, a first
+//! chunk with `delta.role`, one chunk per piece (`delta.reasoning_content`, `delta.content`, `delta.tool_calls`),
+//! a chunk with an empty delta, the `finish_reason` and llama.cpp `timings`; then, with
+//! `stream_options.include_usage`, a chunk with `choices: []` and the usage of all choices; then `data: [DONE]`.
+//! Every chunk but the usage chunk has `usage: null`. Text completions follow the same order with `text`.
+//!
+//! A tool call streams as two pieces: the header (`id`, `type`, `function.name`, empty `arguments`), then its
+//! arguments, one fragment per parameter (`{"city": "Paris"`, `, "unit": "c"`, `}`), so the fragments of a call
+//! always concatenate to its JSON object. Log-probabilities ride on the chunk of the text they belong to.
+//!
+//! While the engine prefills a long prompt nothing is sent but SSE comments (`: keep-alive`), every
+//! `sse_keepalive_s`. An error after the stream began is sent as an `{"error": ...}` event, then `[DONE]`.
 //!
 //! The stream owns the piece receiver: when the client disconnects, axum drops the stream, the receiver goes
 //! with it and the generation task cancels the request.
 
 use std::convert::Infallible;
+use std::time::Duration;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::stream::{self, Stream, StreamExt};
+use serde_json::{Map, Value};
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
 use crate::generation::Piece;
-use crate::openai::{ChatCompletionChunk, ChunkChoice, Delta, FunctionCall, ToolCallDelta};
+use crate::openai::{
+    ChatCompletionChunk, ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, Delta,
+    FunctionCallDelta, ToolCallDelta, Usage,
+};
 
 /// What every chunk of one completion repeats.
 #[derive(Debug, Clone)]
 pub struct ChunkMeta {
-    /// `chatcmpl-…`.
+    /// `chatcmpl-…` / `cmpl-…`.
     pub id: String,
     /// Unix time of the request, seconds.
     pub created: u64,
@@ -28,81 +40,281 @@ pub struct ChunkMeta {
     pub model: String,
     /// Send the final usage chunk.
     pub include_usage: bool,
+    /// Choices expected.
+    pub n: usize,
+    /// Seconds between keep-alive comments.
+    pub keepalive: Duration,
 }
 
-impl ChunkMeta {
-    fn chunk(&self, delta: Delta, finish_reason: Option<crate::openai::FinishReason>) -> ChatCompletionChunk {
-        ChatCompletionChunk {
-            id: self.id.clone(),
+/// Splits a tool call's arguments object (a JSON object string) into fragments, one per member, that
+/// concatenate to the same text: `{"a": 1`, `, "b": 2`, `}`; `{}` stays whole.
+pub fn argument_fragments(arguments: &str) -> Vec<String> {
+    let Ok(Value::Object(map)) = serde_json::from_str::<Value>(arguments) else {
+        return vec![arguments.to_owned()];
+    };
+    if map.is_empty() {
+        return vec![arguments.to_owned()];
+    }
+    let mut out = Vec::with_capacity(map.len() + 1);
+    for (i, (k, v)) in map.into_iter().enumerate() {
+        let mut one = Map::new();
+        one.insert(k, v);
+        let member = nebula_engine::text::chat_template::python_json(&Value::Object(one));
+        let inner = &member[1..member.len() - 1];
+        out.push(if i == 0 { format!("{{{inner}") } else { format!(", {inner}") });
+    }
+    out.push("}".into());
+    if out.concat() != arguments {
+        // Not in the canonical form: send it whole rather than risk a different text.
+        return vec![arguments.to_owned()];
+    }
+    out
+}
+
+struct ChatState {
+    meta: ChunkMeta,
+    pieces: mpsc::Receiver<(usize, Piece)>,
+    pending_logprobs: Vec<crate::openai::TokenLogprob>,
+    started: Vec<bool>,
+    done: usize,
+    usage: Option<Usage>,
+    closed: bool,
+}
+
+impl ChatState {
+    fn chunk(&mut self, index: usize, delta: Delta, finish: Option<crate::openai::FinishReason>) -> Event {
+        let logprobs = (!self.pending_logprobs.is_empty())
+            .then(|| ChoiceLogprobs { content: std::mem::take(&mut self.pending_logprobs) });
+        json_event(&ChatCompletionChunk {
+            id: self.meta.id.clone(),
             object: "chat.completion.chunk",
-            created: self.created,
-            model: self.model.clone(),
-            choices: vec![ChunkChoice { index: 0, delta, finish_reason, logprobs: None }],
+            created: self.meta.created,
+            model: self.meta.model.clone(),
+            choices: vec![ChunkChoice { index, delta, finish_reason: finish, logprobs }],
             usage: None,
+            timings: None,
+        })
+    }
+
+    fn events_for(&mut self, index: usize, piece: Piece) -> Vec<Event> {
+        let mut events = Vec::new();
+        if !self.started.get(index).copied().unwrap_or(true) {
+            self.started[index] = true;
+            let first = Delta { role: Some("assistant"), content: Some(String::new()), ..Delta::default() };
+            let logprobs = std::mem::take(&mut self.pending_logprobs);
+            events.push(self.chunk(index, first, None));
+            self.pending_logprobs = logprobs;
         }
+        match piece {
+            Piece::Progress => {}
+            Piece::Logprob(lp) => self.pending_logprobs.push(lp),
+            Piece::Reasoning(text) => {
+                events.push(self.chunk(index, Delta { reasoning_content: Some(text), ..Delta::default() }, None));
+            }
+            Piece::Content(text) => {
+                events.push(self.chunk(index, Delta { content: Some(text), ..Delta::default() }, None));
+            }
+            Piece::ToolCall { index: call, id, name, arguments } => {
+                let header = ToolCallDelta {
+                    index: call,
+                    id: Some(id),
+                    kind: Some("function"),
+                    function: FunctionCallDelta { name: Some(name), arguments: String::new() },
+                };
+                events.push(self.chunk(index, Delta { tool_calls: Some(vec![header]), ..Delta::default() }, None));
+                for fragment in argument_fragments(&arguments) {
+                    let part = ToolCallDelta {
+                        index: call,
+                        id: None,
+                        kind: None,
+                        function: FunctionCallDelta { name: None, arguments: fragment },
+                    };
+                    events.push(self.chunk(index, Delta { tool_calls: Some(vec![part]), ..Delta::default() }, None));
+                }
+            }
+            Piece::Done { finish_reason, usage, timings } => {
+                let logprobs = (!self.pending_logprobs.is_empty())
+                    .then(|| ChoiceLogprobs { content: std::mem::take(&mut self.pending_logprobs) });
+                let last = json_event(&ChatCompletionChunk {
+                    id: self.meta.id.clone(),
+                    object: "chat.completion.chunk",
+                    created: self.meta.created,
+                    model: self.meta.model.clone(),
+                    choices: vec![ChunkChoice {
+                        index,
+                        delta: Delta::default(),
+                        finish_reason: Some(finish_reason),
+                        logprobs,
+                    }],
+                    usage: None,
+                    timings: Some(timings),
+                });
+                events.push(last);
+                self.usage = Some(match self.usage {
+                    None => usage,
+                    Some(total) => {
+                        let mut sum =
+                            Usage::new(total.prompt_tokens, total.completion_tokens + usage.completion_tokens);
+                        sum.prompt_tokens_details = total.prompt_tokens_details;
+                        sum
+                    }
+                });
+                self.done += 1;
+                if self.done == self.meta.n {
+                    if self.meta.include_usage {
+                        events.push(json_event(&ChatCompletionChunk {
+                            id: self.meta.id.clone(),
+                            object: "chat.completion.chunk",
+                            created: self.meta.created,
+                            model: self.meta.model.clone(),
+                            choices: Vec::new(),
+                            usage: self.usage,
+                            timings: None,
+                        }));
+                    }
+                    events.push(Event::default().data("[DONE]"));
+                    self.closed = true;
+                }
+            }
+            Piece::Failed(message) => {
+                events.extend(error_events(&message));
+                self.closed = true;
+            }
+        }
+        events
     }
 }
 
-enum Phase {
-    Start,
-    Open,
-    Closed,
-}
-
-/// The SSE response for `pieces`.
-pub fn sse_response(
+/// The SSE response of a chat completion with `meta.n` choices.
+pub fn chat_sse(
     meta: ChunkMeta,
-    pieces: mpsc::Receiver<Piece>,
+    pieces: mpsc::Receiver<(usize, Piece)>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>> + Send + 'static> {
-    let events = stream::unfold((Phase::Start, meta, pieces), |(phase, meta, mut pieces)| async move {
-        match phase {
-            Phase::Closed => None,
-            Phase::Start => {
-                let first = Delta { role: Some("assistant"), content: Some(String::new()), ..Delta::default() };
-                let events = vec![json_event(&meta.chunk(first, None))];
-                Some((events, (Phase::Open, meta, pieces)))
-            }
-            Phase::Open => {
-                let (events, phase) = match pieces.recv().await {
-                    Some(piece) => piece_events(&meta, piece),
-                    None => (error_events("the generation ended unexpectedly"), Phase::Closed),
-                };
-                Some((events, (phase, meta, pieces)))
-            }
+    let keepalive = meta.keepalive;
+    let n = meta.n;
+    let state = ChatState {
+        meta,
+        pieces,
+        pending_logprobs: Vec::new(),
+        started: vec![false; n],
+        done: 0,
+        usage: None,
+        closed: false,
+    };
+    let events = stream::unfold(state, |mut st| async move {
+        if st.closed {
+            return None;
         }
+        let events = match st.pieces.recv().await {
+            Some((index, piece)) => st.events_for(index, piece),
+            None => {
+                st.closed = true;
+                error_events("the generation ended unexpectedly")
+            }
+        };
+        Some((events, st))
     })
     .flat_map(stream::iter)
     .map(Ok);
-    Sse::new(events).keep_alive(KeepAlive::default())
+    Sse::new(events).keep_alive(KeepAlive::new().interval(keepalive).text("keep-alive"))
 }
 
-fn piece_events(meta: &ChunkMeta, piece: Piece) -> (Vec<Event>, Phase) {
-    let delta = match piece {
-        Piece::Reasoning(text) => Delta { reasoning_content: Some(text), ..Delta::default() },
-        Piece::Content(text) => Delta { content: Some(text), ..Delta::default() },
-        Piece::ToolCall { index, id, name, arguments } => Delta {
-            tool_calls: Some(vec![ToolCallDelta {
-                index,
-                id,
-                kind: "function",
-                function: FunctionCall { name, arguments },
-            }]),
-            ..Delta::default()
-        },
-        Piece::Done { finish_reason, usage } => {
-            let mut events = vec![json_event(&meta.chunk(Delta::default(), Some(finish_reason)))];
-            if meta.include_usage {
-                let mut last = meta.chunk(Delta::default(), None);
-                last.choices.clear();
-                last.usage = Some(usage);
-                events.push(json_event(&last));
-            }
-            events.push(Event::default().data("[DONE]"));
-            return (events, Phase::Closed);
-        }
-        Piece::Failed(message) => return (error_events(&message), Phase::Closed),
+/// The SSE response of a text completion with `meta.n` choices (`logprobs` in the legacy shape).
+pub fn completion_sse(
+    meta: ChunkMeta,
+    pieces: mpsc::Receiver<(usize, Piece)>,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>> + Send + 'static> {
+    let keepalive = meta.keepalive;
+    struct St {
+        meta: ChunkMeta,
+        pieces: mpsc::Receiver<(usize, Piece)>,
+        logprobs: Option<CompletionLogprobs>,
+        done: usize,
+        usage: Option<Usage>,
+        closed: bool,
+    }
+    let chunk = |meta: &ChunkMeta, choice: CompletionChoice, usage: Option<Usage>, timings| Completion {
+        id: meta.id.clone(),
+        object: "text_completion",
+        created: meta.created,
+        model: meta.model.clone(),
+        choices: vec![choice],
+        usage,
+        timings,
     };
-    (vec![json_event(&meta.chunk(delta, None))], Phase::Open)
+    let state = St { meta, pieces, logprobs: None, done: 0, usage: None, closed: false };
+    let events = stream::unfold(state, move |mut st| async move {
+        if st.closed {
+            return None;
+        }
+        let mut events = Vec::new();
+        match st.pieces.recv().await {
+            Some((index, piece)) => match piece {
+                Piece::Logprob(lp) => {
+                    let l = st.logprobs.get_or_insert_with(CompletionLogprobs::default);
+                    push_legacy_logprob(l, &lp);
+                }
+                Piece::Content(text) | Piece::Reasoning(text) => {
+                    let choice = CompletionChoice { index, text, finish_reason: None, logprobs: st.logprobs.take() };
+                    events.push(json_event(&chunk(&st.meta, choice, None, None)));
+                }
+                Piece::ToolCall { .. } | Piece::Progress => {}
+                Piece::Done { finish_reason, usage, timings } => {
+                    let choice = CompletionChoice {
+                        index,
+                        text: String::new(),
+                        finish_reason: Some(finish_reason),
+                        logprobs: st.logprobs.take(),
+                    };
+                    events.push(json_event(&chunk(&st.meta, choice, None, Some(timings))));
+                    st.usage = Some(match st.usage {
+                        None => usage,
+                        Some(t) => Usage::new(t.prompt_tokens, t.completion_tokens + usage.completion_tokens)
+                            .with_cached(t.prompt_tokens_details.cached_tokens),
+                    });
+                    st.done += 1;
+                    if st.done == st.meta.n {
+                        if st.meta.include_usage {
+                            let mut last = chunk(
+                                &st.meta,
+                                CompletionChoice { index: 0, text: String::new(), finish_reason: None, logprobs: None },
+                                st.usage,
+                                None,
+                            );
+                            last.choices.clear();
+                            events.push(json_event(&last));
+                        }
+                        events.push(Event::default().data("[DONE]"));
+                        st.closed = true;
+                    }
+                }
+                Piece::Failed(message) => {
+                    events.extend(error_events(&message));
+                    st.closed = true;
+                }
+            },
+            None => {
+                events.extend(error_events("the generation ended unexpectedly"));
+                st.closed = true;
+            }
+        }
+        Some((events, st))
+    })
+    .flat_map(stream::iter)
+    .map(Ok);
+    Sse::new(events).keep_alive(KeepAlive::new().interval(keepalive).text("keep-alive"))
+}
+
+/// Appends one token to legacy completion logprobs (`text_offset` counts characters of the text so far).
+pub fn push_legacy_logprob(l: &mut CompletionLogprobs, lp: &crate::openai::TokenLogprob) {
+    let offset = match (l.text_offset.last(), l.tokens.last()) {
+        (Some(&o), Some(t)) => o + t.chars().count(),
+        _ => 0,
+    };
+    l.tokens.push(lp.token.clone());
+    l.token_logprobs.push(lp.logprob);
+    l.top_logprobs.push(lp.top_logprobs.iter().map(|t| (t.token.clone(), Value::from(f64::from(t.logprob)))).collect());
+    l.text_offset.push(offset);
 }
 
 fn error_events(message: &str) -> Vec<Event> {
@@ -116,5 +328,20 @@ fn json_event(value: &impl serde::Serialize) -> Event {
         // Our own types always serialize; keep the stream well-formed regardless.
         Err(e) => Event::default()
             .data(serde_json::json!({"error": {"message": format!("serialization failed: {e}")}}).to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argument_fragments_concatenate_to_the_object() {
+        let args = r#"{"city": "Paris", "days": 3, "opts": {"a": [1, 2]}}"#;
+        let parts = argument_fragments(args);
+        assert_eq!(parts, vec![r#"{"city": "Paris""#, r#", "days": 3"#, r#", "opts": {"a": [1, 2]}"#, "}"]);
+        assert_eq!(parts.concat(), args);
+        assert_eq!(argument_fragments("{}"), vec!["{}"]);
+        assert_eq!(argument_fragments("not json"), vec!["not json"]);
     }
 }
