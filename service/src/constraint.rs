@@ -130,8 +130,19 @@ impl TokenConstraint for GrammarConstraint {
     }
 }
 
-/// Whitespace allowed before the constrained answer.
-const LEADING_SPACE: &str = r#"/[ \t\r\n]*/"#;
+/// Whitespace allowed before the constrained answer (bounded: a model may otherwise prefer blank lines forever).
+const LEADING_SPACE: &str = r#"/[ \n]{0,2}/"#;
+
+/// llguidance's JSON layout options: compact, with Python's `json.dumps` separators. Bounded layout keeps a
+/// model from filling the answer with whitespace, which flexible JSON whitespace would allow.
+fn with_layout(mut schema: Value) -> Value {
+    if let Value::Object(map) = &mut schema {
+        map.entry("x-guidance").or_insert_with(
+            || serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
+    }
+    schema
+}
 
 /// A Lark grammar for `response_format`; `None` for `text`.
 ///
@@ -161,6 +172,7 @@ pub fn response_format_grammar(format: &Value) -> Result<Option<String>, ApiErro
             ));
         }
     };
+    let schema = with_layout(schema);
     Ok(Some(format!("start: {LEADING_SPACE} answer\nanswer: %json {schema}\n")))
 }
 
@@ -237,7 +249,7 @@ fn value_rule(schema: &Value) -> String {
     match kind {
         // Raw text that cannot close the parameter early: no `</` inside.
         Some("string") => r#"/([^<]|<[^\/])*/"#.to_owned(),
-        _ => format!("%json {schema}"),
+        _ => format!("%json {}", with_layout(schema.clone())),
     }
 }
 
@@ -253,7 +265,7 @@ mod tests {
     #[test]
     fn grammars_name_the_parts() {
         let g = response_format_grammar(&serde_json::json!({"type": "json_object"})).unwrap().unwrap();
-        assert!(g.contains("%json {\"type\":\"object\"}"), "{g}");
+        assert!(g.contains("%json {\"type\":\"object\",\"x-guidance\""), "{g}");
         assert!(response_format_grammar(&serde_json::json!({"type": "text"})).unwrap().is_none());
         assert!(response_format_grammar(&serde_json::json!({"type": "xml"})).is_err());
         let tools: Vec<Map<String, Value>> = serde_json::from_value(serde_json::json!([{"type": "function",

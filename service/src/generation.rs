@@ -463,8 +463,11 @@ impl TurnAssembler {
 fn log_usage(usage: &worker::Usage, reason: worker::FinishReason) {
     let decode_tokens = usage.completion_tokens.saturating_sub(1);
     let decode_tok_s = if usage.decode_ms > 0.0 { decode_tokens as f64 / (usage.decode_ms / 1e3) } else { 0.0 };
-    let prefill_tok_s =
-        if usage.prefill_ms > 0.0 { usage.prompt_tokens as f64 / (usage.prefill_ms / 1e3) } else { 0.0 };
+    let prefill_tok_s = if usage.prefill_ms > 0.0 {
+        (usage.prompt_tokens - usage.cached_tokens) as f64 / (usage.prefill_ms / 1e3)
+    } else {
+        0.0
+    };
     tracing::info!(
         ?reason,
         prompt_tokens = usage.prompt_tokens,
