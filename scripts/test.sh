@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nebula's test suite: everything CI runs. Needs cargo and python3 with pip; installs the pinned Python test
 # packages, rebuilds the (uncommitted) tokenizer.json the tokenizer tests read, then runs every Rust test in
-# release mode, the OpenAI Python SDK end-to-end test against a real `nebula serve`, and the WebUI's unit and
+# release mode (the HTTP end-to-end and 32-client load tests among them), the OpenAI Python SDK end-to-end test
+# and schemathesis (property-based, against openapi/openapi.json) against a real `nebula serve`, and the WebUI's unit and
 # browser tests (webui/scripts/test.sh installs Debian's chromium and nginx-light when they are missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,5 +13,6 @@ python3 scripts/make_tokenizer.py
 cargo build --release --workspace --all-targets
 cargo test --release --workspace
 scripts/test_sdk.sh
+scripts/test_api_schema.sh
 webui/scripts/test.sh
 echo "all tests passed"
