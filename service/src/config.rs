@@ -392,6 +392,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail closure returns figment::Error.
     fn layers_apply_in_order_and_errors_name_the_key() {
         figment::Jail::expect_with(|jail| {
             jail.create_file(

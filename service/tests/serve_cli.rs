@@ -87,3 +87,56 @@ fn sigterm_stops_the_server_cleanly() {
     };
     assert!(status.success(), "exit status {status:?}: {seen:?}");
 }
+
+/// SIGTERM during a stream: the server stops accepting, lets the open stream finish (`[DONE]`), then exits 0.
+#[cfg(unix)]
+#[test]
+fn sigterm_drains_an_open_stream() {
+    use std::io::{Read, Write};
+    let mut child = nebula()
+        .args(["serve", "--port", "0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("nebula starts");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut addr = None;
+    loop {
+        let line = lines.next().expect("nebula logs until the model is loaded").unwrap();
+        if let Some(rest) = line.split("addr=").nth(1) {
+            addr = rest.split_whitespace().next().map(str::to_owned);
+        }
+        if line.contains("model loaded") {
+            break;
+        }
+    }
+    // Keep draining stderr so the server never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    let addr = addr.expect("the listening address is logged");
+    let body = r#"{"messages": [{"role": "user", "content": "Hello!"}], "stream": true, "ignore_eos": true, "max_tokens": 300, "temperature": 0}"#;
+    let mut socket = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        socket,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 256];
+    let n = socket.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"), "the stream began");
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let mut rest = String::new();
+    socket.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("data: [DONE]"), "the open stream finished: {rest}");
+    assert!(rest.contains("\"finish_reason\":\"length\""), "it ran to max_tokens");
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "nebula did not exit after draining");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "exit status {status:?}");
+}

@@ -243,7 +243,7 @@ impl Qwen4Exp {
                 (LayerState::Attention(a), None, TokenMixer::SelfAttention(att)) => {
                     let (idim, ratio) = att.index_shape();
                     let kv = snap.pos * att.kv_width();
-                    let blocks = if ratio > 0 { snap.pos / ratio } else { 0 };
+                    let blocks = snap.pos.checked_div(ratio).unwrap_or(0);
                     let prefix = |v: &Vec<f32>, n: usize| v.get(..n).map(<[f32]>::to_vec).ok_or_else(bad);
                     LayerState::Attention(self_attn::AttnState {
                         k: prefix(&a.k, kv)?,
