@@ -363,12 +363,18 @@ fn committed_openapi_document_is_current() {
 async fn profile_file_is_shown_and_bounds_the_limits() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("profile.toml");
-    std::fs::write(&path, "name = \"test-profile\"\nmax_context = 2048\nmax_prefill = 256\nvram_gb = 8\n").unwrap();
+    std::fs::write(
+        &path,
+        "name = \"test-profile\"\nmax_context = 2048\nmax_prefill = 256\nvram_gb = 8\ngpu_experts_per_layer = 11\n\
+         cpu_experts_per_layer = 141\ngpu_copies_in_ram = 11\nssd_experts_per_layer = 360\n",
+    )
+    .unwrap();
     let (base, model) = spawn_server(ServerConfig { profile: Some(path), ..config() });
     assert_eq!(model.engine.max_context(), 2048);
     let models: Value = client().get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
     let card = &models["data"][0];
     assert_eq!(card["profile"]["name"], "test-profile");
+    assert_eq!(card["profile"]["placement"][1], json!({"tier": "ram", "experts_per_layer": 141, "gpu_copies": 11}));
     assert_eq!(card["max_model_len"], 2048);
     assert_eq!(card["max_prefill"], 256);
     // Per-request limits within the server's.

@@ -230,7 +230,10 @@ async fn drive(
                 tracing::info!(completion_tokens = turn.completion_tokens, "client went away; generation cancelled");
                 return false;
             }
-            event = tokio::time::timeout(settings.watchdog, events.recv()) => match event {
+            // The watchdog runs once the request left the queue: waiting behind others is not being stuck.
+            event = async {
+                if queue_span.is_some() { Ok(events.recv().await) } else { tokio::time::timeout(settings.watchdog, events.recv()).await }
+            } => match event {
                 Ok(event) => event,
                 Err(_) => {
                     let message = format!(

@@ -335,6 +335,54 @@ fn json_event(value: &impl serde::Serialize) -> Event {
 mod tests {
     use super::*;
 
+    fn meta(n: usize) -> ChunkMeta {
+        ChunkMeta {
+            id: "chatcmpl-1".into(),
+            created: 1,
+            model: "m".into(),
+            include_usage: true,
+            n,
+            keepalive: Duration::from_secs(10),
+        }
+    }
+
+    async fn body_of(response: axum::response::Response) -> Vec<String> {
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+        String::from_utf8(bytes.to_vec())
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: ").map(str::to_owned))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn an_error_after_the_stream_began_is_an_error_event_then_done() {
+        use axum::response::IntoResponse;
+        let (tx, rx) = mpsc::channel(8);
+        tx.send((0, Piece::Content("Hel".into()))).await.unwrap();
+        tx.send((0, Piece::Failed("the engine failed".into()))).await.unwrap();
+        drop(tx);
+        let data = body_of(chat_sse(meta(1), rx).into_response()).await;
+        assert_eq!(data.len(), 4, "{data:?}");
+        let role: Value = serde_json::from_str(&data[0]).unwrap();
+        assert_eq!(role["choices"][0]["delta"]["role"], "assistant");
+        let error: Value = serde_json::from_str(&data[2]).unwrap();
+        assert_eq!(error["error"]["type"], "server_error");
+        assert!(error["error"]["message"].as_str().unwrap().contains("the engine failed"));
+        assert_eq!(data[3], "[DONE]");
+    }
+
+    #[tokio::test]
+    async fn a_stream_cut_short_ends_with_an_error_event() {
+        use axum::response::IntoResponse;
+        let (tx, rx) = mpsc::channel(8);
+        tx.send((0, Piece::Progress)).await.unwrap();
+        drop(tx);
+        let data = body_of(chat_sse(meta(2), rx).into_response()).await;
+        assert!(data[data.len() - 2].contains("\"error\""), "{data:?}");
+        assert_eq!(data.last().unwrap(), "[DONE]");
+    }
+
     #[test]
     fn argument_fragments_concatenate_to_the_object() {
         let args = r#"{"city": "Paris", "days": 3, "opts": {"a": [1, 2]}}"#;

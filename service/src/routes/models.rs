@@ -28,7 +28,31 @@ pub async fn list_models(State(state): State<Arc<AppState>>) -> Result<Json<Mode
             max_prefill: model.max_prefill,
             input_modalities: vec!["text"],
             output_modalities: vec!["text"],
-            profile: state.profile.clone(),
+            profile: state.profile.clone().map(with_placement),
         }],
     }))
+}
+
+/// The profile with a `placement` list (the WebUI's shape) derived from the per-tier expert counts of a
+/// `nebula profile detect` file, unless it has one already.
+fn with_placement(mut profile: serde_json::Value) -> serde_json::Value {
+    let count = |key: &str| profile.get(key).and_then(serde_json::Value::as_u64);
+    if profile.get("placement").is_some() {
+        return profile;
+    }
+    let (Some(gpu), Some(cpu), Some(ssd)) =
+        (count("gpu_experts_per_layer"), count("cpu_experts_per_layer"), count("ssd_experts_per_layer"))
+    else {
+        return profile;
+    };
+    let copies = count("gpu_copies_in_ram").unwrap_or(0);
+    let placement = serde_json::json!([
+        {"tier": "gpu", "experts_per_layer": gpu},
+        {"tier": "ram", "experts_per_layer": cpu, "gpu_copies": copies},
+        {"tier": "ssd", "experts_per_layer": ssd},
+    ]);
+    if let Some(map) = profile.as_object_mut() {
+        map.insert("placement".into(), placement);
+    }
+    profile
 }
