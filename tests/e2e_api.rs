@@ -196,9 +196,16 @@ async fn forced_tool_calls_stream_arguments_that_concatenate_to_json() {
     let mut name = String::new();
     let mut arguments = String::new();
     let mut ids = Vec::new();
+    let mut fragments = 0;
     for c in &chunks {
         for call in c["choices"][0]["delta"]["tool_calls"].as_array().into_iter().flatten() {
             assert_eq!(call["index"], 0);
+            if call["function"]["arguments"] != "" {
+                fragments += 1;
+                // Every prefix so far is the start of the final JSON object.
+                let so_far = format!("{arguments}{}", call["function"]["arguments"].as_str().unwrap());
+                assert!(so_far.starts_with('{'), "{so_far}");
+            }
             if let Some(id) = call["id"].as_str() {
                 ids.push(id.to_owned());
             }
@@ -207,6 +214,7 @@ async fn forced_tool_calls_stream_arguments_that_concatenate_to_json() {
         }
     }
     assert_eq!(ids.len(), 1, "the id comes once");
+    assert_eq!(fragments, 3, "one fragment per parameter as it is written, then the closing brace");
     assert_eq!(name, "get_weather");
     assert_eq!(serde_json::from_str::<Value>(&arguments).unwrap(), args, "fragments concatenate to the arguments");
     let last = chunks.iter().rev().find(|c| !c["choices"][0]["finish_reason"].is_null()).unwrap();

@@ -211,6 +211,7 @@ pub fn prepare(
     };
     let parse = ParseOptions {
         call_id_prefix: format!("call_{:016x}_", rand::random::<u64>()),
+        stream_tool_calls: true,
         ..ParseOptions::for_prompt(&prompt).with_tools(tools.as_ref())
     };
     let prompt_tokens = ids.len();

@@ -43,6 +43,22 @@ pub enum Piece {
         /// Arguments object as a JSON string.
         arguments: String,
     },
+    /// A tool call began (streamed calls): its arguments follow as [`Piece::ToolCallArguments`].
+    ToolCallStart {
+        /// Position of the call in the turn.
+        index: usize,
+        /// Unique id of the call.
+        id: String,
+        /// Function name.
+        name: String,
+    },
+    /// More of a streamed call's arguments; a call's fragments concatenate to its JSON object.
+    ToolCallArguments {
+        /// Position of the call in the turn.
+        index: usize,
+        /// The JSON text to append.
+        fragment: String,
+    },
     /// Log-probabilities of the next generated token (sent before its text).
     Logprob(TokenLogprob),
     /// The engine is still prefilling (a sign of life for keep-alives).
@@ -458,6 +474,11 @@ impl TurnAssembler {
                     self.saw_tool_call = true;
                     Piece::ToolCall { index, id, name, arguments }
                 }
+                OutputEvent::ToolCallStart { index, id, name } => {
+                    self.saw_tool_call = true;
+                    Piece::ToolCallStart { index, id, name }
+                }
+                OutputEvent::ToolCallArguments { index, fragment } => Piece::ToolCallArguments { index, fragment },
             })
             .collect()
     }

@@ -4,9 +4,11 @@
 //! `stream_options.include_usage`, a chunk with `choices: []` and the usage of all choices; then `data: [DONE]`.
 //! Every chunk but the usage chunk has `usage: null`. Text completions follow the same order with `text`.
 //!
-//! A tool call streams as two pieces: the header (`id`, `type`, `function.name`, empty `arguments`), then its
-//! arguments, one fragment per parameter (`{"city": "Paris"`, `, "unit": "c"`, `}`), so the fragments of a call
-//! always concatenate to its JSON object. Log-probabilities ride on the chunk of the text they belong to.
+//! A tool call streams as it is written: a header (`id`, `type`, `function.name`, empty `arguments`) once the
+//! model has written `<function=NAME>`, then one argument fragment per parameter as each `</parameter>` arrives
+//! (`{"city": "Paris"`, `, "unit": "c"`) and the closing `}`, so the fragments of a call always concatenate to its
+//! JSON object (a call cut off by `max_tokens` is closed with its complete parameters). Log-probabilities ride on
+//! the chunk of the text they belong to.
 //!
 //! While the engine prefills a long prompt nothing is sent but SSE comments (`: keep-alive`), every
 //! `sse_keepalive_s`. An error after the stream began is sent as an `{"error": ...}` event, then `[DONE]`.
@@ -131,6 +133,24 @@ impl ChatState {
                     };
                     events.push(self.chunk(index, Delta { tool_calls: Some(vec![part]), ..Delta::default() }, None));
                 }
+            }
+            Piece::ToolCallStart { index: call, id, name } => {
+                let header = ToolCallDelta {
+                    index: call,
+                    id: Some(id),
+                    kind: Some("function"),
+                    function: FunctionCallDelta { name: Some(name), arguments: String::new() },
+                };
+                events.push(self.chunk(index, Delta { tool_calls: Some(vec![header]), ..Delta::default() }, None));
+            }
+            Piece::ToolCallArguments { index: call, fragment } => {
+                let part = ToolCallDelta {
+                    index: call,
+                    id: None,
+                    kind: None,
+                    function: FunctionCallDelta { name: None, arguments: fragment },
+                };
+                events.push(self.chunk(index, Delta { tool_calls: Some(vec![part]), ..Delta::default() }, None));
             }
             Piece::Done { finish_reason, usage, timings } => {
                 let logprobs = (!self.pending_logprobs.is_empty())
@@ -258,7 +278,10 @@ pub fn completion_sse(
                     let choice = CompletionChoice { index, text, finish_reason: None, logprobs: st.logprobs.take() };
                     events.push(json_event(&chunk(&st.meta, choice, None, None)));
                 }
-                Piece::ToolCall { .. } | Piece::Progress => {}
+                Piece::ToolCall { .. }
+                | Piece::ToolCallStart { .. }
+                | Piece::ToolCallArguments { .. }
+                | Piece::Progress => {}
                 Piece::Done { finish_reason, usage, timings } => {
                     let choice = CompletionChoice {
                         index,

@@ -104,6 +104,18 @@ async fn collect(
             Piece::ToolCall { id, name, arguments, .. } => {
                 p.tool_calls.push(ToolCall { id, kind: "function", function: FunctionCall { name, arguments } });
             }
+            Piece::ToolCallStart { id, name, .. } => {
+                p.tool_calls.push(ToolCall {
+                    id,
+                    kind: "function",
+                    function: FunctionCall { name, arguments: String::new() },
+                });
+            }
+            Piece::ToolCallArguments { fragment, .. } => {
+                if let Some(call) = p.tool_calls.last_mut() {
+                    call.function.arguments.push_str(&fragment);
+                }
+            }
             Piece::Logprob(lp) => p.logprobs.get_or_insert_with(ChoiceLogprobs::default).content.push(lp),
             Piece::Progress => {}
             Piece::Done { finish_reason, usage, timings } => {

@@ -162,7 +162,10 @@ pub async fn completions(
         match piece {
             Piece::Content(t) | Piece::Reasoning(t) => texts[i].push_str(&t),
             Piece::Logprob(lp) => push_legacy_logprob(lps[i].get_or_insert_with(Default::default), &lp),
-            Piece::ToolCall { .. } | Piece::Progress => {}
+            Piece::ToolCall { .. }
+            | Piece::ToolCallStart { .. }
+            | Piece::ToolCallArguments { .. }
+            | Piece::Progress => {}
             Piece::Done { finish_reason, usage, timings } => {
                 ends[i] = Some((finish_reason, usage, timings));
                 done += 1;
