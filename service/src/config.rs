@@ -257,7 +257,7 @@ impl Default for ServerConfig {
             body_limit_bytes: 32 << 20,
             max_concurrent_requests: 256,
             max_waiting_requests: 256,
-            request_timeout_s: 600.0,
+            request_timeout_s: 1800.0,
             watchdog_s: 300.0,
             sse_keepalive_s: 10.0,
             shutdown_grace_s: 30.0,
