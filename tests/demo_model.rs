@@ -151,20 +151,10 @@ fn prefix_cache_resumes_exactly() {
     assert!(stats.prefix_hits.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
 
+/// Log-probabilities come with each token when asked for, the chosen (greedy) token first among the top ones.
 #[test]
-fn repetition_guard_ends_a_loop_and_logprobs_come_with_tokens() {
+fn logprobs_come_with_tokens() {
     let engine = demo_engine();
-    let mut req = GenerateRequest::new(vec![248045, 846, 198], 400);
-    req.ignore_eos = true;
-    req.repetition_guard = Some(nebula_engine::worker::RepetitionGuard { window: 32, max_period: 16 });
-    let (out, reason, _) = run(&engine, req);
-    // With the end of turn ignored the demo model loops; the guard stops it long before max_tokens.
-    if reason == FinishReason::Repetition {
-        assert!(out.len() < 400);
-    } else {
-        assert_eq!(reason, FinishReason::Length);
-    }
-
     let mut req = GenerateRequest::new(vec![248045, 846, 198], 5);
     req.logprobs = Some(3);
     let mut rx = engine.submit(req).unwrap();

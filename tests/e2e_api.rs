@@ -485,3 +485,21 @@ async fn user_typed_special_tokens_are_plain_text() {
     let prepared = nebula_service::chat::prepare(&model, &open, req).unwrap();
     assert_eq!(prepared.generation.request.prompt.iter().filter(|&&t| t == im_end).count(), 4);
 }
+
+/// The repetition guard ends looping output with `length` long before `max_tokens`: the demo model loops when
+/// made to write one JSON string of any length.
+#[tokio::test]
+async fn repetition_guard_ends_a_loop_with_length() {
+    let mut cfg = config();
+    cfg.defaults.repetition_window = 48;
+    let (base, _) = spawn_server(cfg);
+    let body = with(
+        hello(),
+        json!({"max_tokens": 3000, "reasoning_effort": "none", "response_format": {"type": "json_object"}}),
+    );
+    let (status, resp) = post(&base, "/v1/chat/completions", &body).await;
+    assert_eq!(status, StatusCode::OK, "{resp}");
+    assert_eq!(resp["choices"][0]["finish_reason"], "length");
+    let tokens = resp["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(tokens < 3000, "the guard, not max_tokens, ended it: {tokens}");
+}

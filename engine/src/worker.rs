@@ -626,3 +626,19 @@ impl Worker {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::RepetitionGuard;
+
+    #[test]
+    fn repetition_guard_trips_on_a_looping_tail_only() {
+        let guard = RepetitionGuard { window: 8, max_period: 3 };
+        assert!(guard.trips(&[9, 1, 2, 1, 2, 1, 2, 1, 2]), "period 2 over the last 8");
+        assert!(guard.trips(&[5; 8]), "period 1");
+        assert!(!guard.trips(&[1, 2, 1, 2, 1, 2, 1]), "shorter than the window");
+        assert!(!guard.trips(&[1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4]), "period 4 is over max_period");
+        assert!(!guard.trips(&[1, 2, 1, 2, 1, 2, 1, 3]), "the last token breaks the pattern");
+        assert!(!RepetitionGuard { window: 0, max_period: 3 }.trips(&[5; 8]), "window 0 is off");
+    }
+}
