@@ -503,3 +503,30 @@ async fn repetition_guard_ends_a_loop_with_length() {
     let tokens = resp["usage"]["completion_tokens"].as_u64().unwrap();
     assert!(tokens < 3000, "the guard, not max_tokens, ended it: {tokens}");
 }
+
+/// CORS is off by default (no `Access-Control-Allow-Origin`), and answers preflights for configured origins.
+#[tokio::test]
+async fn cors_is_off_by_default_and_follows_the_configured_origins() {
+    let (base, _) = spawn_server(config());
+    let resp = client().get(format!("{base}/v1/models")).header("origin", "http://evil.example").send().await.unwrap();
+    assert!(resp.headers().get("access-control-allow-origin").is_none());
+
+    let (base, _) = spawn_server(ServerConfig {
+        cors_allow_origins: vec!["http://localhost:8080".into()],
+        api_key: Some("k".into()),
+        ..config()
+    });
+    let preflight = client()
+        .request(reqwest::Method::OPTIONS, format!("{base}/v1/chat/completions"))
+        .header("origin", "http://localhost:8080")
+        .header("access-control-request-method", "POST")
+        .header("access-control-request-headers", "authorization, content-type")
+        .send()
+        .await
+        .unwrap();
+    assert!(preflight.status().is_success(), "{}", preflight.status());
+    assert_eq!(preflight.headers()["access-control-allow-origin"], "http://localhost:8080");
+    let other = client().get(format!("{base}/v1/models")).bearer_auth("k").header("origin", "http://evil.example");
+    let resp = other.send().await.unwrap();
+    assert!(resp.headers().get("access-control-allow-origin").is_none());
+}
