@@ -15,7 +15,7 @@ if [[ -z "${NEBULA_BIN:-}" ]]; then
     cargo build --release -p nebula-service --bin nebula
     NEBULA_BIN="$PWD/target/release/nebula"
 fi
-venv="${NEBULA_SCHEMA_VENV:-target/schema-venv}"
+venv="$(realpath -m "${NEBULA_SCHEMA_VENV:-target/schema-venv}")"
 if [[ ! -x "$venv/bin/python" ]]; then
     python3 -m venv "$venv"
 fi
@@ -23,7 +23,7 @@ fi
 
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 base="http://127.0.0.1:$port"
-env -u NEBULA_API_KEY NEBULA_MAX_CONTEXT=1024 NEBULA_DEFAULTS__REPETITION_WINDOW=64 RUST_LOG=warn \
+env -u NEBULA_API_KEY NEBULA_MAX_CONTEXT=1024 NEBULA_DEFAULTS__REPETITION_WINDOW=64 RUST_LOG=info \
     "$NEBULA_BIN" serve --port "$port" > target/schema-test-server.log 2>&1 &
 server=$!
 trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true' EXIT
@@ -33,9 +33,12 @@ for _ in $(seq 1200); do
     sleep 0.1
 done
 
-# Hypothesis' example database stays out of the work tree.
-export HYPOTHESIS_STORAGE_DIRECTORY="$PWD/target/hypothesis"
-"$venv/bin/schemathesis" run openapi/openapi.json --url "$base" \
+# schemathesis' and Hypothesis' caches stay out of the work tree (schemathesis writes .schemathesis/ in its cwd).
+schema="$PWD/openapi/openapi.json"
+mkdir -p target/schemathesis
+cd target/schemathesis
+export HYPOTHESIS_STORAGE_DIRECTORY="$PWD/hypothesis"
+"$venv/bin/schemathesis" run "$schema" --url "$base" \
     --checks not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance \
     --phases examples,coverage,fuzzing --max-examples 40 --workers 1 --request-timeout 120 \
     --suppress-health-check too_slow,filter_too_much --warnings off "$@"

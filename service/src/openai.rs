@@ -11,6 +11,7 @@ use utoipa::ToSchema;
 
 /// Body of `POST /v1/chat/completions`.
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[schema(example = json!({"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64, "temperature": 0}))]
 pub struct ChatCompletionRequest {
     /// Model id; must be the served one (absent: the served one).
     pub model: Option<String>,
@@ -529,6 +530,7 @@ pub struct ModelCard {
 
 /// Body of `POST /v1/completions` (legacy text completion).
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[schema(example = json!({"prompt": "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 16}))]
 pub struct CompletionRequest {
     /// Model id; must be the served one (absent: the served one).
     pub model: Option<String>,
