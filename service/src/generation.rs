@@ -657,6 +657,45 @@ mod tests {
         );
     }
 
+    /// The watchdog fails a generation the engine stopped talking about, but never one still waiting in the
+    /// queue. Tokio's paused clock makes the waits deterministic.
+    #[tokio::test(start_paused = true)]
+    async fn watchdog_fails_a_silent_generation_but_not_a_queued_one() {
+        let state = crate::state::AppState::new(crate::ServerConfig::default()).unwrap();
+        let model = crate::state::load_model(&state).unwrap();
+        let settings = DriveSettings {
+            watchdog: Duration::from_secs(5),
+            metrics: state.metrics.clone(),
+            arrived: Instant::now(),
+            chat: true,
+        };
+        let parse = ParseOptions::default();
+
+        // Queued: no event at all for 1000 s is not a failure.
+        let (_queued_tx, queued) = mpsc::unbounded_channel();
+        let (tx, _rx) = mpsc::channel(16);
+        let waited = tokio::time::timeout(
+            Duration::from_secs(1000),
+            drive(&model, queued, &parse, vec![], 3, &tx, 0, &settings),
+        )
+        .await;
+        assert!(waited.is_err(), "a queued request is not stuck");
+
+        // Started, then silence: failed after the watchdog's time.
+        let (events_tx, events) = mpsc::unbounded_channel();
+        events_tx.send(GenerationEvent::Started { cached_tokens: 0 }).unwrap();
+        let (tx, mut rx) = mpsc::channel(16);
+        let t0 = tokio::time::Instant::now();
+        assert!(!drive(&model, events, &parse, vec![], 3, &tx, 0, &settings).await);
+        assert!(t0.elapsed() >= Duration::from_secs(5));
+        assert_eq!(rx.recv().await, Some((0, Piece::Progress)));
+        match rx.recv().await {
+            Some((0, Piece::Failed(message))) => assert!(message.contains("watchdog"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+        drop(events_tx);
+    }
+
     #[test]
     fn held_text_is_only_a_stop_prefix() {
         let mut m = StopMatcher::new(vec!["<END>".into()]);

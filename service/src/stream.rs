@@ -406,6 +406,40 @@ mod tests {
         assert_eq!(data.last().unwrap(), "[DONE]");
     }
 
+    /// While the engine prefills, the stream sends `: keep-alive` comments. Tokio's paused clock advances only
+    /// when every task waits, so this is deterministic.
+    #[tokio::test(start_paused = true)]
+    async fn keep_alive_comments_flow_while_nothing_else_does() {
+        use axum::response::IntoResponse;
+        let (tx, rx) = mpsc::channel(8);
+        let mut body = chat_sse(meta(1), rx).into_response().into_body().into_data_stream();
+        tx.send((0, Piece::Progress)).await.unwrap();
+        let first = body.next().await.unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&first).contains("\"role\":\"assistant\""));
+        // Nothing more from the engine (a long prefill): two keep-alives, ten seconds apart.
+        let t0 = tokio::time::Instant::now();
+        for _ in 0..2 {
+            let frame = body.next().await.unwrap().unwrap();
+            assert_eq!(String::from_utf8_lossy(&frame), ": keep-alive\n\n");
+        }
+        assert!(t0.elapsed() >= Duration::from_secs(20));
+        tx.send((
+            0,
+            Piece::Done {
+                finish_reason: crate::openai::FinishReason::Stop,
+                usage: Usage::new(3, 0),
+                timings: Default::default(),
+            },
+        ))
+        .await
+        .unwrap();
+        let mut rest = String::new();
+        while let Some(frame) = body.next().await {
+            rest.push_str(&String::from_utf8_lossy(&frame.unwrap()));
+        }
+        assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
+    }
+
     #[test]
     fn argument_fragments_concatenate_to_the_object() {
         let args = r#"{"city": "Paris", "days": 3, "opts": {"a": [1, 2]}}"#;
