@@ -356,6 +356,11 @@ async fn metrics_openapi_and_models() {
     assert_eq!(card["input_modalities"], json!(["text"]));
     assert!(card["max_prefill"].as_u64().unwrap() > 0);
     assert!(card["profile"].is_null());
+    let one: Value = client().get(format!("{base}/v1/models/nebula-demo")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(&one, card);
+    let resp = client().get(format!("{base}/v1/models/other/model")).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    assert_eq!(resp.json::<Value>().await.unwrap()["error"]["code"], "model_not_found");
 }
 
 #[test]

@@ -410,6 +410,18 @@ async fn bad_requests_get_openai_errors() {
             Some("max_tokens"),
         ),
         (
+            "max_tokens over the context",
+            json!({"messages": hi, "max_tokens": 1_000_000}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+        ),
+        (
+            "max_completion_tokens over the context",
+            json!({"messages": hi, "max_completion_tokens": 9_000_000_000_i64}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("max_completion_tokens"),
+        ),
+        (
             "accuracy_level 4",
             json!({"messages": hi, "accuracy_level": 4}).to_string(),
             StatusCode::BAD_REQUEST,

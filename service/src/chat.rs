@@ -103,6 +103,23 @@ fn check_room(prompt_tokens: usize, limit: usize) -> Result<usize, ApiError> {
     Ok(limit - prompt_tokens)
 }
 
+/// Refuses a completion budget the context cannot hold (never silently shortened): `n` tokens asked for in field
+/// `name` after a prompt of `prompt_tokens`, within `limit`.
+pub fn check_completion_room(n: usize, name: &str, prompt_tokens: usize, limit: usize) -> Result<usize, ApiError> {
+    if prompt_tokens.saturating_add(n) > limit {
+        return Err(ApiError::invalid_with_code(
+            format!(
+                "This model's maximum context length is {limit} tokens. However, you requested {} tokens \
+                 ({prompt_tokens} in the prompt, {n} in `{name}`). Reduce the length of the messages or of `{name}`.",
+                prompt_tokens.saturating_add(n)
+            ),
+            Some(name.to_owned()),
+            "context_length_exceeded",
+        ));
+    }
+    Ok(n)
+}
+
 /// Checks `req` against the served `model` and prepares its generation.
 ///
 /// Errors: 404 for another model, 400 for anything invalid, including a prompt that does not fit the context.
@@ -132,8 +149,8 @@ pub fn prepare(
     check_content(&req)?;
     let (context_limit, prefill_chunk) = request_limits(model, req.max_context, req.max_prefill)?;
     let max_tokens = match (req.max_completion_tokens, req.max_tokens) {
-        (Some(n), _) => Some(positive(n, "max_completion_tokens")?),
-        (None, Some(n)) => Some(positive(n, "max_tokens")?),
+        (Some(n), _) => Some((positive(n, "max_completion_tokens")?, "max_completion_tokens")),
+        (None, Some(n)) => Some((positive(n, "max_tokens")?, "max_tokens")),
         (None, None) => None,
     };
     let stop = stop_strings(req.stop.clone())?;
@@ -216,7 +233,11 @@ pub fn prepare(
     };
     let prompt_tokens = ids.len();
     let ignore_eos = req.ignore_eos.unwrap_or(false);
-    let mut request = GenerateRequest::new(ids, max_tokens.map_or(room, |n| n.min(room)));
+    let max_tokens = match max_tokens {
+        None => room,
+        Some((n, name)) => check_completion_room(n, name, ids.len(), context_limit)?,
+    };
+    let mut request = GenerateRequest::new(ids, max_tokens);
     request.sampling = sampling;
     request.ignore_eos = ignore_eos;
     request.logprobs = logprobs;

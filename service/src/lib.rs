@@ -57,6 +57,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     let mut app = Router::new()
         .route("/health", get(routes::health::health))
         .route("/v1/models", get(routes::models::list_models))
+        .route("/v1/models/{*model}", get(routes::models::retrieve_model))
         .route("/metrics", get(metrics::metrics))
         .route("/openapi.json", get(openapi::openapi_json))
         .merge(generation)

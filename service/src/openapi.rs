@@ -24,6 +24,7 @@ use crate::routes;
         routes::chat::chat_completions,
         routes::completions::completions,
         routes::models::list_models,
+        routes::models::retrieve_model,
         routes::health::health,
         crate::metrics::metrics,
         openapi_json,

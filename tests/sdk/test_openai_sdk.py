@@ -41,6 +41,9 @@ def test_models_list(client):
     assert model.object == "model"
     assert model.owned_by == "nebula"
     assert model.model_extra["max_model_len"] > 0
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
 
 
 def test_non_stream_greedy(client):

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use nebula_engine::text::output::ParseOptions;
 use nebula_engine::worker::GenerateRequest;
 
-use crate::chat::{SamplingFields, choices, positive, repetition_guard, sampling, stop_strings};
+use crate::chat::{SamplingFields, check_completion_room, choices, positive, repetition_guard, sampling, stop_strings};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::OpenAiJson;
 use crate::generation::{DriveSettings, Generation, Piece, start};
@@ -86,8 +86,8 @@ pub async fn completions(
         }
     };
     let max_tokens = match req.max_tokens {
-        None => DEFAULT_COMPLETION_TOKENS,
-        Some(n) => positive(n, "max_tokens")?,
+        None => None,
+        Some(n) => Some(positive(n, "max_tokens")?),
     };
     let stop = stop_strings(req.stop.clone())?;
     let fields = SamplingFields {
@@ -122,7 +122,12 @@ pub async fn completions(
     }
     let room = limit - ids.len();
     let ignore_eos = req.ignore_eos.unwrap_or(false);
-    let mut request = GenerateRequest::new(ids, max_tokens.min(room));
+    // The default budget shrinks to what fits; an explicit one that does not fit is refused.
+    let max_tokens = match max_tokens {
+        None => DEFAULT_COMPLETION_TOKENS.min(room),
+        Some(n) => check_completion_room(n, "max_tokens", ids.len(), limit)?,
+    };
+    let mut request = GenerateRequest::new(ids, max_tokens);
     request.sampling = params;
     request.ignore_eos = ignore_eos;
     request.logprobs = logprobs;
