@@ -256,6 +256,20 @@ async fn text_completions() {
     assert_eq!(chunks.last().unwrap()["choices"], json!([]));
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], resp["usage"]["completion_tokens"]);
 
+    // `echo` prepends the prompt, streamed or not.
+    let (_, whole) =
+        post(&base, "/v1/completions", &json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": true}))
+            .await;
+    assert!(whole["choices"][0]["text"].as_str().unwrap().starts_with(prompt));
+    let chunks = post_stream(
+        &base,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": true, "stream": true}),
+    )
+    .await;
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+
     let (status, resp) = post(&base, "/v1/completions", &json!({"prompt": ["a", "b"]})).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(resp["error"]["param"], "prompt");

@@ -239,10 +239,12 @@ pub fn chat_sse(
     Sse::new(events).keep_alive(KeepAlive::new().interval(keepalive).text("keep-alive"))
 }
 
-/// The SSE response of a text completion with `meta.n` choices (`logprobs` in the legacy shape).
+/// The SSE response of a text completion with `meta.n` choices (`logprobs` in the legacy shape); with `echo`,
+/// each choice's first chunk is the prompt.
 pub fn completion_sse(
     meta: ChunkMeta,
     pieces: mpsc::Receiver<(usize, Piece)>,
+    echo: Option<String>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>> + Send + 'static> {
     let keepalive = meta.keepalive;
     struct St {
@@ -252,6 +254,8 @@ pub fn completion_sse(
         done: usize,
         usage: Option<Usage>,
         closed: bool,
+        echo: Option<String>,
+        echoed: Vec<bool>,
     }
     let chunk = |meta: &ChunkMeta, choice: CompletionChoice, usage: Option<Usage>, timings| Completion {
         id: meta.id.clone(),
@@ -262,60 +266,76 @@ pub fn completion_sse(
         usage,
         timings,
     };
-    let state = St { meta, pieces, logprobs: None, done: 0, usage: None, closed: false };
+    let echoed = vec![false; meta.n];
+    let state = St { meta, pieces, logprobs: None, done: 0, usage: None, closed: false, echo, echoed };
     let events = stream::unfold(state, move |mut st| async move {
         if st.closed {
             return None;
         }
         let mut events = Vec::new();
         match st.pieces.recv().await {
-            Some((index, piece)) => match piece {
-                Piece::Logprob(lp) => {
-                    let l = st.logprobs.get_or_insert_with(CompletionLogprobs::default);
-                    push_legacy_logprob(l, &lp);
-                }
-                Piece::Content(text) | Piece::Reasoning(text) => {
-                    let choice = CompletionChoice { index, text, finish_reason: None, logprobs: st.logprobs.take() };
+            Some((index, piece)) => {
+                if let Some(text) = st.echo.clone()
+                    && !st.echoed.get(index).copied().unwrap_or(true)
+                {
+                    st.echoed[index] = true;
+                    let choice = CompletionChoice { index, text, finish_reason: None, logprobs: None };
                     events.push(json_event(&chunk(&st.meta, choice, None, None)));
                 }
-                Piece::ToolCall { .. }
-                | Piece::ToolCallStart { .. }
-                | Piece::ToolCallArguments { .. }
-                | Piece::Progress => {}
-                Piece::Done { finish_reason, usage, timings } => {
-                    let choice = CompletionChoice {
-                        index,
-                        text: String::new(),
-                        finish_reason: Some(finish_reason),
-                        logprobs: st.logprobs.take(),
-                    };
-                    events.push(json_event(&chunk(&st.meta, choice, None, Some(timings))));
-                    st.usage = Some(match st.usage {
-                        None => usage,
-                        Some(t) => Usage::new(t.prompt_tokens, t.completion_tokens + usage.completion_tokens)
-                            .with_cached(t.prompt_tokens_details.cached_tokens),
-                    });
-                    st.done += 1;
-                    if st.done == st.meta.n {
-                        if st.meta.include_usage {
-                            let mut last = chunk(
-                                &st.meta,
-                                CompletionChoice { index: 0, text: String::new(), finish_reason: None, logprobs: None },
-                                st.usage,
-                                None,
-                            );
-                            last.choices.clear();
-                            events.push(json_event(&last));
+                match piece {
+                    Piece::Logprob(lp) => {
+                        let l = st.logprobs.get_or_insert_with(CompletionLogprobs::default);
+                        push_legacy_logprob(l, &lp);
+                    }
+                    Piece::Content(text) | Piece::Reasoning(text) => {
+                        let choice =
+                            CompletionChoice { index, text, finish_reason: None, logprobs: st.logprobs.take() };
+                        events.push(json_event(&chunk(&st.meta, choice, None, None)));
+                    }
+                    Piece::ToolCall { .. }
+                    | Piece::ToolCallStart { .. }
+                    | Piece::ToolCallArguments { .. }
+                    | Piece::Progress => {}
+                    Piece::Done { finish_reason, usage, timings } => {
+                        let choice = CompletionChoice {
+                            index,
+                            text: String::new(),
+                            finish_reason: Some(finish_reason),
+                            logprobs: st.logprobs.take(),
+                        };
+                        events.push(json_event(&chunk(&st.meta, choice, None, Some(timings))));
+                        st.usage = Some(match st.usage {
+                            None => usage,
+                            Some(t) => Usage::new(t.prompt_tokens, t.completion_tokens + usage.completion_tokens)
+                                .with_cached(t.prompt_tokens_details.cached_tokens),
+                        });
+                        st.done += 1;
+                        if st.done == st.meta.n {
+                            if st.meta.include_usage {
+                                let mut last = chunk(
+                                    &st.meta,
+                                    CompletionChoice {
+                                        index: 0,
+                                        text: String::new(),
+                                        finish_reason: None,
+                                        logprobs: None,
+                                    },
+                                    st.usage,
+                                    None,
+                                );
+                                last.choices.clear();
+                                events.push(json_event(&last));
+                            }
+                            events.push(Event::default().data("[DONE]"));
+                            st.closed = true;
                         }
-                        events.push(Event::default().data("[DONE]"));
+                    }
+                    Piece::Failed(message) => {
+                        events.extend(error_events(&message));
                         st.closed = true;
                     }
                 }
-                Piece::Failed(message) => {
-                    events.extend(error_events(&message));
-                    st.closed = true;
-                }
-            },
+            }
             None => {
                 events.extend(error_events("the generation ended unexpectedly"));
                 st.closed = true;

@@ -153,7 +153,8 @@ pub async fn completions(
             n,
             keepalive: Duration::from_secs_f64(state.config.sse_keepalive_s),
         };
-        return Ok(completion_sse(meta, pieces).into_response());
+        let echo = req.echo.unwrap_or(false).then(|| prompt.clone());
+        return Ok(completion_sse(meta, pieces, echo).into_response());
     }
     let echo = req.echo.unwrap_or(false);
     let mut texts: Vec<String> = vec![if echo { prompt.clone() } else { String::new() }; n];
