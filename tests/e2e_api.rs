@@ -460,7 +460,7 @@ async fn concurrency_limit_refuses_with_retry_after_and_body_limit_is_413() {
     drop(stream);
     // The slot comes back when the stream ends (the disconnect cancels it).
     let mut status = StatusCode::TOO_MANY_REQUESTS;
-    for _ in 0..200 {
+    for _ in 0..1500 {
         status = post(&base, "/v1/chat/completions", &hello()).await.0;
         if status == StatusCode::OK {
             break;
