@@ -549,3 +549,31 @@ async fn cors_is_off_by_default_and_follows_the_configured_origins() {
     let resp = other.send().await.unwrap();
     assert!(resp.headers().get("access-control-allow-origin").is_none());
 }
+
+/// Without special tokens typed in the text, the plain-text-safe encoding equals encoding the rendered prompt with
+/// added-token matching on (the HF path), for conversations with tools, history, reasoning and Unicode.
+#[tokio::test]
+async fn safe_encoding_equals_the_hf_encoding_when_no_special_tokens_are_typed() {
+    let (_, model) = spawn_server(config());
+    let conversations = [
+        json!({"messages": [{"role": "user", "content": "Hello!"}]}),
+        json!({"messages": [{"role": "system", "content": "Be terse. <b>html</b> a < b > c"},
+            {"role": "user", "content": "Weather in Paris? 你好 🙂 café"},
+            {"role": "assistant", "content": null, "reasoning_content": "Need the tool.", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 2}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": 21}"},
+            {"role": "assistant", "content": "21 °C.", "reasoning_content": "Easy."},
+            {"role": "user", "content": [{"type": "text", "text": "And <tomorrow>?"}]}],
+            "tools": weather_tools()}),
+        json!({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"}),
+        json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": false}}),
+    ];
+    let defaults = nebula_service::config::GenerationDefaults::default();
+    let hf = nebula_service::config::GenerationDefaults { allow_special_tokens_in_content: true, ..defaults.clone() };
+    for body in conversations {
+        let req: nebula_service::openai::ChatCompletionRequest = serde_json::from_value(body.clone()).unwrap();
+        let safe = nebula_service::chat::prepare(&model, &defaults, req.clone()).unwrap();
+        let open = nebula_service::chat::prepare(&model, &hf, req).unwrap();
+        assert_eq!(safe.generation.request.prompt, open.generation.request.prompt, "{body}");
+    }
+}
