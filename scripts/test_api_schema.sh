@@ -28,7 +28,8 @@ env -u NEBULA_API_KEY NEBULA_MAX_CONTEXT=1024 NEBULA_DEFAULTS__REPETITION_WINDOW
 server=$!
 trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true' EXIT
 for _ in $(seq 1200); do
-    if curl -fs "$base/health" > /dev/null 2>&1; then break; fi
+    if python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$base/health" \
+        > /dev/null 2>&1; then break; fi
     if ! kill -0 "$server" 2>/dev/null; then echo "nebula serve exited; see target/schema-test-server.log"; exit 1; fi
     sleep 0.1
 done
