@@ -133,10 +133,19 @@ impl PrefixCache {
         Some(CacheHit { entry, checkpoint: &entry.checkpoints[c] })
     }
 
-    /// Keeps a finished sequence. Entries whose tokens are a prefix of it are dropped (it covers them), then the
-    /// least recently used go until the limits hold. A sequence larger than the whole budget is not kept.
-    pub fn insert(&mut self, entry: CacheEntry) {
-        if !self.enabled() || entry.checkpoints.is_empty() || entry.bytes() > self.opts.max_bytes {
+    /// Keeps a finished sequence. Its checkpoints are thinned when it would take more than half the budget
+    /// (interior ones go first, oldest first; the first, which a chat sharing the system prompt resumes from, and
+    /// the last two, the end of the prompt and of the answer, stay). Entries whose tokens are a prefix of it are
+    /// dropped (it covers them), then the least recently used go until the limits hold. A sequence still larger
+    /// than the whole budget is not kept.
+    pub fn insert(&mut self, mut entry: CacheEntry) {
+        if !self.enabled() || entry.checkpoints.is_empty() {
+            return;
+        }
+        while entry.bytes() > self.opts.max_bytes / 2 && entry.checkpoints.len() > 3 {
+            entry.checkpoints.remove(1);
+        }
+        if entry.bytes() > self.opts.max_bytes {
             return;
         }
         self.entries.retain(|old| !entry.tokens.starts_with(&old.tokens));
@@ -149,5 +158,62 @@ impl PrefixCache {
     /// Drops every entry.
     pub fn clear(&mut self) {
         self.entries.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::linear_attn::GdnState;
+    use crate::model::state::LayerState;
+
+    /// A one-layer recurrent sequence of `tokens` with a checkpoint at each of `at` (1 KiB each).
+    fn entry(tokens: &[u32], at: &[usize]) -> CacheEntry {
+        let gdn = GdnState { conv: vec![0.0; 0], recurrent: vec![0.0; 256] };
+        let state = SequenceState {
+            pos: tokens.len(),
+            max_len: 1 << 20,
+            layers: vec![LayerState::LinearAttention(gdn.clone())],
+            ple: None,
+        };
+        let checkpoints = at
+            .iter()
+            .map(|&pos| Checkpoint {
+                snapshot: Snapshot { pos, recurrent: vec![Some(gdn.clone())], ple: None },
+                logits: None,
+            })
+            .collect();
+        CacheEntry { tokens: tokens.to_vec(), state, checkpoints }
+    }
+
+    #[test]
+    fn lookup_takes_the_longest_usable_checkpoint() {
+        let mut cache = PrefixCache::new(PrefixCacheOptions::default());
+        cache.insert(entry(&[1, 2, 3, 4, 5, 6], &[2, 4, 6]));
+        let hit = cache.lookup(&[1, 2, 3, 4, 9]).unwrap();
+        assert_eq!(hit.checkpoint.snapshot.pos(), 4);
+        // The whole prompt is covered only by a checkpoint with logits; otherwise one token is left to run.
+        let hit = cache.lookup(&[1, 2, 3, 4, 5, 6]).unwrap();
+        assert_eq!(hit.checkpoint.snapshot.pos(), 4);
+        assert!(cache.lookup(&[7, 8]).is_none());
+    }
+
+    #[test]
+    fn limits_thin_checkpoints_and_evict_the_least_recently_used() {
+        // Each entry: 1 KiB of state + 1 KiB per checkpoint.
+        let opts = PrefixCacheOptions { max_entries: 2, max_bytes: 8 * 1024, interval: 4 };
+        let mut cache = PrefixCache::new(opts);
+        cache.insert(entry(&[1; 10], &[1, 2, 3, 4, 5, 6, 7, 8]));
+        let kept: Vec<usize> = cache.entries[0].checkpoints.iter().map(|c| c.snapshot.pos()).collect();
+        assert_eq!(kept, vec![1, 7, 8], "thinned to half the budget: the first and the last two stay");
+        cache.insert(entry(&[2; 10], &[5]));
+        cache.lookup(&[1; 12]);
+        cache.insert(entry(&[3; 10], &[5]));
+        let firsts: Vec<u32> = cache.entries.iter().map(|e| e.tokens[0]).collect();
+        assert_eq!(firsts, vec![1, 3], "the least recently used entry went");
+        // A sequence that extends a cached one replaces it.
+        cache.insert(entry(&[3; 14], &[12]));
+        assert_eq!(cache.len(), 2);
+        assert!(cache.entries.iter().all(|e| e.tokens.len() != 10 || e.tokens[0] != 3));
     }
 }
