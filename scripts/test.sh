@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nebula's test suite: everything CI runs. Needs cargo and python3 with pip; installs the pinned Python test
 # packages, rebuilds the (uncommitted) tokenizer.json the tokenizer tests read, then runs every Rust test in
-# release mode, the OpenAI Python SDK end-to-end test against a real `nebula serve`, and the WebUI's unit and
+# release mode (the HTTP end-to-end and 32-client load tests among them), the OpenAI Python SDK end-to-end test
+# and schemathesis (property-based, against openapi/openapi.json) against a real `nebula serve`, and the WebUI's unit and
 # browser tests (webui/scripts/test.sh installs Debian's chromium and nginx-light when they are missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,5 +17,6 @@ cargo build --release --workspace --all-targets
 cargo test --release --workspace
 NEBULA_BIN=target/release/nebula DEPLOY_CHECK_SKIP_CARGO=1 deploy/check.sh
 scripts/test_sdk.sh
+scripts/test_api_schema.sh
 webui/scripts/test.sh
 echo "all tests passed"

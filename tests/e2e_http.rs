@@ -130,7 +130,9 @@ async fn health_is_503_while_loading_and_requests_wait_for_the_model() {
     // Loading the model takes hundreds of milliseconds; these requests take one.
     let resp = client().get(format!("{base}/health")).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(resp.json::<Value>().await.unwrap(), json!({"status": "loading"}));
+    let health = resp.json::<Value>().await.unwrap();
+    assert_eq!(health["status"], "loading");
+    assert!(health["phase"].as_str().is_some_and(|p| !p.is_empty()), "{health}");
     let (status, body) = post(&base, &hello(json!({}))).await;
     assert_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, None);
     assert_eq!(body["error"]["code"], "model_loading");
@@ -399,7 +401,83 @@ async fn bad_requests_get_openai_errors() {
             Some("stream"),
         ),
         ("unknown model", json!({"model": "gpt-4o", "messages": hi}).to_string(), StatusCode::NOT_FOUND, Some("model")),
-        ("n = 2", json!({"messages": hi, "n": 2}).to_string(), StatusCode::BAD_REQUEST, Some("n")),
+        ("n = 9", json!({"messages": hi, "n": 9}).to_string(), StatusCode::BAD_REQUEST, Some("n")),
+        ("n = 0", json!({"messages": hi, "n": 0}).to_string(), StatusCode::BAD_REQUEST, Some("n")),
+        (
+            "huge max_tokens",
+            json!({"messages": hi, "max_tokens": 1e300}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+        ),
+        (
+            "max_tokens over the context",
+            json!({"messages": hi, "max_tokens": 1_000_000}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+        ),
+        (
+            "max_completion_tokens over the context",
+            json!({"messages": hi, "max_completion_tokens": 9_000_000_000_i64}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("max_completion_tokens"),
+        ),
+        (
+            "accuracy_level 4",
+            json!({"messages": hi, "accuracy_level": 4}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("accuracy_level"),
+        ),
+        (
+            "max_context over the server's",
+            json!({"messages": hi, "max_context": 1_000_000}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("max_context"),
+        ),
+        (
+            "max_prefill 0",
+            json!({"messages": hi, "max_prefill": 0}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("max_prefill"),
+        ),
+        (
+            "presence_penalty 3",
+            json!({"messages": hi, "presence_penalty": 3}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("presence_penalty"),
+        ),
+        (
+            "repetition_penalty 0",
+            json!({"messages": hi, "repetition_penalty": 0}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("repetition_penalty"),
+        ),
+        (
+            "top_logprobs without logprobs",
+            json!({"messages": hi, "top_logprobs": 3}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("top_logprobs"),
+        ),
+        (
+            "tool_choice naming an unknown function",
+            json!({"messages": hi, "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}}})
+            .to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("tool_choice"),
+        ),
+        (
+            "tool_choice required without tools",
+            json!({"messages": hi, "tool_choice": "required"}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("tool_choice"),
+        ),
+        (
+            "json_schema without a schema object",
+            json!({"messages": hi, "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}})
+                .to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("response_format"),
+        ),
         (
             "negative max_tokens",
             json!({"messages": hi, "max_tokens": -1}).to_string(),
@@ -446,10 +524,15 @@ async fn bad_requests_get_openai_errors() {
             StatusCode::BAD_REQUEST,
             Some("chat_template_kwargs.enable_thinking"),
         ),
-        ("logprobs", json!({"messages": hi, "logprobs": true}).to_string(), StatusCode::BAD_REQUEST, Some("logprobs")),
         (
-            "json mode",
-            json!({"messages": hi, "response_format": {"type": "json_object"}}).to_string(),
+            "top_logprobs 21",
+            json!({"messages": hi, "logprobs": true, "top_logprobs": 21}).to_string(),
+            StatusCode::BAD_REQUEST,
+            Some("top_logprobs"),
+        ),
+        (
+            "unknown response_format",
+            json!({"messages": hi, "response_format": {"type": "xml"}}).to_string(),
             StatusCode::BAD_REQUEST,
             Some("response_format"),
         ),
@@ -485,6 +568,12 @@ async fn bad_requests_get_openai_errors() {
     }
     let (_, resp) = post(&server.base, &json!({"model": "gpt-4o", "messages": hi})).await;
     assert_eq!(resp["error"]["code"], "model_not_found");
+
+    // Invalid UTF-8 inside a string is a JSON syntax error.
+    let (status, resp) =
+        post_raw(&server.base, b"{\"messages\": [{\"role\": \"user\", \"content\": \"a\xff\"}]}".to_vec()).await;
+    assert_error(status, &resp, StatusCode::BAD_REQUEST, None);
+    assert_eq!(resp["error"]["code"], "invalid_json");
 
     // Unknown routes and wrong methods answer in the same body.
     let resp = client().get(format!("{}/v1/nothing", server.base)).send().await.unwrap();

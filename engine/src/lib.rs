@@ -2,14 +2,16 @@
 //!
 //! Data flows one way: [`gguf`] reads the file, [`quant`] turns its blocks into numbers, [`model`] runs the
 //! forward pass of the reference (`transformers` `modeling_qwen4_exp.py`), [`sampling`] picks the next token, and
-//! [`text`] turns text into token ids and back (tokenizer, chat template, output parsing). [`engine`] runs
-//! generation on a worker thread fed by a queue; the HTTP service never touches tensors.
+//! [`text`] turns text into token ids and back (tokenizer, chat template, output parsing). [`worker`] runs
+//! generation on a worker thread fed by a queue, resuming prompts from the [`prefix_cache`]; the HTTP service never
+//! touches tensors.
 
 pub mod backend;
 pub mod bench;
 pub mod convert;
 pub mod gguf;
 pub mod model;
+pub mod prefix_cache;
 pub mod quant;
 pub mod sampling;
 pub mod synth;

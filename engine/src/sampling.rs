@@ -1,9 +1,13 @@
-//! Picking the next token from logits: greedy, temperature, top-k, top-p (nucleus), min-p, with a seeded RNG.
+//! Picking the next token from logits: penalties, an optional token constraint, greedy, temperature, top-k,
+//! top-p (nucleus), min-p, with a seeded RNG; and the log-probabilities of the choice.
 //!
-//! Order of the filters, as llama.cpp and vLLM apply them: top-k, then temperature-scaled softmax, then top-p,
-//! then min-p (relative to the most likely token), then a draw. Temperature 0 (or top-k 1) is greedy argmax,
-//! with ties broken toward the lower id. Masked logits (`-inf`, e.g. vocabulary rows no token has) are never
-//! chosen.
+//! Order, as vLLM applies them: penalties on the raw logits ([`Sampler::apply_penalties`]: repetition over the
+//! prompt and the output, presence and frequency over the output), then a request's [`TokenConstraint`] masks
+//! what it forbids (the worker calls it), then top-k, temperature-scaled softmax, top-p, min-p (relative to the
+//! most likely token), and a draw. Temperature 0 (or top-k 1) is greedy argmax, with ties broken toward the lower
+//! id. Masked logits (`-inf`, e.g. vocabulary rows no token has) are never chosen.
+
+use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha12Rng;
@@ -21,16 +25,40 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Seed of the random generator; `None` seeds from the OS.
     pub seed: Option<u64>,
+    /// OpenAI `presence_penalty` in [-2, 2]: subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// OpenAI `frequency_penalty` in [-2, 2]: subtracted from a token's logit once per time it was generated.
+    pub frequency_penalty: f32,
+    /// HF/vLLM `repetition_penalty` (> 0, 1 = off): logits of tokens seen in the prompt or output are divided by
+    /// it when positive and multiplied by it when negative.
+    pub repetition_penalty: f32,
 }
 
 impl Default for SamplingParams {
-    /// Greedy.
+    /// Greedy, no penalties.
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: None }
+        Self::GREEDY
     }
 }
 
 impl SamplingParams {
+    /// Greedy, no penalties.
+    pub const GREEDY: Self = Self {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: None,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        repetition_penalty: 1.0,
+    };
+
+    /// Whether any penalty is on.
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
+    }
+
     /// Checks every field's range; the message names the field.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
@@ -42,6 +70,14 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(format!("repetition_penalty must be a finite number > 0, got {}", self.repetition_penalty));
+        }
         Ok(())
     }
 
@@ -52,11 +88,61 @@ impl SamplingParams {
 }
 
 /// A sampler with its own random stream (one per request, so a seeded request is reproducible whatever else
-/// the server does).
+/// the server does) and the token counts its penalties need.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha12Rng,
+    /// Times each token was generated (presence and frequency penalties).
+    generated: HashMap<u32, u32>,
+    /// Tokens of the prompt and the output (repetition penalty).
+    seen: std::collections::HashSet<u32>,
+}
+
+/// A request's rule on which tokens may come next (e.g. a grammar for JSON output), applied by the worker after
+/// the penalties and before the draw. Implementations live outside the engine (the service builds them with a
+/// grammar library); the engine only calls these methods, in this order, once per generated token.
+pub trait TokenConstraint: Send {
+    /// Sets the logits of forbidden tokens to `-inf` (`logits` has one value per vocabulary row).
+    ///
+    /// Errors: the constraint cannot go on (its message ends the request as a failure).
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String>;
+    /// Advances past the token that was chosen.
+    ///
+    /// Errors: the token is not allowed or the constraint failed.
+    fn commit(&mut self, token: u32) -> Result<(), String>;
+}
+
+/// Log-probabilities of one chosen token and of the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// Natural log of the chosen token's probability.
+    pub logprob: f32,
+    /// The `n` most likely tokens with their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Log-softmax of `logits` at `token`, and the `top_n` most likely tokens (the distribution after penalties and
+/// the constraint's mask, before temperature and the top-k/top-p/min-p filters; as vLLM's processed logprobs
+/// without the sampling filters). Masked tokens have `-inf` and never appear in `top`.
+pub fn logprobs_of(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().filter(|v| v.is_finite()).fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().filter(|v| v.is_finite()).map(|&v| ((v - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    let lp = |v: f32| if v.is_finite() { (v as f64 - log_z) as f32 } else { f32::NEG_INFINITY };
+    let mut top: Vec<(u32, f32)> = Vec::new();
+    if top_n > 0 {
+        let mut cand: Vec<(u32, f32)> =
+            logits.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v)).collect();
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if top_n < cand.len() {
+            cand.select_nth_unstable_by(top_n - 1, by_logit);
+            cand.truncate(top_n);
+        }
+        cand.sort_unstable_by(by_logit);
+        top = cand.into_iter().map(|(id, v)| (id, lp(v))).collect();
+    }
+    TokenLogprobs { logprob: logits.get(token as usize).map_or(f32::NEG_INFINITY, |&v| lp(v)), top }
 }
 
 /// Index of the largest finite value, lowest index on ties; `None` if every value is `-inf` or NaN.
@@ -80,7 +166,45 @@ impl Sampler {
             Some(s) => ChaCha12Rng::seed_from_u64(s),
             None => ChaCha12Rng::from_os_rng(),
         };
-        Self { params, rng }
+        Self { params, rng, generated: HashMap::new(), seen: Default::default() }
+    }
+
+    /// Records the prompt (the repetition penalty covers it).
+    pub fn observe_prompt(&mut self, prompt: &[u32]) {
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.extend(prompt.iter().copied());
+        }
+    }
+
+    /// Records a generated token (after it was chosen).
+    pub fn accept(&mut self, token: u32) {
+        if self.params.has_penalties() {
+            *self.generated.entry(token).or_insert(0) += 1;
+            self.seen.insert(token);
+        }
+    }
+
+    /// Applies the penalties to `logits` in place (only the logits of tokens already seen change).
+    pub fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            for &t in &self.seen {
+                if let Some(v) = logits.get_mut(t as usize)
+                    && v.is_finite()
+                {
+                    *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &count) in &self.generated {
+                if let Some(v) = logits.get_mut(t as usize)
+                    && v.is_finite()
+                {
+                    *v -= p.presence_penalty + p.frequency_penalty * count as f32;
+                }
+            }
+        }
     }
 
     /// The settings.
@@ -143,7 +267,7 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
-        SamplingParams { temperature, top_k, top_p, min_p, seed: Some(7) }
+        SamplingParams { temperature, top_k, top_p, min_p, seed: Some(7), ..SamplingParams::GREEDY }
     }
 
     #[test]
@@ -186,6 +310,33 @@ mod tests {
         assert_eq!(seen(params(1.0, 0, 0.5, 0.0)), vec![0, 4]);
         assert_eq!(seen(params(1.0, 0, 1.0, 0.5)), vec![0, 1, 4]);
         assert_eq!(seen(params(100.0, 0, 1.0, 0.0)), vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn penalties_lower_repeated_tokens() {
+        let p = SamplingParams { presence_penalty: 1.0, frequency_penalty: 0.5, ..SamplingParams::GREEDY };
+        let mut s = Sampler::new(p);
+        s.accept(1);
+        s.accept(1);
+        s.accept(2);
+        let mut logits = vec![0.0, 3.0, 3.0, f32::NEG_INFINITY];
+        s.apply_penalties(&mut logits);
+        assert_eq!(logits, vec![0.0, 1.0, 1.5, f32::NEG_INFINITY]);
+        let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::GREEDY };
+        let mut s = Sampler::new(p);
+        s.observe_prompt(&[0, 1]);
+        let mut logits = vec![-2.0, 4.0, 4.0];
+        s.apply_penalties(&mut logits);
+        assert_eq!(logits, vec![-4.0, 2.0, 4.0]);
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax() {
+        let logits = vec![0.0f32, (2.0f32).ln(), f32::NEG_INFINITY, (3.0f32).ln()];
+        let lp = logprobs_of(&logits, 1, 2);
+        assert!((lp.logprob - (2.0f32 / 6.0).ln()).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![3, 1]);
+        assert_eq!(logprobs_of(&logits, 2, 0).logprob, f32::NEG_INFINITY);
     }
 
     #[test]

@@ -6,6 +6,11 @@
 //! ones), at `max_tokens`, at the context limit, or when the request is cancelled — by its cancel flag or by the
 //! receiver being dropped (the client went away); the check runs before every decode step and between prefill
 //! chunks, so a cancelled request frees the worker within one step.
+//!
+//! The worker keeps a [`PrefixCache`]: each request resumes from the cached checkpoint that covers most of its
+//! prompt and prefills only the rest; its own state and checkpoints are cached when it ends. A request may carry
+//! a [`TokenConstraint`] (a grammar) that masks the logits before each draw, and ask for log-probabilities.
+//! A repetition guard ends output that loops on one short pattern ([`FinishReason::Repetition`]).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -15,13 +20,14 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 use crate::gguf::GgufFile;
-use crate::model::{LogitsFor, ModelConfig, ModelError, Qwen4Exp};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::model::{LogitsFor, ModelConfig, ModelError, Qwen4Exp, SequenceState};
+use crate::prefix_cache::{CacheEntry, Checkpoint, PrefixCache, PrefixCacheOptions};
+use crate::sampling::{Sampler, SamplingParams, TokenConstraint, TokenLogprobs, logprobs_of};
 use crate::text::chat_template::{ChatTemplate, TemplateError};
 use crate::text::tokenizer::{GgufVocab, TextTokenizer, TokenizerError};
 
-/// Tokens prefilled per forward call: bounds activation memory and lets a cancel land mid-prefill.
-const PREFILL_CHUNK: usize = 512;
+/// Tokens prefilled per forward call by default: bounds activation memory and lets a cancel land mid-prefill.
+pub const PREFILL_CHUNK: usize = 512;
 
 /// Why a model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +78,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or the context limit was reached.
     Length,
+    /// The output looped on one short pattern (the repetition guard ended it).
+    Repetition,
     /// The request was cancelled.
     Cancelled,
 }
@@ -79,8 +87,10 @@ pub enum FinishReason {
 /// Counts and times of a finished request.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Usage {
-    /// Prompt tokens prefilled.
+    /// Prompt tokens (cached + prefilled).
     pub prompt_tokens: usize,
+    /// Prompt tokens taken from the prefix cache instead of being prefilled.
+    pub cached_tokens: usize,
     /// Tokens generated (the stop token not counted).
     pub completion_tokens: usize,
     /// Time spent queued, ms.
@@ -95,14 +105,67 @@ pub struct Usage {
 /// [`GenerationEvent::Token`], then exactly one of [`GenerationEvent::Finished`] or [`GenerationEvent::Failed`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenerationEvent {
-    /// The request left the queue and prefill began.
-    Started,
-    /// One generated token.
-    Token(u32),
+    /// The request left the queue and prefill began; `cached_tokens` of the prompt come from the prefix cache.
+    Started {
+        /// Prompt tokens that need no prefill.
+        cached_tokens: usize,
+    },
+    /// Prefill progress, sent after each chunk (also a sign of life during a long prefill).
+    Prefilled {
+        /// Prompt tokens done (cached ones included).
+        done: usize,
+        /// Prompt tokens in all.
+        total: usize,
+    },
+    /// One generated token, with its log-probabilities when the request asked for them.
+    Token {
+        /// The token id.
+        id: u32,
+        /// Its log-probability and the top alternatives.
+        logprobs: Option<TokenLogprobs>,
+    },
     /// Generation ended normally.
     Finished { reason: FinishReason, usage: Usage },
     /// The model failed on this request (the engine stays up).
     Failed(String),
+}
+
+/// A request's [`TokenConstraint`], shareable so that [`GenerateRequest`] stays `Clone` (clones share it).
+#[derive(Clone)]
+pub struct ConstraintHandle(pub Arc<std::sync::Mutex<Box<dyn TokenConstraint>>>);
+
+impl ConstraintHandle {
+    /// Wraps `constraint`.
+    pub fn new(constraint: Box<dyn TokenConstraint>) -> Self {
+        Self(Arc::new(std::sync::Mutex::new(constraint)))
+    }
+}
+
+impl std::fmt::Debug for ConstraintHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConstraintHandle")
+    }
+}
+
+/// The repetition guard: output whose last `window` tokens repeat one pattern of at most `max_period` tokens
+/// is ended with [`FinishReason::Repetition`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RepetitionGuard {
+    /// Tokens that must all follow the pattern.
+    pub window: usize,
+    /// Longest pattern looked for.
+    pub max_period: usize,
+}
+
+impl RepetitionGuard {
+    /// Whether `tokens` end in `window` tokens with a period of at most `max_period`.
+    pub fn trips(&self, tokens: &[u32]) -> bool {
+        if self.window == 0 || tokens.len() < self.window {
+            return false;
+        }
+        let tail = &tokens[tokens.len() - self.window..];
+        (1..=self.max_period.min(self.window / 2)).any(|p| tail[p..].iter().zip(tail).all(|(a, b)| a == b))
+    }
 }
 
 /// One generation request.
@@ -121,6 +184,16 @@ pub struct GenerateRequest {
     /// Keep generating past the model's end-of-turn tokens, until `max_tokens` (benchmarks, tests); the extra
     /// `stop_tokens` still stop.
     pub ignore_eos: bool,
+    /// Report log-probabilities of each token with this many top alternatives (`Some(0)`: the token's only).
+    pub logprobs: Option<usize>,
+    /// A rule on which tokens may come next (JSON grammar, forced tool call).
+    pub constraint: Option<ConstraintHandle>,
+    /// Prompt tokens per forward call during prefill (`None`: [`PREFILL_CHUNK`]).
+    pub prefill_chunk: Option<usize>,
+    /// Ends output that loops (`None`: off).
+    pub repetition_guard: Option<RepetitionGuard>,
+    /// Use and fill the prefix cache.
+    pub use_prefix_cache: bool,
 }
 
 impl GenerateRequest {
@@ -133,6 +206,11 @@ impl GenerateRequest {
             stop_tokens: Vec::new(),
             cancel: Arc::default(),
             ignore_eos: false,
+            logprobs: None,
+            constraint: None,
+            prefill_chunk: None,
+            repetition_guard: None,
+            use_prefix_cache: true,
         }
     }
 }
@@ -144,12 +222,29 @@ pub struct EngineOptions {
     pub max_context: Option<usize>,
     /// Requests that may wait for the worker; more are refused with [`SubmitError::QueueFull`].
     pub queue_capacity: usize,
+    /// The prefix cache's limits.
+    pub prefix_cache: PrefixCacheOptions,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { max_context: None, queue_capacity: 64 }
+        Self { max_context: None, queue_capacity: 64, prefix_cache: PrefixCacheOptions::default() }
     }
+}
+
+/// Counters of the worker since start, for metrics (read with [`Engine::stats`]).
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_queries: AtomicUsize,
+    /// Of those, tokens found (resumed from a checkpoint, not prefilled).
+    pub prefix_hits: AtomicUsize,
+    /// Prompt tokens run through the model.
+    pub prefilled_tokens: AtomicUsize,
+    /// Sequences in the prefix cache now.
+    pub cache_entries: AtomicUsize,
+    /// Bytes the prefix cache holds now.
+    pub cache_bytes: AtomicUsize,
 }
 
 struct Job {
@@ -161,6 +256,7 @@ struct Job {
 /// A loaded model with its tokenizer, chat template and worker thread. Cheap to share behind an `Arc`.
 pub struct Engine {
     jobs: std::sync::mpsc::SyncSender<Job>,
+    stats: Arc<EngineStats>,
     waiting: Arc<AtomicUsize>,
     running: Arc<AtomicUsize>,
     queue_capacity: usize,
@@ -234,12 +330,16 @@ impl Engine {
         let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(opts.queue_capacity);
         let waiting = Arc::new(AtomicUsize::new(0));
         let running = Arc::new(AtomicUsize::new(0));
+        let stats = Arc::new(EngineStats::default());
         let worker = Worker {
             model,
             stop_tokens: stop_tokens.clone(),
+            turn_start: tokenizer.token_to_id("<|im_start|>"),
             max_context,
             waiting: waiting.clone(),
             running: running.clone(),
+            cache: PrefixCache::new(opts.prefix_cache.clone()),
+            stats: stats.clone(),
         };
         std::thread::Builder::new()
             .name("nebula-engine".into())
@@ -247,6 +347,7 @@ impl Engine {
             .expect("spawning the engine thread");
         Ok(Self {
             jobs,
+            stats,
             waiting,
             running,
             queue_capacity: opts.queue_capacity,
@@ -317,18 +418,26 @@ impl Engine {
     pub fn running(&self) -> usize {
         self.running.load(Ordering::SeqCst)
     }
+    /// The worker's counters.
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
 }
 
 struct Worker {
     model: Qwen4Exp,
     stop_tokens: Vec<u32>,
+    /// `<|im_start|>`: the prompt gets a checkpoint before each one (turn boundaries).
+    turn_start: Option<u32>,
     max_context: usize,
     waiting: Arc<AtomicUsize>,
     running: Arc<AtomicUsize>,
+    cache: PrefixCache,
+    stats: Arc<EngineStats>,
 }
 
 impl Worker {
-    fn run(self, rx: std::sync::mpsc::Receiver<Job>) {
+    fn run(mut self, rx: std::sync::mpsc::Receiver<Job>) {
         while let Ok(job) = rx.recv() {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             self.running.fetch_add(1, Ordering::SeqCst);
@@ -340,75 +449,196 @@ impl Worker {
                     .map(|s| s.to_string())
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_else(|| "unknown panic".into());
+                // The cache may hold a half-updated entry; start it afresh.
+                self.cache.clear();
                 let _ = events.send(GenerationEvent::Failed(format!("internal error: {msg}")));
             }
+            self.stats.cache_entries.store(self.cache.len(), Ordering::Relaxed);
+            self.stats.cache_bytes.store(self.cache.bytes(), Ordering::Relaxed);
             self.running.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
-    fn generate(&self, job: Job) {
+    /// Positions of the prompt where a checkpoint is taken: before each `<|im_start|>` after the first token,
+    /// every `interval` tokens, and the end. Sorted, above `from`.
+    fn prompt_checkpoints(&self, prompt: &[u32], from: usize) -> Vec<usize> {
+        let interval = self.cache.options().interval.max(1);
+        let mut at: Vec<usize> = prompt
+            .iter()
+            .enumerate()
+            .filter(|&(i, t)| i > 0 && Some(*t) == self.turn_start)
+            .map(|(i, _)| i)
+            .chain((interval..prompt.len()).step_by(interval))
+            .chain(std::iter::once(prompt.len()))
+            .filter(|&p| p > from)
+            .collect();
+        at.sort_unstable();
+        at.dedup();
+        at
+    }
+
+    fn generate(&mut self, job: Job) {
         let Job { req, events, queued } = job;
         let cancelled = || req.cancel.load(Ordering::Relaxed) || events.is_closed();
         let queue_ms = queued.elapsed().as_secs_f64() * 1e3;
         if cancelled() {
             return;
         }
-        let _ = events.send(GenerationEvent::Started);
-        let limit = self.max_context.min(req.prompt.len() + req.max_tokens);
-        let mut state = self.model.new_state(limit);
+        let prompt = &req.prompt;
+        let limit = self.max_context.min(prompt.len() + req.max_tokens);
+        let use_cache = req.use_prefix_cache && self.cache.enabled();
+
+        // Resume from the best checkpoint, or start afresh.
+        let mut checkpoints: Vec<Checkpoint> = Vec::new();
+        let mut resumed: Option<(SequenceState, Option<Vec<f32>>)> = None;
+        if use_cache {
+            self.stats.prefix_queries.fetch_add(prompt.len(), Ordering::Relaxed);
+            if let Some(hit) = self.cache.lookup(prompt) {
+                let pos = hit.checkpoint.snapshot.pos();
+                if let Ok(state) = self.model.fork_state(&hit.entry.state, &hit.checkpoint.snapshot, limit) {
+                    checkpoints = hit.entry.checkpoints.iter().filter(|c| c.snapshot.pos() <= pos).cloned().collect();
+                    let logits = if pos == prompt.len() { hit.checkpoint.logits.clone() } else { None };
+                    resumed = Some((state, logits));
+                }
+            }
+        }
+        let (mut state, mut logits) = match resumed {
+            Some((state, logits)) => (state, logits.unwrap_or_default()),
+            None => (self.model.new_state(limit), Vec::new()),
+        };
+        let cached_tokens = state.pos;
+        self.stats.prefix_hits.fetch_add(cached_tokens, Ordering::Relaxed);
+        let _ = events.send(GenerationEvent::Started { cached_tokens });
+
         let mut sampler = Sampler::new(req.sampling);
-        let mut usage =
-            Usage { prompt_tokens: req.prompt.len(), completion_tokens: 0, queue_ms, prefill_ms: 0.0, decode_ms: 0.0 };
+        sampler.observe_prompt(prompt);
+        let mut usage = Usage {
+            prompt_tokens: prompt.len(),
+            cached_tokens,
+            completion_tokens: 0,
+            queue_ms,
+            prefill_ms: 0.0,
+            decode_ms: 0.0,
+        };
         let finish = |reason: FinishReason, usage: Usage| {
             let _ = events.send(GenerationEvent::Finished { reason, usage });
         };
-        let fail = |e: ModelError| {
-            let _ = events.send(GenerationEvent::Failed(e.to_string()));
+        let fail = |message: String| {
+            let _ = events.send(GenerationEvent::Failed(message));
         };
+
+        // Prefill what the cache did not cover, in chunks that end at each checkpoint position.
         let t0 = Instant::now();
-        let mut logits = Vec::new();
-        let chunks: Vec<&[u32]> = req.prompt.chunks(PREFILL_CHUNK).collect();
-        for (i, chunk) in chunks.iter().enumerate() {
+        let chunk = req.prefill_chunk.unwrap_or(PREFILL_CHUNK).max(1);
+        let marks = if use_cache { self.prompt_checkpoints(prompt, state.pos) } else { vec![prompt.len()] };
+        let mut next_mark = 0;
+        while state.pos < prompt.len() {
             if cancelled() {
                 return finish(FinishReason::Cancelled, usage);
             }
-            let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
-            match self.model.forward(&mut state, chunk, want) {
-                Ok(l) => logits = l,
-                Err(e) => return fail(e),
+            while marks.get(next_mark).is_some_and(|&m| m <= state.pos) {
+                next_mark += 1;
             }
+            let end = marks.get(next_mark).copied().unwrap_or(prompt.len()).min(state.pos + chunk);
+            let want = if end == prompt.len() { LogitsFor::Last } else { LogitsFor::None };
+            let from = state.pos;
+            let n = end - from;
+            match self.model.forward(&mut state, &prompt[from..end], want) {
+                Ok(l) => logits = l,
+                Err(e) => return fail(e.to_string()),
+            }
+            self.stats.prefilled_tokens.fetch_add(n, Ordering::Relaxed);
+            if use_cache && marks.contains(&end) {
+                let keep = (end == prompt.len()).then(|| logits.clone());
+                checkpoints.push(Checkpoint { snapshot: state.snapshot(), logits: keep });
+            }
+            let _ = events.send(GenerationEvent::Prefilled { done: end, total: prompt.len() });
         }
         usage.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+
         let t1 = Instant::now();
-        loop {
+        let interval = self.cache.options().interval.max(1);
+        let mut output: Vec<u32> = Vec::new();
+        let reason = loop {
             if usage.completion_tokens >= req.max_tokens {
-                return finish(FinishReason::Length, usage);
+                break FinishReason::Length;
+            }
+            sampler.apply_penalties(&mut logits);
+            if let Some(c) = &req.constraint {
+                let masked =
+                    c.0.lock()
+                        .map_err(|_| "the constraint's lock is poisoned".to_owned())
+                        .and_then(|mut c| c.mask(&mut logits));
+                if let Err(e) = masked {
+                    return fail(format!("constrained decoding: {e}"));
+                }
             }
             let Some(next) = sampler.sample(&logits) else {
-                let _ = events.send(GenerationEvent::Failed("every token has probability 0".into()));
-                return;
+                return fail("every token has probability 0".into());
             };
             if (!req.ignore_eos && self.stop_tokens.contains(&next)) || req.stop_tokens.contains(&next) {
-                usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
-                return finish(FinishReason::Stop, usage);
+                break FinishReason::Stop;
             }
+            if let Some(c) = &req.constraint {
+                let committed =
+                    c.0.lock()
+                        .map_err(|_| "the constraint's lock is poisoned".to_owned())
+                        .and_then(|mut c| c.commit(next));
+                if let Err(e) = committed {
+                    return fail(format!("constrained decoding: {e}"));
+                }
+            }
+            let lp = req.logprobs.map(|n| logprobs_of(&logits, next, n));
+            sampler.accept(next);
             usage.completion_tokens += 1;
-            if events.send(GenerationEvent::Token(next)).is_err() {
-                return;
+            output.push(next);
+            if events.send(GenerationEvent::Token { id: next, logprobs: lp }).is_err() {
+                break FinishReason::Cancelled;
             }
             if usage.completion_tokens >= req.max_tokens || state.pos + 1 > limit {
-                usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
-                return finish(FinishReason::Length, usage);
+                break FinishReason::Length;
+            }
+            if req.repetition_guard.is_some_and(|g| g.trips(&output)) {
+                break FinishReason::Repetition;
             }
             if cancelled() {
-                usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
-                return finish(FinishReason::Cancelled, usage);
+                break FinishReason::Cancelled;
             }
             match self.model.forward(&mut state, &[next], LogitsFor::Last) {
                 Ok(l) => logits = l,
-                Err(e) => return fail(e),
+                Err(e) => return fail(e.to_string()),
             }
-            usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+            if use_cache && (state.pos - prompt.len()) % interval == 0 {
+                checkpoints.push(Checkpoint { snapshot: state.snapshot(), logits: None });
+            }
+        };
+        usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+        finish(reason, usage);
+
+        // Keep the sequence: every token the state consumed, with a checkpoint at its end.
+        if use_cache && state.pos >= prompt.len() {
+            if checkpoints.last().is_none_or(|c| c.snapshot.pos() != state.pos) {
+                checkpoints.push(Checkpoint { snapshot: state.snapshot(), logits: None });
+            }
+            let mut tokens = prompt.clone();
+            tokens.extend_from_slice(&output[..state.pos - prompt.len()]);
+            self.cache.insert(CacheEntry { tokens, state, checkpoints });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RepetitionGuard;
+
+    #[test]
+    fn repetition_guard_trips_on_a_looping_tail_only() {
+        let guard = RepetitionGuard { window: 8, max_period: 3 };
+        assert!(guard.trips(&[9, 1, 2, 1, 2, 1, 2, 1, 2]), "period 2 over the last 8");
+        assert!(guard.trips(&[5; 8]), "period 1");
+        assert!(!guard.trips(&[1, 2, 1, 2, 1, 2, 1]), "shorter than the window");
+        assert!(!guard.trips(&[1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4]), "period 4 is over max_period");
+        assert!(!guard.trips(&[1, 2, 1, 2, 1, 2, 1, 3]), "the last token breaks the pattern");
+        assert!(!RepetitionGuard { window: 0, max_period: 3 }.trips(&[5; 8]), "window 0 is off");
     }
 }

@@ -1,39 +1,52 @@
 //! A chat completion request turned into a [`Generation`]: checks every field (a 400 names the one at fault),
-//! renders the conversation with the model's chat template, encodes it, checks it against the context limit, and
-//! fills in Qwen's published sampling defaults for the mode (design note `tokenizer-and-template.md` §3).
+//! renders the conversation with the model's chat template, encodes it (client text as plain text, see
+//! [`crate::prompt`]), checks it against the context limit, fills in the server's sampling defaults for the mode
+//! (Qwen's published ones unless configured, design note `tokenizer-and-template.md` §3), and compiles the grammar
+//! of `response_format` or a forced `tool_choice`.
 
 use std::sync::Arc;
 
 use nebula_engine::sampling::SamplingParams;
 use nebula_engine::text::chat_template::{RenderRequest, TemplateError};
-use nebula_engine::text::output::ParseOptions;
-use nebula_engine::worker::GenerateRequest;
+use nebula_engine::text::output::{ParseOptions, prompt_ends_in_reasoning};
+use nebula_engine::worker::{GenerateRequest, RepetitionGuard};
 use serde_json::Value;
 
+use crate::config::GenerationDefaults;
+use crate::constraint::{response_format_grammar, tool_call_grammar};
 use crate::error::ApiError;
-use crate::generation::Generation;
-use crate::openai::{ChatCompletionRequest, MessageContent};
+use crate::generation::{ConstraintSpec, Generation};
+use crate::openai::{ChatCompletionRequest, MessageContent, StopSequences};
+use crate::prompt::{defuse, encode_rendered, pick_marker};
 use crate::state::ServedModel;
 
 /// Most stop strings per request (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
 
-/// Qwen3.8-Flash-Next's recommended sampling with thinking on: T=1.0, top_p=0.95, top_k=20, min_p=0.
-pub const THINKING_SAMPLING: SamplingParams =
-    SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, seed: None };
+/// Most choices per request (`n`).
+pub const MAX_CHOICES: i64 = 8;
 
-/// Qwen3.8-Flash-Next's recommended sampling with thinking off: T=0.7, top_p=0.8, top_k=20, min_p=0.
-pub const NON_THINKING_SAMPLING: SamplingParams =
-    SamplingParams { temperature: 0.7, top_k: 20, top_p: 0.8, min_p: 0.0, seed: None };
+/// Most alternatives per token (`top_logprobs`, OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: i64 = 20;
 
-/// Reasoning efforts this server takes: `none` turns thinking off, the others are the Qwen3.8 template's.
-pub const REASONING_EFFORTS: [&str; 4] = ["none", "low", "medium", "xhigh"];
+/// Reasoning efforts this server takes, and what each becomes: `none` turns thinking off; `minimal` and `high`
+/// (OpenAI SDK values the Qwen3.8 template does not know) map to its nearest levels, `low` and `xhigh`.
+pub const REASONING_EFFORTS: [(&str, Option<&str>); 6] = [
+    ("none", None),
+    ("minimal", Some("low")),
+    ("low", Some("low")),
+    ("medium", Some("medium")),
+    ("high", Some("xhigh")),
+    ("xhigh", Some("xhigh")),
+];
 
 /// A checked request: what to generate and how to answer.
 #[derive(Debug)]
 pub struct PreparedChat {
     /// The engine request and how to read its output.
     pub generation: Generation,
+    /// Choices to generate.
+    pub n: usize,
     /// Stream the answer.
     pub stream: bool,
     /// Send a final usage chunk (streams only).
@@ -44,43 +57,106 @@ pub struct PreparedChat {
     pub thinking: bool,
 }
 
+/// Limits that apply to one request: the server's, narrowed by the request's `max_context` / `max_prefill`.
+fn request_limits(
+    model: &ServedModel,
+    max_context: Option<i64>,
+    max_prefill: Option<i64>,
+) -> Result<(usize, usize), ApiError> {
+    let server_context = model.engine.max_context();
+    let context = match max_context {
+        None => server_context,
+        Some(n) if n >= 1 && (n as u64) <= server_context as u64 => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid(
+                format!("`max_context` must be between 1 and this server's limit of {server_context}, got {n}."),
+                "max_context",
+            ));
+        }
+    };
+    let server_prefill = model.max_prefill;
+    let prefill = match max_prefill {
+        None => server_prefill,
+        Some(n) if n >= 1 && (n as u64) <= server_prefill as u64 => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid(
+                format!("`max_prefill` must be between 1 and this server's limit of {server_prefill}, got {n}."),
+                "max_prefill",
+            ));
+        }
+    };
+    Ok((context, prefill))
+}
+
+/// Refuses a prompt that leaves no room in `limit`.
+fn check_room(prompt_tokens: usize, limit: usize) -> Result<usize, ApiError> {
+    if prompt_tokens >= limit {
+        return Err(ApiError::invalid_with_code(
+            format!(
+                "This model's maximum context length is {limit} tokens, but the prompt has {prompt_tokens} tokens, \
+                 which leaves no room for the completion. Shorten the messages."
+            ),
+            Some("messages".into()),
+            "context_length_exceeded",
+        ));
+    }
+    Ok(limit - prompt_tokens)
+}
+
+/// Refuses a completion budget the context cannot hold (never silently shortened): `n` tokens asked for in field
+/// `name` after a prompt of `prompt_tokens`, within `limit`.
+pub fn check_completion_room(n: usize, name: &str, prompt_tokens: usize, limit: usize) -> Result<usize, ApiError> {
+    if prompt_tokens.saturating_add(n) > limit {
+        return Err(ApiError::invalid_with_code(
+            format!(
+                "This model's maximum context length is {limit} tokens. However, you requested {} tokens \
+                 ({prompt_tokens} in the prompt, {n} in `{name}`). Reduce the length of the messages or of `{name}`.",
+                prompt_tokens.saturating_add(n)
+            ),
+            Some(name.to_owned()),
+            "context_length_exceeded",
+        ));
+    }
+    Ok(n)
+}
+
 /// Checks `req` against the served `model` and prepares its generation.
 ///
 /// Errors: 404 for another model, 400 for anything invalid, including a prompt that does not fit the context.
-pub fn prepare(model: &Arc<ServedModel>, req: ChatCompletionRequest) -> Result<PreparedChat, ApiError> {
+pub fn prepare(
+    model: &Arc<ServedModel>,
+    defaults: &GenerationDefaults,
+    req: ChatCompletionRequest,
+) -> Result<PreparedChat, ApiError> {
     if let Some(requested) = &req.model
         && requested != &model.id
     {
         return Err(ApiError::ModelNotFound { requested: requested.clone(), served: model.id.clone() });
     }
-    check_unsupported(&req)?;
+    let n = choices(req.n)?;
+    let logprobs = logprobs_setting(req.logprobs, req.top_logprobs)?;
+    if let Some(level) = req.accuracy_level
+        && !(1..=3).contains(&level)
+    {
+        return Err(ApiError::invalid(
+            format!("`accuracy_level` must be 1, 2 or 3 (3: exact greedy verification), got {level}."),
+            "accuracy_level",
+        ));
+    }
     if req.messages.is_empty() {
         return Err(ApiError::invalid("`messages` must contain at least one message.", "messages"));
     }
     check_content(&req)?;
+    let (context_limit, prefill_chunk) = request_limits(model, req.max_context, req.max_prefill)?;
     let max_tokens = match (req.max_completion_tokens, req.max_tokens) {
-        (Some(n), _) => Some(positive(n, "max_completion_tokens")?),
-        (None, Some(n)) => Some(positive(n, "max_tokens")?),
+        (Some(n), _) => Some((positive(n, "max_completion_tokens")?, "max_completion_tokens")),
+        (None, Some(n)) => Some((positive(n, "max_tokens")?, "max_tokens")),
         (None, None) => None,
     };
-    let stop = match req.stop.clone() {
-        None => Vec::new(),
-        Some(stop) => {
-            let stop = stop.into_vec();
-            if stop.len() > MAX_STOP_STRINGS {
-                return Err(ApiError::invalid(
-                    format!("`stop` takes at most {MAX_STOP_STRINGS} strings, got {}.", stop.len()),
-                    "stop",
-                ));
-            }
-            if stop.iter().any(String::is_empty) {
-                return Err(ApiError::invalid("`stop` strings must not be empty.", "stop"));
-            }
-            stop
-        }
-    };
+    let stop = stop_strings(req.stop.clone())?;
 
-    // Thinking: `reasoning_effort: none` or `enable_thinking: false` turn it off; the template's default is on.
+    // Thinking: `reasoning_effort: none` or `enable_thinking: false` turn it off; the server default decides
+    // otherwise.
     let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
     let enable_thinking = match kwargs.remove("enable_thinking") {
         None | Some(Value::Null) => None,
@@ -103,59 +179,73 @@ pub fn prepare(model: &Arc<ServedModel>, req: ChatCompletionRequest) -> Result<P
         }
     };
     let effort = req.reasoning_effort.clone().or(kwargs_effort);
-    if let Some(e) = &effort
-        && !REASONING_EFFORTS.contains(&e.as_str())
-    {
-        return Err(ApiError::invalid(
-            format!("`reasoning_effort` must be one of {}; got `{e}`.", REASONING_EFFORTS.join(", ")),
-            "reasoning_effort",
-        ));
+    let effort = match &effort {
+        None => None,
+        Some(e) => match REASONING_EFFORTS.iter().find(|(name, _)| name == e) {
+            Some((_, mapped)) => Some(*mapped),
+            None => {
+                let names: Vec<&str> = REASONING_EFFORTS.iter().map(|(n, _)| *n).collect();
+                return Err(ApiError::invalid(
+                    format!("`reasoning_effort` must be one of {}; got `{e}`.", names.join(", ")),
+                    "reasoning_effort",
+                ));
+            }
+        },
+    };
+    let thinking = match (effort, enable_thinking) {
+        (Some(None), _) => false,
+        (_, Some(on)) => on,
+        _ => defaults.enable_thinking,
+    };
+    let effort: Option<&str> = match effort {
+        Some(Some(e)) => Some(e),
+        _ => (!defaults.reasoning_effort.is_empty()).then_some(defaults.reasoning_effort.as_str()),
     }
-    let enable_thinking = if effort.as_deref() == Some("none") { Some(false) } else { enable_thinking };
-    let thinking = enable_thinking.unwrap_or(true);
-    let effort = effort.filter(|e| e != "none" && thinking);
+    .filter(|_| thinking);
 
     let tools = tools_for_template(&req)?;
+    let forced_tools = forced_tool_choice(&req)?;
     let messages = serde_json::to_value(&req.messages)
         .map_err(|e| ApiError::Internal(format!("re-encoding the messages failed: {e}")))?;
-    let render = RenderRequest {
-        messages: &messages,
-        tools: tools.as_ref(),
-        add_generation_prompt: true,
-        enable_thinking,
-        reasoning_effort: effort.as_deref(),
-        extra: kwargs,
+    let (prompt, ids) = render_and_encode(model, defaults, &messages, tools.as_ref(), Some(thinking), effort, kwargs)?;
+    let room = check_room(ids.len(), context_limit)?;
+
+    let sampling = sampling(&req.sampling_fields(), thinking, defaults)?;
+    let starts_in_reasoning = prompt_ends_in_reasoning(&prompt);
+    let grammar = match (&forced_tools, &req.response_format) {
+        (Some(grammar), _) => Some((grammar.clone(), "tool_choice")),
+        (None, Some(format)) => response_format_grammar(format)?.map(|g| (g, "response_format")),
+        (None, None) => None,
     };
-    let prompt = model.template.render(&render).map_err(template_error)?;
-    let ids = model
-        .engine
-        .tokenizer()
-        .encode(&prompt)
-        .map_err(|e| ApiError::Internal(format!("encoding the prompt failed: {e}")))?;
-    let limit = model.engine.max_context();
-    if ids.len() >= limit {
-        return Err(ApiError::invalid_with_code(
-            format!(
-                "This model's maximum context length is {limit} tokens, but the prompt has {} tokens, which leaves \
-                 no room for the completion. Shorten the messages.",
-                ids.len()
-            ),
-            Some("messages".into()),
-            "context_length_exceeded",
-        ));
-    }
-    let room = limit - ids.len();
-    let sampling = sampling(&req, thinking)?;
+    let constraint = match grammar {
+        Some((lark, param)) => {
+            // Compile once now so that a bad grammar is a 400 before anything starts.
+            let compiler = model.grammar()?;
+            compiler.constraint(&lark, starts_in_reasoning, param)?;
+            Some(ConstraintSpec { lark, starts_in_reasoning, param })
+        }
+        None => None,
+    };
     let parse = ParseOptions {
         call_id_prefix: format!("call_{:016x}_", rand::random::<u64>()),
+        stream_tool_calls: true,
         ..ParseOptions::for_prompt(&prompt).with_tools(tools.as_ref())
     };
     let prompt_tokens = ids.len();
-    let mut request = GenerateRequest::new(ids, max_tokens.map_or(room, |n| n.min(room)));
+    let ignore_eos = req.ignore_eos.unwrap_or(false);
+    let max_tokens = match max_tokens {
+        None => room,
+        Some((n, name)) => check_completion_room(n, name, ids.len(), context_limit)?,
+    };
+    let mut request = GenerateRequest::new(ids, max_tokens);
     request.sampling = sampling;
-    request.ignore_eos = req.ignore_eos.unwrap_or(false);
+    request.ignore_eos = ignore_eos;
+    request.logprobs = logprobs;
+    request.prefill_chunk = Some(prefill_chunk);
+    request.repetition_guard = repetition_guard(defaults, ignore_eos);
     Ok(PreparedChat {
-        generation: Generation { request, parse, stop },
+        generation: Generation { request, parse, stop, constraint, model: model.clone() },
+        n,
         stream: req.stream.unwrap_or(false),
         include_usage: req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
         prompt_tokens,
@@ -163,46 +253,114 @@ pub fn prepare(model: &Arc<ServedModel>, req: ChatCompletionRequest) -> Result<P
     })
 }
 
-/// Fields this server cannot honour yet are refused, never silently ignored.
-fn check_unsupported(req: &ChatCompletionRequest) -> Result<(), ApiError> {
-    if let Some(n) = req.n
-        && n != 1
-    {
+/// The repetition guard for a request (off for `ignore_eos` benchmarks and when configured off).
+pub fn repetition_guard(defaults: &GenerationDefaults, ignore_eos: bool) -> Option<RepetitionGuard> {
+    (defaults.repetition_window > 0 && !ignore_eos).then_some(RepetitionGuard {
+        window: defaults.repetition_window,
+        max_period: defaults.repetition_max_period.max(1),
+    })
+}
+
+/// Renders the conversation and encodes it with client text kept plain (see [`crate::prompt`]).
+fn render_and_encode(
+    model: &ServedModel,
+    defaults: &GenerationDefaults,
+    messages: &Value,
+    tools: Option<&Value>,
+    enable_thinking: Option<bool>,
+    effort: Option<&str>,
+    extra: serde_json::Map<String, Value>,
+) -> Result<(String, Vec<u32>), ApiError> {
+    let tokenizer = model.engine.tokenizer();
+    let encode_error = |e: String| ApiError::Internal(format!("encoding the prompt failed: {e}"));
+    if defaults.allow_special_tokens_in_content {
+        let render = RenderRequest {
+            messages,
+            tools,
+            add_generation_prompt: true,
+            enable_thinking,
+            reasoning_effort: effort,
+            extra,
+        };
+        let prompt = model.template.render(&render).map_err(template_error)?;
+        let ids = tokenizer.encode(&prompt).map_err(|e| encode_error(e.to_string()))?;
+        return Ok((prompt, ids));
+    }
+    let marker = pick_marker(&[messages, tools.unwrap_or(&Value::Null)]);
+    let safe_messages = defuse(messages, &model.specials, marker);
+    let safe_tools = tools.map(|t| defuse(t, &model.specials, marker));
+    let render = RenderRequest {
+        messages: &safe_messages,
+        tools: safe_tools.as_ref(),
+        add_generation_prompt: true,
+        enable_thinking,
+        reasoning_effort: effort,
+        extra,
+    };
+    let rendered = model.template.render(&render).map_err(template_error)?;
+    let ids = encode_rendered(tokenizer, &rendered, &model.specials, marker).map_err(encode_error)?;
+    Ok((rendered.replace(marker, ""), ids))
+}
+
+/// `n`, checked.
+pub fn choices(n: Option<i64>) -> Result<usize, ApiError> {
+    match n {
+        None => Ok(1),
+        Some(n) if (1..=MAX_CHOICES).contains(&n) => Ok(n as usize),
+        Some(n) => Err(ApiError::invalid(format!("`n` must be between 1 and {MAX_CHOICES}, got {n}."), "n")),
+    }
+}
+
+/// `logprobs` / `top_logprobs` as the engine's setting.
+fn logprobs_setting(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match (logprobs.unwrap_or(false), top) {
+        (_, Some(k)) if !(0..=MAX_TOP_LOGPROBS).contains(&k) => Err(ApiError::invalid(
+            format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}."),
+            "top_logprobs",
+        )),
+        (false, Some(k)) if k > 0 => Err(ApiError::invalid("`top_logprobs` needs `logprobs: true`.", "top_logprobs")),
+        (true, k) => Ok(Some(k.unwrap_or(0) as usize)),
+        (false, _) => Ok(None),
+    }
+}
+
+/// `stop`, checked.
+pub fn stop_strings(stop: Option<StopSequences>) -> Result<Vec<String>, ApiError> {
+    let Some(stop) = stop else { return Ok(Vec::new()) };
+    let stop = stop.into_vec();
+    if stop.len() > MAX_STOP_STRINGS {
         return Err(ApiError::invalid(
-            format!("`n` must be 1: this server returns one choice per request (got {n})."),
-            "n",
+            format!("`stop` takes at most {MAX_STOP_STRINGS} strings, got {}.", stop.len()),
+            "stop",
         ));
     }
-    if req.logprobs == Some(true) {
-        return Err(ApiError::invalid("`logprobs` is not supported yet.", "logprobs"));
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("`stop` strings must not be empty.", "stop"));
     }
-    if req.top_logprobs.is_some() {
-        return Err(ApiError::invalid("`top_logprobs` is not supported yet.", "top_logprobs"));
-    }
-    for (name, value) in [("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)] {
-        if let Some(v) = value
-            && v != 0.0
-        {
-            return Err(ApiError::invalid(format!("`{name}` is not supported yet (only 0)."), name));
-        }
-    }
-    if let Some(format) = &req.response_format {
-        let kind = format.get("type").and_then(Value::as_str);
-        if kind != Some("text") {
-            return Err(ApiError::invalid(
-                "`response_format` supports only {\"type\": \"text\"} yet (JSON modes come with constrained decoding).",
-                "response_format",
-            ));
-        }
-    }
+    Ok(stop)
+}
+
+/// The grammar that forces a tool call, for `tool_choice: "required"` or a named function; `None` otherwise.
+fn forced_tool_choice(req: &ChatCompletionRequest) -> Result<Option<String>, ApiError> {
+    let tools = req.tools.as_deref().unwrap_or_default();
+    let parallel = req.parallel_tool_calls.unwrap_or(true);
     match &req.tool_choice {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if s == "auto" || s == "none" => {}
-        Some(_) => {
-            return Err(ApiError::invalid("`tool_choice` supports only \"auto\" and \"none\" yet.", "tool_choice"));
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s == "auto" || s == "none" => Ok(None),
+        Some(Value::String(s)) if s == "required" => tool_call_grammar(tools, None, parallel).map(Some),
+        Some(Value::Object(choice)) if choice.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = choice
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::invalid("`tool_choice.function.name` must be a string.", "tool_choice"))?;
+            tool_call_grammar(tools, Some(name), false).map(Some)
         }
+        Some(_) => Err(ApiError::invalid(
+            "`tool_choice` must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+            "tool_choice",
+        )),
     }
-    Ok(())
 }
 
 /// Content parts must be text: this model reads no images, audio or files.
@@ -248,21 +406,63 @@ fn tools_for_template(req: &ChatCompletionRequest) -> Result<Option<Value>, ApiE
     Ok((!tools.is_empty() && !none).then(|| Value::Array(tools.iter().cloned().map(Value::Object).collect())))
 }
 
-/// Sampling settings: the request's, else the mode's defaults. Ranges are checked here so the 400 names the field.
-fn sampling(req: &ChatCompletionRequest, thinking: bool) -> Result<SamplingParams, ApiError> {
-    let defaults = if thinking { THINKING_SAMPLING } else { NON_THINKING_SAMPLING };
+/// The sampling fields shared by chat and text completions.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SamplingFields {
+    /// `temperature`.
+    pub temperature: Option<f64>,
+    /// `top_p`.
+    pub top_p: Option<f64>,
+    /// `top_k`.
+    pub top_k: Option<i64>,
+    /// `min_p`.
+    pub min_p: Option<f64>,
+    /// `seed`.
+    pub seed: Option<i64>,
+    /// `presence_penalty`.
+    pub presence_penalty: Option<f64>,
+    /// `frequency_penalty`.
+    pub frequency_penalty: Option<f64>,
+    /// `repetition_penalty`.
+    pub repetition_penalty: Option<f64>,
+}
+
+impl ChatCompletionRequest {
+    /// The sampling fields of this request.
+    pub fn sampling_fields(&self) -> SamplingFields {
+        SamplingFields {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            seed: self.seed,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+        }
+    }
+}
+
+/// Sampling settings: the request's, else the server's defaults for the mode. Ranges are checked here so the
+/// 400 names the field.
+pub fn sampling(
+    req: &SamplingFields,
+    thinking: bool,
+    defaults: &GenerationDefaults,
+) -> Result<SamplingParams, ApiError> {
+    let d = if thinking { defaults.thinking } else { defaults.non_thinking };
     let temperature = match req.temperature {
-        None => defaults.temperature,
+        None => d.temperature,
         Some(t) if t.is_finite() && (0.0..=2.0).contains(&t) => t as f32,
         Some(t) => return Err(ApiError::invalid(format!("`temperature` must be in [0, 2], got {t}."), "temperature")),
     };
     let top_p = match req.top_p {
-        None => defaults.top_p,
+        None => d.top_p,
         Some(p) if p > 0.0 && p <= 1.0 => p as f32,
         Some(p) => return Err(ApiError::invalid(format!("`top_p` must be in (0, 1], got {p}."), "top_p")),
     };
     let top_k = match req.top_k {
-        None => defaults.top_k,
+        None => d.top_k,
         Some(-1 | 0) => 0,
         Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
         Some(k) => {
@@ -270,16 +470,43 @@ fn sampling(req: &ChatCompletionRequest, thinking: bool) -> Result<SamplingParam
         }
     };
     let min_p = match req.min_p {
-        None => defaults.min_p,
+        None => d.min_p,
         Some(p) if (0.0..=1.0).contains(&p) => p as f32,
         Some(p) => return Err(ApiError::invalid(format!("`min_p` must be in [0, 1], got {p}."), "min_p")),
     };
+    let penalty = |value: Option<f64>, default: f32, name: &str| match value {
+        None => Ok(default),
+        Some(v) if (-2.0..=2.0).contains(&v) => Ok(v as f32),
+        Some(v) => Err(ApiError::invalid(format!("`{name}` must be in [-2, 2], got {v}."), name)),
+    };
+    let presence_penalty = penalty(req.presence_penalty, d.presence_penalty, "presence_penalty")?;
+    let frequency_penalty = penalty(req.frequency_penalty, d.frequency_penalty, "frequency_penalty")?;
+    let repetition_penalty = match req.repetition_penalty {
+        None => d.repetition_penalty,
+        Some(v) if v.is_finite() && v > 0.0 && v <= 10.0 => v as f32,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                format!("`repetition_penalty` must be in (0, 10], got {v}."),
+                "repetition_penalty",
+            ));
+        }
+    };
     // Negative seeds are valid OpenAI seeds; their bits seed the generator.
     let seed = req.seed.map(|s| s as u64);
-    Ok(SamplingParams { temperature, top_k, top_p, min_p, seed })
+    Ok(SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+    })
 }
 
-fn positive(n: i64, name: &str) -> Result<usize, ApiError> {
+/// A count of at least 1; the 400 names `name`.
+pub fn positive(n: i64, name: &str) -> Result<usize, ApiError> {
     if n < 1 {
         return Err(ApiError::invalid(format!("`{name}` must be at least 1, got {n}."), name));
     }

@@ -1,10 +1,15 @@
-//! Settings of `nebula serve`: the command-line flags ([`ServeArgs`]) and the resolved [`ServerConfig`] the server
-//! runs with. Later config sources (a `nebula.toml` file, more `NEBULA_*` variables) fill the same
-//! [`ServerConfig`].
+//! Settings of `nebula serve`, resolved with figment from, lowest first: the built-in defaults, the config file
+//! (`--config PATH`, `NEBULA_CONFIG`, else `./nebula.toml` when it exists), `NEBULA_*` environment variables
+//! (nested keys with `__`: `NEBULA_PREFIX_CACHE__MAX_ENTRIES=4`), then the command-line flags ([`ServeArgs`]).
+//! Every key, its default and its meaning is listed in `docs/config.md`; [`ServerConfig`] is the resolved result.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
 
 /// The demo model built into the binary (`models/nebula-demo.gguf`, made by `scripts/make_demo_model.py`), served
 /// when no model is given so that a fresh clone and any copied binary work.
@@ -17,38 +22,56 @@ pub static EMBEDDED_DEMO_MODEL: &[u8] = &[];
 /// Label of the embedded demo model in logs and errors (it stands where a path would).
 pub const EMBEDDED_DEMO_LABEL: &str = "<embedded>/nebula-demo.gguf";
 
-/// Default context limit on the CPU path: the longest prompt + completion served when `--max-context` is not
+/// Default context limit on the CPU path: the longest prompt + completion served when `max_context` is not
 /// given and the model's trained context is longer. It bounds the per-request state the CPU engine allocates.
 pub const DEFAULT_CPU_MAX_CONTEXT: usize = 32_768;
 
-/// Arguments of `nebula serve`. Every flag can also be set with the environment variable named in its help.
-#[derive(clap::Args, Debug, Clone)]
+/// The config file read when neither `--config` nor `NEBULA_CONFIG` names one (only if it exists).
+pub const DEFAULT_CONFIG_FILE: &str = "nebula.toml";
+
+/// Arguments of `nebula serve`. Each flag overrides the config file and the environment (`docs/config.md`).
+#[derive(clap::Args, Debug, Clone, Default)]
 pub struct ServeArgs {
+    /// Config file (TOML). Default: ./nebula.toml when it exists.
+    #[arg(long, env = "NEBULA_CONFIG")]
+    pub config: Option<PathBuf>,
     /// GGUF model to serve (split files: give the first part). Default: the embedded demo model.
-    #[arg(long, env = "NEBULA_MODEL")]
+    #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Address to bind.
-    #[arg(long, env = "NEBULA_HOST", default_value_t = IpAddr::V4(Ipv4Addr::LOCALHOST))]
-    pub host: IpAddr,
-    /// Port to bind (0: any free port).
-    #[arg(long, env = "NEBULA_PORT", default_value_t = 8090)]
-    pub port: u16,
-    /// Longest prompt + completion served, in tokens. Default: the model's trained context length, capped at
-    /// 32768 on the CPU. Prompts that do not fit are refused with 400, never truncated.
-    #[arg(long, env = "NEBULA_MAX_CONTEXT", value_parser = clap::value_parser!(u64).range(1..))]
+    /// Address to bind. Default: 127.0.0.1.
+    #[arg(long)]
+    pub host: Option<IpAddr>,
+    /// Port to bind (0: any free port). Default: 8090.
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Longest prompt + completion served, in tokens. Default: the profile's, else the model's trained context
+    /// capped at 32768 on the CPU. Prompts that do not fit are refused with 400, never truncated.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_context: Option<u64>,
-    /// Requests that may wait for the engine; more are refused with 429.
-    #[arg(long = "queue", env = "NEBULA_QUEUE", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
-    pub queue_capacity: u64,
+    /// Requests that may wait for the engine; more are refused with 429. Default: 64.
+    #[arg(long = "queue", value_parser = clap::value_parser!(u64).range(1..))]
+    pub queue_capacity: Option<u64>,
     /// Model id in the API (`model` of requests and `/v1/models`). Default: the GGUF's `general.name`.
-    #[arg(long, env = "NEBULA_MODEL_ID")]
+    #[arg(long)]
     pub model_id: Option<String>,
+    /// Hardware profile file written by `nebula profile detect` (TOML). Default: none.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Require `Authorization: Bearer KEY` on every route but /health. Prefer NEBULA_API_KEY (flags are visible
+    /// in the process list).
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// OTLP/HTTP endpoint for traces (e.g. http://127.0.0.1:4318/v1/traces). Default: no tracing export.
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
 }
 
-/// Where the served model comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Where the served model comes from. In config files and the environment: a path, or empty for the embedded
+/// demo model.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum ModelSource {
     /// The demo model built into the binary ([`EMBEDDED_DEMO_MODEL`]).
+    #[default]
     EmbeddedDemo,
     /// A GGUF file on disk (split files: the first part).
     File(PathBuf),
@@ -64,8 +87,115 @@ impl ModelSource {
     }
 }
 
-/// Everything the server runs with.
-#[derive(Debug, Clone)]
+impl Serialize for ModelSource {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::EmbeddedDemo => s.serialize_str(""),
+            Self::File(p) => p.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ModelSource {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let path = PathBuf::deserialize(d)?;
+        Ok(if path.as_os_str().is_empty() { Self::EmbeddedDemo } else { Self::File(path) })
+    }
+}
+
+/// Sampling defaults of one mode (thinking on or off); a request's own values win.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingDefaults {
+    /// Softmax temperature.
+    pub temperature: f32,
+    /// Nucleus mass.
+    pub top_p: f32,
+    /// Top-k (0: no limit).
+    pub top_k: usize,
+    /// Min-p.
+    pub min_p: f32,
+    /// OpenAI presence penalty.
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty.
+    pub frequency_penalty: f32,
+    /// HF repetition penalty (1: off).
+    pub repetition_penalty: f32,
+}
+
+/// Server-wide generation defaults (design note `tokenizer-and-template.md` §3: Qwen's published values).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GenerationDefaults {
+    /// Think before answering unless a request says otherwise.
+    pub enable_thinking: bool,
+    /// Reasoning effort when a request gives none: `low`, `medium` or `xhigh`; empty: the template's (`xhigh`).
+    pub reasoning_effort: String,
+    /// Sampling with thinking on (Qwen3.8: T=1.0, top_p=0.95, top_k=20, min_p=0, presence 0).
+    pub thinking: SamplingDefaults,
+    /// Sampling with thinking off (Qwen3.8: T=0.7, top_p=0.8, top_k=20, min_p=0, presence 1.5).
+    pub non_thinking: SamplingDefaults,
+    /// Output that repeats one pattern of at most `repetition_max_period` tokens for this many tokens ends with
+    /// `finish_reason: "length"` (0: off). Off for `ignore_eos` requests.
+    pub repetition_window: usize,
+    /// Longest pattern the repetition guard looks for, tokens.
+    pub repetition_max_period: usize,
+    /// Let special tokens typed in message text (`<|im_end|>`, `<think>`) act as control tokens. Off: they are
+    /// encoded as plain text, so a user cannot forge turns.
+    pub allow_special_tokens_in_content: bool,
+}
+
+impl Default for GenerationDefaults {
+    fn default() -> Self {
+        Self {
+            enable_thinking: true,
+            reasoning_effort: String::new(),
+            thinking: SamplingDefaults {
+                temperature: 1.0,
+                top_p: 0.95,
+                top_k: 20,
+                min_p: 0.0,
+                presence_penalty: 0.0,
+                frequency_penalty: 0.0,
+                repetition_penalty: 1.0,
+            },
+            non_thinking: SamplingDefaults {
+                temperature: 0.7,
+                top_p: 0.8,
+                top_k: 20,
+                min_p: 0.0,
+                presence_penalty: 1.5,
+                frequency_penalty: 0.0,
+                repetition_penalty: 1.0,
+            },
+            repetition_window: 256,
+            repetition_max_period: 32,
+            allow_special_tokens_in_content: false,
+        }
+    }
+}
+
+/// Prefix cache limits (`[prefix_cache]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrefixCacheConfig {
+    /// Sequences kept (0: off).
+    pub max_entries: usize,
+    /// Most MiB of state kept.
+    pub max_mib: usize,
+    /// A checkpoint every this many tokens inside long prompts and answers (besides turn boundaries).
+    pub interval: usize,
+}
+
+impl Default for PrefixCacheConfig {
+    fn default() -> Self {
+        Self { max_entries: 8, max_mib: 2048, interval: 1024 }
+    }
+}
+
+/// Everything the server runs with. Keys as in `nebula.toml`; see `docs/config.md`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ServerConfig {
     /// Address to bind.
     pub host: IpAddr,
@@ -75,12 +205,43 @@ pub struct ServerConfig {
     pub model: ModelSource,
     /// Model id in the API; `None`: the GGUF's `general.name`.
     pub model_id: Option<String>,
-    /// Longest prompt + completion in tokens; `None`: the model's context, capped at [`DEFAULT_CPU_MAX_CONTEXT`].
+    /// Longest prompt + completion in tokens; `None`: the profile's, else the model's, capped at
+    /// [`DEFAULT_CPU_MAX_CONTEXT`].
     pub max_context: Option<usize>,
+    /// Prompt tokens per prefill chunk; `None`: the profile's `max_prefill`, else 512.
+    pub max_prefill: Option<usize>,
     /// Requests that may wait for the engine before new ones get 429.
+    #[serde(rename = "queue")]
     pub queue_capacity: usize,
-    /// After a shutdown signal, how long open requests may run before the server stops anyway.
-    pub shutdown_grace: Duration,
+    /// The hardware profile file (`nebula profile detect`); shown in `/v1/models` and bounding the limits.
+    pub profile: Option<PathBuf>,
+    /// Bearer key every route but `/health` requires; `None`: open.
+    pub api_key: Option<String>,
+    /// Origins allowed by CORS (`["*"]` for any); empty: CORS off.
+    pub cors_allow_origins: Vec<String>,
+    /// Largest request body, bytes (413 above).
+    pub body_limit_bytes: usize,
+    /// API requests handled at once (streams count until they end); more wait in a bounded queue.
+    pub max_concurrent_requests: usize,
+    /// API requests that may wait for a slot; more get 429 with `Retry-After`.
+    pub max_waiting_requests: usize,
+    /// A request that produced no response head after this many seconds gets 504 (streams answer at once, so
+    /// this bounds non-streamed requests).
+    pub request_timeout_s: f64,
+    /// A generation with no word from the engine for this many seconds fails (the watchdog).
+    pub watchdog_s: f64,
+    /// Seconds between SSE keep-alive comments while nothing else is sent (long prefill).
+    pub sse_keepalive_s: f64,
+    /// After SIGTERM, seconds open requests may run before the server stops anyway.
+    pub shutdown_grace_s: f64,
+    /// OTLP/HTTP endpoint for traces; `None`: no export.
+    pub otlp_endpoint: Option<String>,
+    /// `service.name` of the exported traces.
+    pub otlp_service_name: String,
+    /// Generation defaults.
+    pub defaults: GenerationDefaults,
+    /// Prefix cache limits.
+    pub prefix_cache: PrefixCacheConfig,
 }
 
 impl Default for ServerConfig {
@@ -92,29 +253,182 @@ impl Default for ServerConfig {
             model: ModelSource::EmbeddedDemo,
             model_id: None,
             max_context: None,
+            max_prefill: None,
             queue_capacity: 64,
-            shutdown_grace: Duration::from_secs(10),
+            profile: None,
+            api_key: None,
+            cors_allow_origins: Vec::new(),
+            body_limit_bytes: 32 << 20,
+            max_concurrent_requests: 256,
+            max_waiting_requests: 256,
+            request_timeout_s: 1800.0,
+            watchdog_s: 300.0,
+            sse_keepalive_s: 10.0,
+            shutdown_grace_s: 30.0,
+            otlp_endpoint: None,
+            otlp_service_name: "nebula".into(),
+            defaults: GenerationDefaults::default(),
+            prefix_cache: PrefixCacheConfig::default(),
         }
     }
 }
 
+/// Why the configuration could not be resolved.
+#[derive(Debug, thiserror::Error)]
+#[error("configuration: {0}")]
+pub struct ConfigError(pub String);
+
 impl ServerConfig {
+    /// Resolves the configuration: defaults < config file < `NEBULA_*` environment < `args`.
+    ///
+    /// Errors: an unreadable or malformed file, an unknown key, or a value of the wrong type (the message
+    /// names the key and where it came from).
+    pub fn resolve(args: &ServeArgs) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(ServerConfig::default()));
+        match &args.config {
+            Some(path) if !path.exists() => {
+                return Err(ConfigError(format!("the config file {} does not exist", path.display())));
+            }
+            Some(path) => figment = figment.merge(Toml::file_exact(path)),
+            None if std::path::Path::new(DEFAULT_CONFIG_FILE).exists() => {
+                figment = figment.merge(Toml::file_exact(DEFAULT_CONFIG_FILE));
+            }
+            None => {}
+        }
+        // Only variables naming a key: other tools share the prefix (NEBULA_BIN, NEBULA_API_URL, ...).
+        let known: Vec<String> = match serde_json::to_value(ServerConfig::default()) {
+            Ok(serde_json::Value::Object(map)) => map.keys().cloned().collect(),
+            _ => Vec::new(),
+        };
+        figment = figment.merge(
+            Env::prefixed("NEBULA_")
+                .filter(move |key| {
+                    let top = key.as_str().to_ascii_lowercase();
+                    let top = top.split("__").next().unwrap_or_default();
+                    known.iter().any(|k| k == top)
+                })
+                .split("__"),
+        );
+        let flags = FlagOverrides::from(args);
+        figment = figment.merge(Serialized::defaults(flags));
+        let config: ServerConfig = figment.extract().map_err(|e| ConfigError(e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks values figment cannot (ranges, effort names).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let effort = self.defaults.reasoning_effort.as_str();
+        if !["", "low", "medium", "xhigh"].contains(&effort) {
+            return Err(ConfigError(format!("defaults.reasoning_effort must be low, medium or xhigh, got {effort:?}")));
+        }
+        for (name, v) in [
+            ("request_timeout_s", self.request_timeout_s),
+            ("watchdog_s", self.watchdog_s),
+            ("sse_keepalive_s", self.sse_keepalive_s),
+            ("shutdown_grace_s", self.shutdown_grace_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(ConfigError(format!("{name} must be a positive number of seconds, got {v}")));
+            }
+        }
+        if self.queue_capacity == 0 || self.max_concurrent_requests == 0 {
+            return Err(ConfigError("queue and max_concurrent_requests must be at least 1".into()));
+        }
+        if self.api_key.as_deref() == Some("") {
+            return Err(ConfigError("api_key is empty; leave it unset for an open server".into()));
+        }
+        Ok(())
+    }
+
     /// The context limit handed to the engine (which also caps it at the model's own context length).
     pub fn engine_max_context(&self) -> usize {
         self.max_context.unwrap_or(DEFAULT_CPU_MAX_CONTEXT)
     }
+
+    /// `shutdown_grace_s` as a duration.
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_secs_f64(self.shutdown_grace_s)
+    }
 }
 
-impl From<ServeArgs> for ServerConfig {
-    fn from(args: ServeArgs) -> Self {
+/// The flags that were given, as a figment layer (absent flags leave lower layers alone).
+#[derive(Debug, Serialize)]
+struct FlagOverrides {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host: Option<IpAddr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    port: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_context: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    queue: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    profile: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    api_key: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    otlp_endpoint: Option<String>,
+}
+
+impl From<&ServeArgs> for FlagOverrides {
+    fn from(a: &ServeArgs) -> Self {
         Self {
-            host: args.host,
-            port: args.port,
-            model: args.model.map_or(ModelSource::EmbeddedDemo, ModelSource::File),
-            model_id: args.model_id,
-            max_context: args.max_context.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
-            queue_capacity: usize::try_from(args.queue_capacity).unwrap_or(usize::MAX),
-            ..Self::default()
+            model: a.model.clone(),
+            host: a.host,
+            port: a.port,
+            max_context: a.max_context,
+            queue: a.queue_capacity,
+            model_id: a.model_id.clone(),
+            profile: a.profile.clone(),
+            api_key: a.api_key.clone(),
+            otlp_endpoint: a.otlp_endpoint.clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail closure returns figment::Error.
+    fn layers_apply_in_order_and_errors_name_the_key() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "nebula.toml",
+                "port = 9000\nqueue = 3\n[defaults]\nenable_thinking = false\n[prefix_cache]\nmax_entries = 2\n",
+            )?;
+            let c = ServerConfig::resolve(&ServeArgs::default()).unwrap();
+            assert_eq!((c.port, c.queue_capacity, c.defaults.enable_thinking), (9000, 3, false));
+            assert_eq!(c.prefix_cache.max_entries, 2);
+            jail.set_env("NEBULA_PORT", "9100");
+            jail.set_env("NEBULA_PREFIX_CACHE__INTERVAL", "64");
+            jail.set_env("NEBULA_MODEL", "/models/x.gguf");
+            let c = ServerConfig::resolve(&ServeArgs::default()).unwrap();
+            assert_eq!((c.port, c.prefix_cache.interval), (9100, 64));
+            assert_eq!(c.model, ModelSource::File("/models/x.gguf".into()));
+            let c = ServerConfig::resolve(&ServeArgs { port: Some(1), ..Default::default() }).unwrap();
+            assert_eq!(c.port, 1);
+            jail.set_env("NEBULA_PORT", "not-a-port");
+            let err = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
+            assert!(err.contains("port"), "{err}");
+            jail.set_env("NEBULA_PORT", "9100");
+            jail.create_file("nebula.toml", "prot = 1\n")?;
+            let err = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
+            assert!(err.contains("prot"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn defaults_are_loopback_and_closed_cors() {
+        let c = ServerConfig::default();
+        assert_eq!(c.host, IpAddr::V4(Ipv4Addr::LOCALHOST));
+        assert!(c.cors_allow_origins.is_empty() && c.api_key.is_none());
     }
 }

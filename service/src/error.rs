@@ -55,6 +55,23 @@ pub enum ApiError {
         /// Seconds the client should wait (the `Retry-After` header).
         retry_after_s: u32,
     },
+    /// No or a wrong API key (401).
+    #[error("Missing or invalid API key: send `Authorization: Bearer <key>`.")]
+    Unauthorized,
+    /// Too many requests are in flight and the wait queue is full (429).
+    #[error("The server is busy: {in_flight} requests are in flight and {waiting} are waiting. Retry later.")]
+    Busy {
+        /// Requests being handled.
+        in_flight: usize,
+        /// Requests waiting for a slot.
+        waiting: usize,
+    },
+    /// The request did not produce a response in time (504).
+    #[error("The request took longer than {seconds} s and was stopped.")]
+    Timeout {
+        /// The configured limit, seconds (rounded up).
+        seconds: u64,
+    },
     /// The model is still loading (503).
     #[error("The model is still loading ({phase}). Retry when GET /health answers 200.")]
     Loading {
@@ -84,7 +101,9 @@ impl ApiError {
             Self::ModelNotFound { .. } | Self::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::QueueFull { .. } | Self::Busy { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             Self::Loading { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -103,6 +122,9 @@ impl ApiError {
             Self::MethodNotAllowed { .. } => ("invalid_request_error", None, Some("method_not_allowed".into())),
             Self::PayloadTooLarge => ("invalid_request_error", None, Some("payload_too_large".into())),
             Self::QueueFull { .. } => ("rate_limit_error", None, Some("queue_full".into())),
+            Self::Busy { .. } => ("rate_limit_error", None, Some("server_busy".into())),
+            Self::Unauthorized => ("invalid_request_error", None, Some("invalid_api_key".into())),
+            Self::Timeout { .. } => ("server_error", None, Some("timeout".into())),
             Self::Loading { .. } => ("server_error", None, Some("model_loading".into())),
             Self::Internal(_) => ("server_error", None, None),
         };
@@ -130,6 +152,20 @@ pub enum ServeError {
         /// The engine's error.
         error: Box<nebula_engine::worker::LoadError>,
     },
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// The hardware profile file cannot be read.
+    #[error("cannot read the profile {path}: {detail}")]
+    Profile {
+        /// The file.
+        path: String,
+        /// Why.
+        detail: String,
+    },
+    /// OpenTelemetry could not be set up.
+    #[error("tracing: {0}")]
+    Tracing(String),
     /// The fallback chat template did not compile.
     #[error("the built-in chat template does not compile: {0}")]
     Template(String),
@@ -144,14 +180,14 @@ pub enum ServeError {
 pub struct LoadFailed(pub String);
 
 /// `{"error": {...}}`, the OpenAI error envelope.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct ErrorBody {
     /// The error.
     pub error: ErrorDetail,
 }
 
 /// The fields of an OpenAI error.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
     /// What went wrong, for a person.
     pub message: String,
@@ -167,8 +203,12 @@ pub struct ErrorDetail {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status(), axum::Json(self.body())).into_response();
+        if matches!(self, Self::Unauthorized) {
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         let retry_after = match &self {
             Self::QueueFull { retry_after_s, .. } => Some(*retry_after_s),
+            Self::Busy { .. } => Some(1),
             Self::Loading { .. } => Some(1),
             _ => None,
         };

@@ -9,20 +9,24 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
+use nebula_engine::sampling::TokenLogprobs;
 use nebula_engine::text::output::{OutputEvent, OutputParser, ParseOptions};
 use nebula_engine::worker::{self, GenerateRequest, GenerationEvent, SubmitError};
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use crate::error::ApiError;
-use crate::openai::{FinishReason, Usage};
+use crate::metrics::{Metrics, RequestRecord};
+use crate::openai::{FinishReason, Timings, TokenLogprob, TopLogprob, Usage};
 use crate::state::ServedModel;
 
 /// How many pieces may wait for a slow reader before the task waits too.
 const PIECE_BUFFER: usize = 64;
 
-/// What the model wrote, in order. The last piece is [`Piece::Done`] or [`Piece::Failed`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What the model wrote, in order. The last piece of each choice is [`Piece::Done`] or [`Piece::Failed`].
+#[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
     /// More reasoning text.
     Reasoning(String),
@@ -39,15 +43,48 @@ pub enum Piece {
         /// Arguments object as a JSON string.
         arguments: String,
     },
-    /// Generation ended.
+    /// A tool call began (streamed calls): its arguments follow as [`Piece::ToolCallArguments`].
+    ToolCallStart {
+        /// Position of the call in the turn.
+        index: usize,
+        /// Unique id of the call.
+        id: String,
+        /// Function name.
+        name: String,
+    },
+    /// More of a streamed call's arguments; a call's fragments concatenate to its JSON object.
+    ToolCallArguments {
+        /// Position of the call in the turn.
+        index: usize,
+        /// The JSON text to append.
+        fragment: String,
+    },
+    /// Log-probabilities of the next generated token (sent before its text).
+    Logprob(TokenLogprob),
+    /// The engine is still prefilling (a sign of life for keep-alives).
+    Progress,
+    /// Generation of this choice ended.
     Done {
         /// Why.
         finish_reason: FinishReason,
-        /// Token counts.
+        /// Token counts of this choice.
         usage: Usage,
+        /// Its timings.
+        timings: Timings,
     },
     /// Generation failed after it started; the message says why.
     Failed(String),
+}
+
+/// How to build a request's grammar constraint (one per choice).
+#[derive(Debug, Clone)]
+pub struct ConstraintSpec {
+    /// The Lark grammar.
+    pub lark: String,
+    /// The prompt leaves the model thinking: the grammar starts after `</think>`.
+    pub starts_in_reasoning: bool,
+    /// The request field it comes from (for errors).
+    pub param: &'static str,
 }
 
 /// A request ready for the engine, and how to read its output.
@@ -59,23 +96,81 @@ pub struct Generation {
     pub parse: ParseOptions,
     /// Strings that end generation when they appear in the text (not returned).
     pub stop: Vec<String>,
+    /// The grammar, if the output is constrained.
+    pub constraint: Option<ConstraintSpec>,
+    /// The model it runs on.
+    pub model: Arc<ServedModel>,
 }
 
-/// Queues `generation` on the model's engine and starts the task that turns its events into pieces.
+/// Service-wide settings a generation task needs.
+#[derive(Debug, Clone)]
+pub struct DriveSettings {
+    /// Fail a generation when the engine says nothing for this long.
+    pub watchdog: Duration,
+    /// Where to record the request.
+    pub metrics: Arc<Metrics>,
+    /// When the HTTP request arrived.
+    pub arrived: Instant,
+    /// Parse the output (chat) or pass the text through (text completions).
+    pub chat: bool,
+}
+
+/// Queues `n` choices of `generation` on the engine (all at once, so a full queue is a 429 before anything
+/// starts) and starts the task that turns their events into `(choice, piece)`s, choice after choice.
 ///
-/// Errors: 429 when the queue is full, 400 for a prompt the engine refuses, 500 when the engine has stopped.
-pub fn start(model: &Arc<ServedModel>, generation: Generation) -> Result<mpsc::Receiver<Piece>, ApiError> {
-    let Generation { request, parse, stop } = generation;
-    let prompt_tokens = request.prompt.len();
-    let cancel = request.cancel.clone();
-    let events = model.engine.submit(request).map_err(submit_error)?;
+/// Errors: 429 when the queue is full, 400 for a prompt the engine refuses or a grammar that does not compile,
+/// 500 when the engine has stopped.
+pub fn start(
+    generation: Generation,
+    n: usize,
+    settings: DriveSettings,
+) -> Result<mpsc::Receiver<(usize, Piece)>, ApiError> {
+    let Generation { request, parse, stop, constraint, model } = generation;
+    let mut receivers = Vec::with_capacity(n);
+    let mut cancels = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut req = request.clone();
+        req.cancel = Arc::default();
+        if let Some(seed) = req.sampling.seed {
+            req.sampling.seed = Some(seed.wrapping_add(i as u64));
+        }
+        if let Some(spec) = &constraint {
+            req.constraint = Some(model.grammar()?.constraint(&spec.lark, spec.starts_in_reasoning, spec.param)?);
+        }
+        cancels.push(req.cancel.clone());
+        match model.engine.submit(req) {
+            Ok(rx) => receivers.push(rx),
+            Err(e) => {
+                // Choices already queued are cancelled with their receivers.
+                for c in &cancels {
+                    c.store(true, Ordering::Relaxed);
+                }
+                let err = submit_error(e);
+                if matches!(err, ApiError::QueueFull { .. }) {
+                    settings.metrics.rejected("queue_full");
+                }
+                return Err(err);
+            }
+        }
+    }
     let (tx, rx) = mpsc::channel(PIECE_BUFFER);
-    let model = model.clone();
-    tokio::spawn(async move {
-        drive(&model, events, &parse, stop, prompt_tokens, &tx).await;
-        // Whatever ended the task, the engine must not keep generating for it.
-        cancel.store(true, Ordering::Relaxed);
-    });
+    let prompt_tokens = request.prompt.len();
+    let span = tracing::info_span!("generation", model = %model.id, prompt_tokens, choices = n);
+    tokio::spawn(
+        async move {
+            for (i, events) in receivers.into_iter().enumerate() {
+                let ok = drive(&model, events, &parse, stop.clone(), prompt_tokens, &tx, i, &settings).await;
+                if !ok {
+                    break;
+                }
+            }
+            // Whatever ended the task, the engine must not keep generating for it.
+            for c in &cancels {
+                c.store(true, Ordering::Relaxed);
+            }
+        }
+        .instrument(span),
+    );
     Ok(rx)
 }
 
@@ -99,65 +194,196 @@ fn submit_error(err: SubmitError) -> ApiError {
     }
 }
 
-/// Reads the engine's events until the generation ends or the reader goes away.
+/// The OpenAI logprob entry of token `id`.
+pub fn token_logprob(model: &ServedModel, id: u32, lp: &TokenLogprobs) -> TokenLogprob {
+    let text = |id: u32| {
+        let bytes = model.engine.tokenizer().token_bytes(id).unwrap_or_default().to_vec();
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    };
+    let (token, bytes) = text(id);
+    TokenLogprob {
+        token,
+        logprob: lp.logprob,
+        bytes: Some(bytes),
+        top_logprobs: lp
+            .top
+            .iter()
+            .map(|&(t, logprob)| {
+                let (token, bytes) = text(t);
+                TopLogprob { token, logprob, bytes: Some(bytes) }
+            })
+            .collect(),
+    }
+}
+
+/// Reads one choice's events until it ends or the reader goes away; false when nothing more should run.
+#[allow(clippy::too_many_arguments)]
 async fn drive(
     model: &ServedModel,
     mut events: mpsc::UnboundedReceiver<GenerationEvent>,
     parse: &ParseOptions,
     stop: Vec<String>,
     prompt_tokens: usize,
-    tx: &mpsc::Sender<Piece>,
-) {
+    tx: &mpsc::Sender<(usize, Piece)>,
+    choice: usize,
+    settings: &DriveSettings,
+) -> bool {
     let mut decoder = model.engine.tokenizer().stream_decoder(true);
     let mut turn = TurnAssembler::new(parse, stop, prompt_tokens);
+    turn.raw = !settings.chat;
+    let metrics = &settings.metrics;
+    let mut queue_span = Some(tracing::info_span!("queue", choice));
+    let mut prefill_span = None;
+    let mut decode_span = None;
+    let mut first_token: Option<Instant> = None;
+    let mut last_token: Option<Instant> = None;
+    let mut cached_tokens = 0;
+    let send = |pieces: Vec<Piece>| send_all(tx, choice, pieces);
     loop {
         let event = tokio::select! {
             biased;
             () = tx.closed() => {
                 tracing::info!(completion_tokens = turn.completion_tokens, "client went away; generation cancelled");
-                return;
+                return false;
             }
-            event = events.recv() => event,
+            // The watchdog runs once the request left the queue: waiting behind others is not being stuck.
+            event = async {
+                if queue_span.is_some() { Ok(events.recv().await) } else { tokio::time::timeout(settings.watchdog, events.recv()).await }
+            } => match event {
+                Ok(event) => event,
+                Err(_) => {
+                    let message = format!(
+                        "the engine made no progress for {:.0} s; the request was stopped (watchdog)",
+                        settings.watchdog.as_secs_f64()
+                    );
+                    tracing::error!(%message);
+                    metrics.error("watchdog");
+                    send(vec![Piece::Failed(message)]).await;
+                    return false;
+                }
+            },
         };
         let pieces = match event {
-            Some(GenerationEvent::Started) => continue,
-            Some(GenerationEvent::Token(id)) => match decoder.push(id) {
-                Ok(text) => match turn.push_token(&text) {
-                    Ok(pieces) => pieces,
-                    // A stop string matched: returning drops `events`, which stops the engine before its next step.
-                    Err(last) => {
-                        send_all(tx, last).await;
-                        return;
-                    }
-                },
-                Err(e) => vec![Piece::Failed(format!("detokenizing the output: {e}"))],
-            },
+            Some(GenerationEvent::Started { cached_tokens: cached }) => {
+                cached_tokens = cached;
+                queue_span = None;
+                prefill_span = Some(tracing::info_span!("prefill", choice, cached_tokens = cached));
+                vec![Piece::Progress]
+            }
+            Some(GenerationEvent::Prefilled { .. }) => vec![Piece::Progress],
+            Some(GenerationEvent::Token { id, logprobs }) => {
+                let now = Instant::now();
+                if first_token.is_none() {
+                    first_token = Some(now);
+                    prefill_span = None;
+                    decode_span = Some(tracing::info_span!("decode", choice));
+                }
+                if let Some(prev) = last_token {
+                    metrics.inter_token(&model.id, (now - prev).as_secs_f64());
+                }
+                last_token = Some(now);
+                let mut pieces: Vec<Piece> =
+                    logprobs.map(|lp| Piece::Logprob(token_logprob(model, id, &lp))).into_iter().collect();
+                match decoder.push(id) {
+                    Ok(text) => match turn.push_token(&text) {
+                        Ok(more) => pieces.extend(more),
+                        // A stop string matched: returning drops `events`, which stops the engine before its
+                        // next step.
+                        Err(last) => {
+                            pieces.extend(last);
+                            let (reason, record) =
+                                record_of(&pieces, settings, first_token, None, cached_tokens, prompt_tokens);
+                            metrics.finished(&model.id, reason, &record);
+                            return send(with_timings(pieces, cached_tokens, None)).await;
+                        }
+                    },
+                    Err(e) => pieces.push(Piece::Failed(format!("detokenizing the output: {e}"))),
+                }
+                pieces
+            }
             Some(GenerationEvent::Finished { reason, usage }) => {
                 log_usage(&usage, reason);
-                let reason = match reason {
-                    worker::FinishReason::Length => FinishReason::Length,
+                let finish = match reason {
+                    worker::FinishReason::Length | worker::FinishReason::Repetition => FinishReason::Length,
                     worker::FinishReason::Stop | worker::FinishReason::Cancelled => FinishReason::Stop,
                 };
-                send_all(tx, turn.finish(&decoder.finish(), reason)).await;
-                return;
+                if reason == worker::FinishReason::Repetition {
+                    tracing::warn!("the repetition guard ended a looping output");
+                }
+                let pieces = turn.finish(&decoder.finish(), finish);
+                let (name, record) =
+                    record_of(&pieces, settings, first_token, Some(&usage), cached_tokens, prompt_tokens);
+                metrics.finished(&model.id, name, &record);
+                drop((queue_span.take(), prefill_span.take(), decode_span.take()));
+                return send(with_timings(pieces, cached_tokens, Some(&usage))).await;
             }
             Some(GenerationEvent::Failed(message)) => {
                 tracing::error!(%message, "generation failed");
+                metrics.error(if message.starts_with("constrained decoding") { "constraint" } else { "engine" });
                 vec![Piece::Failed(message)]
             }
-            None => vec![Piece::Failed("the engine stopped before the generation ended".into())],
+            None => {
+                metrics.error("engine");
+                vec![Piece::Failed("the engine stopped before the generation ended".into())]
+            }
         };
         let failed = matches!(pieces.last(), Some(Piece::Failed(_)));
-        if !send_all(tx, pieces).await || failed {
-            return;
+        if !send(pieces).await || failed {
+            return false;
         }
     }
 }
 
-/// Sends `pieces` in order; false when the reader is gone.
-async fn send_all(tx: &mpsc::Sender<Piece>, pieces: Vec<Piece>) -> bool {
+/// The finish reason's name and the metrics record of a finished choice.
+fn record_of(
+    pieces: &[Piece],
+    settings: &DriveSettings,
+    first_token: Option<Instant>,
+    usage: Option<&worker::Usage>,
+    cached_tokens: usize,
+    prompt_tokens: usize,
+) -> (&'static str, RequestRecord) {
+    let (reason, completion) = match pieces.last() {
+        Some(Piece::Done { finish_reason, usage, .. }) => (*finish_reason, usage.completion_tokens),
+        _ => (FinishReason::Stop, 0),
+    };
+    let name = match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::ToolCalls => "tool_calls",
+    };
+    let _ = cached_tokens;
+    let record = RequestRecord {
+        prompt_tokens,
+        completion_tokens: completion,
+        ttft_s: first_token.map(|t| (t - settings.arrived).as_secs_f64()),
+        e2e_s: settings.arrived.elapsed().as_secs_f64(),
+        queue_s: usage.map_or(0.0, |u| u.queue_ms / 1e3),
+        prefill_s: usage.map_or(0.0, |u| u.prefill_ms / 1e3),
+        decode_s: usage.map_or(0.0, |u| u.decode_ms / 1e3),
+    };
+    (name, record)
+}
+
+/// Adds the cached-token count and the timings to the [`Piece::Done`] of `pieces`.
+fn with_timings(mut pieces: Vec<Piece>, cached_tokens: usize, usage: Option<&worker::Usage>) -> Vec<Piece> {
+    if let Some(Piece::Done { usage: u, timings, .. }) = pieces.last_mut() {
+        *u = u.with_cached(cached_tokens);
+        *timings = Timings::new(
+            cached_tokens,
+            u.prompt_tokens - cached_tokens.min(u.prompt_tokens),
+            usage.map_or(0.0, |x| x.prefill_ms),
+            u.completion_tokens,
+            usage.map_or(0.0, |x| x.decode_ms),
+        );
+    }
+    pieces
+}
+
+/// Sends `pieces` of `choice` in order; false when the reader is gone.
+async fn send_all(tx: &mpsc::Sender<(usize, Piece)>, choice: usize, pieces: Vec<Piece>) -> bool {
     for piece in pieces {
-        if tx.send(piece).await.is_err() {
+        if tx.send((choice, piece)).await.is_err() {
             return false;
         }
     }
@@ -174,6 +400,8 @@ pub struct TurnAssembler {
     /// Tokens generated so far.
     pub completion_tokens: usize,
     saw_tool_call: bool,
+    /// Pass text through unparsed (text completions).
+    pub raw: bool,
 }
 
 impl TurnAssembler {
@@ -185,6 +413,7 @@ impl TurnAssembler {
             prompt_tokens,
             completion_tokens: 0,
             saw_tool_call: false,
+            raw: false,
         }
     }
 
@@ -193,7 +422,7 @@ impl TurnAssembler {
     pub fn push_token(&mut self, text: &str) -> Result<Vec<Piece>, Vec<Piece>> {
         self.completion_tokens += 1;
         let (released, matched) = self.stops.push(text);
-        let events = self.parser.push(&released);
+        let events = self.parse(&released);
         let mut pieces = self.pieces(events);
         if !matched {
             return Ok(pieces);
@@ -209,18 +438,29 @@ impl TurnAssembler {
         if !matched {
             released.push_str(&self.stops.finish());
         }
-        let events = self.parser.push(&released);
+        let events = self.parse(&released);
         let mut pieces = self.pieces(events);
         pieces.extend(self.end(if matched { FinishReason::Stop } else { reason }));
         pieces
     }
 
+    fn parse(&mut self, text: &str) -> Vec<OutputEvent> {
+        if self.raw {
+            return if text.is_empty() { Vec::new() } else { vec![OutputEvent::Content(text.to_owned())] };
+        }
+        self.parser.push(text)
+    }
+
     fn end(&mut self, reason: FinishReason) -> Vec<Piece> {
         let parser = std::mem::replace(&mut self.parser, OutputParser::new(&ParseOptions::default()));
-        let mut pieces = self.pieces(parser.finish());
+        let mut pieces = if self.raw { Vec::new() } else { self.pieces(parser.finish()) };
         let finish_reason =
             if self.saw_tool_call && reason == FinishReason::Stop { FinishReason::ToolCalls } else { reason };
-        pieces.push(Piece::Done { finish_reason, usage: Usage::new(self.prompt_tokens, self.completion_tokens) });
+        pieces.push(Piece::Done {
+            finish_reason,
+            usage: Usage::new(self.prompt_tokens, self.completion_tokens),
+            timings: Timings::default(),
+        });
         pieces
     }
 
@@ -234,6 +474,11 @@ impl TurnAssembler {
                     self.saw_tool_call = true;
                     Piece::ToolCall { index, id, name, arguments }
                 }
+                OutputEvent::ToolCallStart { index, id, name } => {
+                    self.saw_tool_call = true;
+                    Piece::ToolCallStart { index, id, name }
+                }
+                OutputEvent::ToolCallArguments { index, fragment } => Piece::ToolCallArguments { index, fragment },
             })
             .collect()
     }
@@ -242,11 +487,15 @@ impl TurnAssembler {
 fn log_usage(usage: &worker::Usage, reason: worker::FinishReason) {
     let decode_tokens = usage.completion_tokens.saturating_sub(1);
     let decode_tok_s = if usage.decode_ms > 0.0 { decode_tokens as f64 / (usage.decode_ms / 1e3) } else { 0.0 };
-    let prefill_tok_s =
-        if usage.prefill_ms > 0.0 { usage.prompt_tokens as f64 / (usage.prefill_ms / 1e3) } else { 0.0 };
+    let prefill_tok_s = if usage.prefill_ms > 0.0 {
+        (usage.prompt_tokens - usage.cached_tokens) as f64 / (usage.prefill_ms / 1e3)
+    } else {
+        0.0
+    };
     tracing::info!(
         ?reason,
         prompt_tokens = usage.prompt_tokens,
+        cached_tokens = usage.cached_tokens,
         completion_tokens = usage.completion_tokens,
         queue_ms = format_args!("{:.1}", usage.queue_ms),
         prefill_ms = format_args!("{:.1}", usage.prefill_ms),
@@ -369,7 +618,9 @@ mod tests {
     fn turn_splits_reasoning_and_answer() {
         let pieces = assemble(&["Think", "ing.", "\n</think>", "\n\n", "Hi", " there."], &[], FinishReason::Stop);
         assert_eq!(text_of(&pieces), ("Thinking.".into(), "Hi there.".into()));
-        assert_eq!(pieces.last(), Some(&Piece::Done { finish_reason: FinishReason::Stop, usage: Usage::new(10, 6) }));
+        assert!(
+            matches!(pieces.last(), Some(Piece::Done { finish_reason: FinishReason::Stop, usage, .. }) if *usage == Usage::new(10, 6))
+        );
     }
 
     #[test]
@@ -401,7 +652,48 @@ mod tests {
     fn stop_string_ends_the_turn_and_counts_tokens_up_to_it() {
         let pieces = assemble(&["a\n</think>\n\n", "one ", "two", " three", " four"], &["two"], FinishReason::Length);
         assert_eq!(text_of(&pieces), ("a".into(), "one".into()));
-        assert_eq!(pieces.last(), Some(&Piece::Done { finish_reason: FinishReason::Stop, usage: Usage::new(10, 3) }));
+        assert!(
+            matches!(pieces.last(), Some(Piece::Done { finish_reason: FinishReason::Stop, usage, .. }) if *usage == Usage::new(10, 3))
+        );
+    }
+
+    /// The watchdog fails a generation the engine stopped talking about, but never one still waiting in the
+    /// queue. Tokio's paused clock makes the waits deterministic.
+    #[tokio::test(start_paused = true)]
+    async fn watchdog_fails_a_silent_generation_but_not_a_queued_one() {
+        let state = crate::state::AppState::new(crate::ServerConfig::default()).unwrap();
+        let model = crate::state::load_model(&state).unwrap();
+        let settings = DriveSettings {
+            watchdog: Duration::from_secs(5),
+            metrics: state.metrics.clone(),
+            arrived: Instant::now(),
+            chat: true,
+        };
+        let parse = ParseOptions::default();
+
+        // Queued: no event at all for 1000 s is not a failure.
+        let (_queued_tx, queued) = mpsc::unbounded_channel();
+        let (tx, _rx) = mpsc::channel(16);
+        let waited = tokio::time::timeout(
+            Duration::from_secs(1000),
+            drive(&model, queued, &parse, vec![], 3, &tx, 0, &settings),
+        )
+        .await;
+        assert!(waited.is_err(), "a queued request is not stuck");
+
+        // Started, then silence: failed after the watchdog's time.
+        let (events_tx, events) = mpsc::unbounded_channel();
+        events_tx.send(GenerationEvent::Started { cached_tokens: 0 }).unwrap();
+        let (tx, mut rx) = mpsc::channel(16);
+        let t0 = tokio::time::Instant::now();
+        assert!(!drive(&model, events, &parse, vec![], 3, &tx, 0, &settings).await);
+        assert!(t0.elapsed() >= Duration::from_secs(5));
+        assert_eq!(rx.recv().await, Some((0, Piece::Progress)));
+        match rx.recv().await {
+            Some((0, Piece::Failed(message))) => assert!(message.contains("watchdog"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+        drop(events_tx);
     }
 
     #[test]

@@ -1,63 +1,88 @@
 //! Nebula's HTTP service: the OpenAI-compatible API in front of the engine.
 //!
 //! Data flows one way: [`extract`] parses a request body into the [`openai`] types, [`chat`] checks it and turns
-//! it into an engine request (template, tokenizer, limits, sampling defaults), [`generation`] follows the engine's
-//! events and turns generated ids into reasoning, answer and tool-call pieces, and [`stream`] (SSE) or the
-//! handler in [`routes::chat`] writes them in OpenAI's shapes. The server never touches tensors: the engine runs
-//! on its own thread behind a bounded queue.
+//! it into an engine request (template, [`prompt`] encoding, limits, sampling defaults, a [`constraint`]
+//! grammar), [`generation`] follows the engine's events and turns generated ids into reasoning, answer and
+//! tool-call pieces, and [`stream`] (SSE) or the handlers in [`routes`] write them in OpenAI's shapes. The server
+//! never touches tensors: the engine runs on its own thread behind a bounded queue.
 //!
-//! [`start`] binds first and loads the model on a blocking thread, so `/health` answers 503 while it loads; a
-//! model that fails to load stops the server with [`ServeError::Load`]. [`serve`] is `nebula serve`: it adds the
-//! runtime and the SIGINT/SIGTERM handling.
+//! [`start`] binds first and loads the model on a blocking thread, so `/health` answers 503 with the loading
+//! phase while it loads; a model that fails to load stops the server with [`ServeError::Load`]. [`serve`] is
+//! `nebula serve`: it adds the runtime and the SIGINT/SIGTERM handling (open requests drain for
+//! `shutdown_grace_s`). [`config`] resolves the settings (file, environment, flags), [`layers`] holds the tower
+//! middleware, [`metrics`] the Prometheus families, [`telemetry`] the logs and OTLP traces, [`openapi`] the
+//! generated document.
 
 #![warn(missing_docs)]
 
 pub mod chat;
 pub mod cli;
 pub mod config;
+pub mod constraint;
 pub mod error;
 pub mod extract;
 pub mod generation;
+pub mod layers;
+pub mod metrics;
 pub mod openai;
+pub mod openapi;
 pub mod profile;
+pub mod prompt;
 pub mod routes;
 pub mod state;
 pub mod stream;
+pub mod telemetry;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
+use axum::http::Request;
+use axum::middleware::from_fn_with_state;
 use axum::routing::{get, post};
 use tokio::sync::watch;
-use tower_http::trace::{DefaultMakeSpan, DefaultOnFailure, DefaultOnResponse, TraceLayer};
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::{DefaultOnFailure, DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 pub use crate::config::{ModelSource, ServeArgs, ServerConfig};
 pub use crate::error::{ApiError, LoadFailed, ServeError};
 use crate::state::{AppState, LoadState, ServedModel, load_model};
 
-/// Largest request body accepted (a full 256k-token conversation fits).
-pub const MAX_BODY_BYTES: usize = 32 << 20;
-
-/// The API's routes and layers, over `state`.
+/// The API's routes and layers, over `state` (layers: see [`layers`]).
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let generation = Router::new()
+        .route("/v1/chat/completions", post(routes::chat::chat_completions))
+        .route("/v1/completions", post(routes::completions::completions))
+        .route_layer(from_fn_with_state(state.clone(), layers::limit_and_time));
+    let mut app = Router::new()
         .route("/health", get(routes::health::health))
         .route("/v1/models", get(routes::models::list_models))
-        .route("/v1/chat/completions", post(routes::chat::chat_completions))
+        .route("/v1/models/{*model}", get(routes::models::retrieve_model))
+        .route("/metrics", get(metrics::metrics))
+        .route("/openapi.json", get(openapi::openapi_json))
+        .merge(generation)
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(
-            TraceLayer::new_for_http()
-                .make_span_with(DefaultMakeSpan::new().level(Level::INFO))
-                .on_response(DefaultOnResponse::new().level(Level::INFO))
-                // Error statuses are already in the response line; 503 while loading is expected.
-                .on_failure(DefaultOnFailure::new().level(Level::DEBUG)),
-        )
-        .with_state(state)
+        .layer(from_fn_with_state(state.clone(), layers::require_api_key))
+        .layer(DefaultBodyLimit::max(state.config.body_limit_bytes));
+    if let Some(cors) = layers::cors(&state.config.cors_allow_origins) {
+        app = app.layer(cors);
+    }
+    app.layer(
+        TraceLayer::new_for_http()
+            .make_span_with(|req: &Request<_>| {
+                let id = req.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("");
+                tracing::info_span!("request", method = %req.method(), uri = %req.uri(), request_id = %id)
+            })
+            .on_response(DefaultOnResponse::new().level(Level::INFO))
+            // Error statuses are already in the response line; 503 while loading is expected.
+            .on_failure(DefaultOnFailure::new().level(Level::DEBUG)),
+    )
+    .layer(PropagateRequestIdLayer::x_request_id())
+    .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+    .with_state(state)
 }
 
 /// A running server: its address, a way to stop it, and its outcome.
@@ -98,12 +123,15 @@ impl ServerHandle {
     /// error itself comes from [`ServerHandle::wait`]).
     pub async fn ready(&self) -> Result<Arc<ServedModel>, LoadFailed> {
         let mut load = self.state.load.subscribe();
-        let state =
-            load.wait_for(|s| !matches!(s, LoadState::Loading)).await.map_err(|e| LoadFailed(e.to_string()))?.clone();
+        let state = load
+            .wait_for(|s| !matches!(s, LoadState::Loading(_)))
+            .await
+            .map_err(|e| LoadFailed(e.to_string()))?
+            .clone();
         match state {
             LoadState::Ready(model) => Ok(model),
             LoadState::Failed(message) => Err(LoadFailed(message.to_string())),
-            LoadState::Loading => Err(LoadFailed("still loading".into())),
+            LoadState::Loading(_) => Err(LoadFailed("still loading".into())),
         }
     }
 
@@ -126,8 +154,8 @@ pub async fn start(config: ServerConfig) -> Result<ServerHandle, ServeError> {
     let listener =
         tokio::net::TcpListener::bind(wanted).await.map_err(|source| ServeError::Bind { addr: wanted, source })?;
     let addr = listener.local_addr()?;
-    let grace = config.shutdown_grace;
-    let state = Arc::new(AppState::new(config));
+    let grace = config.shutdown_grace();
+    let state = Arc::new(AppState::new(config)?);
     let (stop, _) = watch::channel(false);
     let load_error: Arc<Mutex<Option<ServeError>>> = Arc::default();
 
@@ -136,7 +164,7 @@ pub async fn start(config: ServerConfig) -> Result<ServerHandle, ServeError> {
         let state = state.clone();
         let stop = stop.clone();
         let load_error = load_error.clone();
-        tokio::task::spawn_blocking(move || match load_model(&state.config) {
+        tokio::task::spawn_blocking(move || match load_model(&state) {
             Ok(model) => {
                 state.load.send_replace(LoadState::Ready(Arc::new(model)));
             }
@@ -179,15 +207,21 @@ pub async fn start(config: ServerConfig) -> Result<ServerHandle, ServeError> {
 /// Errors: the address cannot be bound, the model cannot be loaded (the message names the file and the problem),
 /// or the runtime fails.
 pub fn serve(config: ServerConfig) -> Result<(), ServeError> {
+    let _telemetry = telemetry::init(&config)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         let model = config.model.label();
         let handle = start(config).await?;
         tracing::info!(addr = %handle.addr(), %model, "listening; loading the model");
         let stop = handle.stopper();
+        let state = handle.state.clone();
         tokio::spawn(async move {
             shutdown_signal().await;
-            tracing::info!("shutting down");
+            tracing::info!(
+                in_flight = state.limit.in_flight(),
+                grace_s = state.config.shutdown_grace_s,
+                "shutting down: no new connections; open requests drain"
+            );
             stop();
         });
         handle.wait().await

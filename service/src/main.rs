@@ -1,6 +1,7 @@
 //! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint or GGUF to GGUF),
-//! `profile detect` (the hardware profile the container entry point writes before `serve`), `synth` (random-weight
-//! real-width GGUF for benchmarks), `bench` (speed), `generate` (greedy continuation).
+//! `openapi` (print the API's OpenAPI document), `profile detect` (the hardware profile the container entry point
+//! writes before `serve`), `synth` (random-weight real-width GGUF for benchmarks), `bench` (speed), `generate`
+//! (greedy continuation).
 
 mod bench;
 
@@ -20,8 +21,11 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Serve the OpenAI-compatible API (the embedded demo model when no model is given).
+    /// Serve the OpenAI-compatible API (the embedded demo model when no model is given). Settings: flags,
+    /// NEBULA_* variables and nebula.toml (docs/config.md).
     Serve(nebula_service::ServeArgs),
+    /// Print the OpenAPI document (the committed copy is openapi/openapi.json).
+    Openapi,
     /// Convert a Hugging Face qwen4_exp safetensors checkpoint directory to a qwen4exp GGUF file, or requantize a
     /// GGUF file with --recipe / --recipe-from.
     Convert {
@@ -72,21 +76,17 @@ enum BenchCommand {
     Kernels(bench::KernelBenchArgs),
 }
 
-/// Logs to stderr; `RUST_LOG` filters (default: `info`).
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tower_http=info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
-}
-
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Profile(args) => std::process::exit(nebula_service::profile::run(args).into()),
         Command::Serve(args) => {
-            init_tracing();
-            Ok(nebula_service::serve(args.into())?)
+            let config = nebula_service::ServerConfig::resolve(&args)?;
+            Ok(nebula_service::serve(config)?)
+        }
+        Command::Openapi => {
+            print!("{}", nebula_service::openapi::document());
+            Ok(())
         }
         Command::Synth(args) => nebula_service::cli::synth::run(args),
         Command::Generate(args) => nebula_service::cli::generate::run(args),

@@ -7,9 +7,11 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use utoipa::ToSchema;
 
 /// Body of `POST /v1/chat/completions`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[schema(example = json!({"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64, "temperature": 0}))]
 pub struct ChatCompletionRequest {
     /// Model id; must be the served one (absent: the served one).
     pub model: Option<String>,
@@ -37,27 +39,43 @@ pub struct ChatCompletionRequest {
     pub stream_options: Option<StreamOptions>,
     /// Tools the model may call: `[{"type": "function", "function": {"name", "description", "parameters"}}]`,
     /// kept as sent because the chat template prints them verbatim.
+    #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Vec<Map<String, Value>>>,
-    /// `"auto"` (default) or `"none"`; forcing a call is not supported yet.
+    /// `"auto"` (default), `"none"`, `"required"` (a call is forced by constrained decoding), or
+    /// `{"type": "function", "function": {"name": ...}}` (that function is forced).
+    #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<Value>,
-    /// Whether several tool calls may come in one turn (the model decides; accepted for compatibility).
+    /// Whether several tool calls may come in one turn (default true; false limits a forced call to one).
     pub parallel_tool_calls: Option<bool>,
     /// Extra chat-template variables (`enable_thinking`, `preserve_thinking`, ...).
+    #[schema(value_type = Option<Object>)]
     pub chat_template_kwargs: Option<Map<String, Value>>,
-    /// `none` (thinking off), `low`, `medium` or `xhigh` (the template's default).
+    /// `none` (thinking off), `minimal` (= `low`), `low`, `medium`, `high` (= `xhigh`) or `xhigh` (the
+    /// template's default).
     pub reasoning_effort: Option<String>,
-    /// Number of choices; only 1 is served.
+    /// Number of choices, 1 to 8; each is generated in turn (with `seed`, choice i uses `seed + i`).
     pub n: Option<i64>,
-    /// Not supported yet; refused unless 0.
+    /// OpenAI presence penalty in [-2, 2].
     pub presence_penalty: Option<f64>,
-    /// Not supported yet; refused unless 0.
+    /// OpenAI frequency penalty in [-2, 2].
     pub frequency_penalty: Option<f64>,
-    /// Not supported yet; refused when true.
+    /// vLLM/HF repetition penalty, > 0 (1 = off).
+    pub repetition_penalty: Option<f64>,
+    /// Return the log-probability of each output token.
     pub logprobs: Option<bool>,
-    /// Not supported yet; refused when set.
+    /// With `logprobs`, also the 0 to 20 most likely alternatives of each token.
     pub top_logprobs: Option<i64>,
-    /// Only `{"type": "text"}` is supported yet.
+    /// `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"name",
+    /// "schema", "strict"}}`; the JSON modes are enforced by constrained decoding after the reasoning.
+    #[schema(value_type = Option<Object>)]
     pub response_format: Option<Value>,
+    /// Nebula: MTP verification level, 1 (fastest) to 3 (exact greedy; default).
+    pub accuracy_level: Option<i64>,
+    /// Nebula: a context limit for this request, at most the server's (the WebUI's context selector).
+    pub max_context: Option<i64>,
+    /// Nebula: prompt tokens per prefill chunk for this request, at most the server's (the WebUI's prefill
+    /// selector).
+    pub max_prefill: Option<i64>,
     /// Nebula/vLLM extension: keep generating past the end of the turn until `max_tokens` (benchmarks).
     pub ignore_eos: Option<bool>,
     /// End-user id (logged nowhere; accepted for compatibility).
@@ -65,7 +83,7 @@ pub struct ChatCompletionRequest {
 }
 
 /// `stop`: one string or a list of them.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum StopSequences {
     /// A single stop string.
@@ -85,14 +103,14 @@ impl StopSequences {
 }
 
 /// `stream_options`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct StreamOptions {
     /// Send one last chunk with `choices: []` and the request's usage.
     pub include_usage: Option<bool>,
 }
 
 /// Who wrote a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     /// Instructions (first message only, by the Qwen template's rule).
@@ -106,7 +124,7 @@ pub enum Role {
 }
 
 /// One message of the conversation. Serialized back (nulls left out) for the chat template.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ChatMessage {
     /// Who wrote it.
     pub role: Role,
@@ -138,6 +156,33 @@ pub enum MessageContent {
     Parts(Vec<Map<String, Value>>),
 }
 
+impl utoipa::PartialSchema for MessageContent {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Type};
+        let part = ObjectBuilder::new()
+            .property("type", ObjectBuilder::new().schema_type(Type::String))
+            .property("text", ObjectBuilder::new().schema_type(Type::String))
+            .required("type");
+        OneOfBuilder::new()
+            .item(ObjectBuilder::new().schema_type(Type::String))
+            .item(ArrayBuilder::new().items(part))
+            .description(Some("A string, or a list of `{\"type\": \"text\", \"text\": ...}` parts."))
+            .into()
+    }
+}
+
+impl ToSchema for MessageContent {}
+
+impl MessageContent {
+    /// The text of the content: the string, or the text parts joined (other parts are refused earlier).
+    pub fn text(&self) -> String {
+        match self {
+            Self::Text(t) => t.clone(),
+            Self::Parts(parts) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect(),
+        }
+    }
+}
+
 impl<'de> Deserialize<'de> for MessageContent {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct ContentVisitor;
@@ -161,7 +206,7 @@ impl<'de> Deserialize<'de> for MessageContent {
 }
 
 /// A tool call in an earlier assistant turn.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ToolCallMessage {
     /// The call's id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -174,46 +219,109 @@ pub struct ToolCallMessage {
 }
 
 /// The function of a tool call in an earlier assistant turn.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct FunctionCallMessage {
     /// Function name.
     pub name: String,
     /// Arguments: a JSON object encoded as a string (OpenAI), or the object itself.
+    #[schema(value_type = Object)]
     pub arguments: Value,
 }
 
 /// Why a choice ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// End of turn (`<|im_end|>`) or a stop string.
     Stop,
-    /// `max_tokens` or the context limit.
+    /// `max_tokens`, the context limit, or the repetition guard.
     Length,
     /// The turn ended with tool calls.
     ToolCalls,
 }
 
 /// Token counts of a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 pub struct Usage {
-    /// Tokens of the rendered prompt.
+    /// Tokens of the rendered prompt (per choice, as OpenAI counts `n`: once).
     pub prompt_tokens: usize,
-    /// Tokens generated (reasoning included; the end-of-turn token not counted).
+    /// Tokens generated, all choices together (reasoning included; the end-of-turn token not counted).
     pub completion_tokens: usize,
     /// The sum.
     pub total_tokens: usize,
+    /// Details of the prompt.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, ToSchema)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens taken from the prefix cache (not prefilled).
+    pub cached_tokens: usize,
 }
 
 impl Usage {
-    /// Usage of `prompt_tokens` in and `completion_tokens` out.
+    /// Usage of `prompt_tokens` in (of which `cached_tokens` from the prefix cache) and `completion_tokens` out.
     pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails::default(),
+        }
+    }
+
+    /// The same usage with `cached_tokens` set.
+    pub fn with_cached(mut self, cached_tokens: usize) -> Self {
+        self.prompt_tokens_details.cached_tokens = cached_tokens;
+        self
+    }
+}
+
+/// llama.cpp-style timings of a request (`timings` of llama-server responses), milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, ToSchema)]
+pub struct Timings {
+    /// Prompt tokens taken from the prefix cache.
+    pub cache_n: usize,
+    /// Prompt tokens prefilled.
+    pub prompt_n: usize,
+    /// Prefill time.
+    pub prompt_ms: f64,
+    /// Prefill time per prefilled token.
+    pub prompt_per_token_ms: f64,
+    /// Prefilled tokens per second.
+    pub prompt_per_second: f64,
+    /// Tokens generated.
+    pub predicted_n: usize,
+    /// Decode time (after the first token).
+    pub predicted_ms: f64,
+    /// Decode time per token.
+    pub predicted_per_token_ms: f64,
+    /// Generated tokens per second.
+    pub predicted_per_second: f64,
+}
+
+impl Timings {
+    /// Timings from counts and times.
+    pub fn new(cache_n: usize, prompt_n: usize, prompt_ms: f64, predicted_n: usize, predicted_ms: f64) -> Self {
+        let per = |ms: f64, n: usize| if n > 0 { ms / n as f64 } else { 0.0 };
+        let rate = |ms: f64, n: usize| if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 };
+        Self {
+            cache_n,
+            prompt_n,
+            prompt_ms,
+            prompt_per_token_ms: per(prompt_ms, prompt_n),
+            prompt_per_second: rate(prompt_ms, prompt_n),
+            predicted_n,
+            predicted_ms,
+            predicted_per_token_ms: per(predicted_ms, predicted_n),
+            predicted_per_second: rate(predicted_ms, predicted_n),
+        }
     }
 }
 
 /// A tool call the model made, in a response message.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct ToolCall {
     /// Unique id of the call.
     pub id: String,
@@ -225,7 +333,7 @@ pub struct ToolCall {
 }
 
 /// Function and arguments of a tool call.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct FunctionCall {
     /// Function name.
     pub name: String,
@@ -233,22 +341,65 @@ pub struct FunctionCall {
     pub arguments: String,
 }
 
-/// A tool call in a stream chunk: the whole call in one delta, with its position.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// A piece of a tool call in a stream chunk. The first piece of a call has `id`, `type` and `function.name`
+/// with empty `arguments`; later pieces add argument text. A call's pieces concatenate to a JSON object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct ToolCallDelta {
     /// Position of the call in the turn (0, 1, ...).
     pub index: usize,
-    /// Unique id of the call.
-    pub id: String,
-    /// Always `"function"`.
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    /// What was called.
-    pub function: FunctionCall,
+    /// Unique id of the call (first piece only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `"function"` (first piece only).
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    /// Name (first piece) and argument text.
+    pub function: FunctionCallDelta,
+}
+
+/// The function part of a [`ToolCallDelta`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct FunctionCallDelta {
+    /// Function name (first piece only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// More argument text.
+    pub arguments: String,
+}
+
+/// Log-probability of one output token (OpenAI `ChatCompletionTokenLogprob`).
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct TokenLogprob {
+    /// The token's text (invalid UTF-8 shows as U+FFFD; `bytes` has the exact bytes).
+    pub token: String,
+    /// Natural log of its probability.
+    pub logprob: f32,
+    /// The token's UTF-8 bytes.
+    pub bytes: Option<Vec<u8>>,
+    /// The most likely tokens at this position, most likely first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// An alternative token at a position.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct TopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Natural log of its probability.
+    pub logprob: f32,
+    /// The token's UTF-8 bytes.
+    pub bytes: Option<Vec<u8>>,
+}
+
+/// `choices[].logprobs`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, ToSchema)]
+pub struct ChoiceLogprobs {
+    /// One entry per output token, reasoning and answer alike.
+    pub content: Vec<TokenLogprob>,
 }
 
 /// Body of a non-streamed chat completion.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatCompletion {
     /// `chatcmpl-…`.
     pub id: String,
@@ -258,27 +409,29 @@ pub struct ChatCompletion {
     pub created: u64,
     /// The served model id.
     pub model: String,
-    /// The one choice.
+    /// The choices, `n` of them.
     pub choices: Vec<Choice>,
     /// Token counts.
     pub usage: Usage,
+    /// llama.cpp-style timings (of the first choice).
+    pub timings: Timings,
 }
 
 /// A choice of a non-streamed completion.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Choice {
-    /// Always 0.
+    /// Position among the choices.
     pub index: usize,
     /// The answer.
     pub message: AssistantMessage,
     /// Why it ended.
     pub finish_reason: FinishReason,
-    /// Always `null` (not supported yet).
-    pub logprobs: Option<Value>,
+    /// Log-probabilities when asked for, else `null`.
+    pub logprobs: Option<ChoiceLogprobs>,
 }
 
 /// The assistant's message in a non-streamed completion.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct AssistantMessage {
     /// Always `"assistant"`.
     pub role: &'static str,
@@ -293,7 +446,7 @@ pub struct AssistantMessage {
 }
 
 /// One server-sent event of a streamed completion.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatCompletionChunk {
     /// Same id on every chunk of a completion.
     pub id: String,
@@ -307,23 +460,26 @@ pub struct ChatCompletionChunk {
     pub choices: Vec<ChunkChoice>,
     /// `null`, except on the final chunk when `stream_options.include_usage` is set.
     pub usage: Option<Usage>,
+    /// llama.cpp-style timings, on the last chunk of each choice.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
 }
 
 /// The choice of a stream chunk.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChunkChoice {
-    /// Always 0.
+    /// Position among the choices.
     pub index: usize,
     /// What this chunk adds.
     pub delta: Delta,
     /// Set on the last chunk of the choice.
     pub finish_reason: Option<FinishReason>,
-    /// Always `null` (not supported yet).
-    pub logprobs: Option<Value>,
+    /// Log-probabilities of this chunk's tokens when asked for, else `null`.
+    pub logprobs: Option<ChoiceLogprobs>,
 }
 
 /// What a stream chunk adds to the message. Absent fields are left out.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, ToSchema)]
 pub struct Delta {
     /// `"assistant"` on the first chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -334,13 +490,13 @@ pub struct Delta {
     /// More reasoning text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
-    /// Tool calls completed by this chunk.
+    /// Tool call pieces.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 /// Body of `GET /v1/models`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ModelList {
     /// `"list"`.
     pub object: &'static str,
@@ -349,7 +505,7 @@ pub struct ModelList {
 }
 
 /// One served model.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ModelCard {
     /// The id requests name in `model`.
     pub id: String,
@@ -361,6 +517,126 @@ pub struct ModelCard {
     pub owned_by: &'static str,
     /// Longest prompt + completion served, tokens.
     pub max_model_len: usize,
+    /// Prompt tokens per prefill chunk.
+    pub max_prefill: usize,
+    /// Input modalities (`["text"]`).
+    pub input_modalities: Vec<&'static str>,
+    /// Output modalities (`["text"]`).
+    pub output_modalities: Vec<&'static str>,
+    /// The hardware profile file's content (`NEBULA_PROFILE`), `null` when none is configured.
+    #[schema(value_type = Option<Object>)]
+    pub profile: Option<Value>,
+}
+
+/// Body of `POST /v1/completions` (legacy text completion).
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[schema(example = json!({"prompt": "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 16}))]
+pub struct CompletionRequest {
+    /// Model id; must be the served one (absent: the served one).
+    pub model: Option<String>,
+    /// The prompt: raw text, sent to the model as is (no chat template; special tokens in it are honoured).
+    pub prompt: PromptInput,
+    /// Most tokens to generate (default 16, as OpenAI).
+    pub max_tokens: Option<i64>,
+    /// Softmax temperature in [0, 2].
+    pub temperature: Option<f64>,
+    /// Nucleus sampling mass in (0, 1].
+    pub top_p: Option<f64>,
+    /// Top-k (0 or -1: no limit).
+    pub top_k: Option<i64>,
+    /// Min-p in [0, 1].
+    pub min_p: Option<f64>,
+    /// Seed.
+    pub seed: Option<i64>,
+    /// Up to 4 stop strings.
+    pub stop: Option<StopSequences>,
+    /// Stream as server-sent events.
+    pub stream: Option<bool>,
+    /// Options of the stream.
+    pub stream_options: Option<StreamOptions>,
+    /// Number of choices, 1 to 8.
+    pub n: Option<i64>,
+    /// Presence penalty in [-2, 2].
+    pub presence_penalty: Option<f64>,
+    /// Frequency penalty in [-2, 2].
+    pub frequency_penalty: Option<f64>,
+    /// Repetition penalty, > 0.
+    pub repetition_penalty: Option<f64>,
+    /// Log-probabilities of each token with this many alternatives (0 to 5).
+    pub logprobs: Option<i64>,
+    /// Prepend the prompt to the returned text.
+    pub echo: Option<bool>,
+    /// Text after the completion; not supported (refused unless empty).
+    pub suffix: Option<String>,
+    /// Not supported (refused unless equal to `n`).
+    pub best_of: Option<i64>,
+    /// Keep generating past the end of text until `max_tokens`.
+    pub ignore_eos: Option<bool>,
+    /// End-user id (accepted, unused).
+    pub user: Option<String>,
+}
+
+/// `prompt` of a completion: one string (a list of exactly one string is accepted too).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum PromptInput {
+    /// The prompt text.
+    One(String),
+    /// A list of prompts; only one is served per request.
+    Many(Vec<String>),
+}
+
+impl Default for PromptInput {
+    fn default() -> Self {
+        Self::One(String::new())
+    }
+}
+
+/// Body of a text completion.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Completion {
+    /// `cmpl-…`.
+    pub id: String,
+    /// `"text_completion"`.
+    pub object: &'static str,
+    /// Unix time, seconds.
+    pub created: u64,
+    /// The served model id.
+    pub model: String,
+    /// The choices.
+    pub choices: Vec<CompletionChoice>,
+    /// Token counts (`null` on stream chunks but the usage chunk).
+    pub usage: Option<Usage>,
+    /// llama.cpp-style timings (non-streamed responses and the last chunk of a choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
+}
+
+/// A choice of a text completion.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CompletionChoice {
+    /// Position among the choices.
+    pub index: usize,
+    /// The generated text (or the piece of it, streamed).
+    pub text: String,
+    /// Why it ended (`null` on stream chunks before the last).
+    pub finish_reason: Option<FinishReason>,
+    /// Legacy logprobs when asked for.
+    pub logprobs: Option<CompletionLogprobs>,
+}
+
+/// Legacy `logprobs` of a text completion.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, ToSchema)]
+pub struct CompletionLogprobs {
+    /// Each token's text.
+    pub tokens: Vec<String>,
+    /// Each token's log-probability.
+    pub token_logprobs: Vec<f32>,
+    /// Per token, the alternatives and their log-probabilities.
+    #[schema(value_type = Vec<Object>)]
+    pub top_logprobs: Vec<Map<String, Value>>,
+    /// Character offset of each token in `text`.
+    pub text_offset: Vec<usize>,
 }
 
 #[cfg(test)]
@@ -412,6 +688,7 @@ mod tests {
                 logprobs: None,
             }],
             usage: None,
+            timings: None,
         };
         let v = serde_json::to_value(chunk).unwrap();
         assert_eq!(v["usage"], Value::Null);

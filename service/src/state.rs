@@ -1,15 +1,21 @@
-//! Shared state of the server: its config and the model once it is loaded. Handlers get it as
-//! `State<Arc<AppState>>`.
+//! Shared state of the server: its config, metrics, the hardware profile, and the model once it is loaded.
+//! Handlers get it as `State<Arc<AppState>>`.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use nebula_engine::prefix_cache::PrefixCacheOptions;
 use nebula_engine::text::chat_template::{ChatTemplate, QWEN38_CHAT_TEMPLATE};
-use nebula_engine::worker::{Engine, EngineOptions};
+use nebula_engine::worker::{Engine, EngineOptions, PREFILL_CHUNK};
+use serde_json::Value;
 use tokio::sync::watch;
 
 use crate::config::{EMBEDDED_DEMO_MODEL, ModelSource, ServerConfig};
+use crate::constraint::GrammarCompiler;
 use crate::error::{ApiError, ServeError};
+use crate::layers::ConcurrencyLimit;
+use crate::metrics::Metrics;
+use crate::prompt::added_tokens;
 
 /// A loaded model as the API serves it.
 #[derive(Debug)]
@@ -22,13 +28,32 @@ pub struct ServedModel {
     pub created: u64,
     /// The chat template: the model's own, else the official Qwen3.8 one.
     pub template: Arc<ChatTemplate>,
+    /// Added-token spellings and ids, longest first (for encoding client text as plain text).
+    pub specials: Vec<(String, u32)>,
+    /// Prompt tokens per prefill chunk.
+    pub max_prefill: usize,
+    /// The grammar compiler, built at the first constrained request.
+    grammar: OnceLock<Result<GrammarCompiler, String>>,
+}
+
+impl ServedModel {
+    /// The grammar compiler of this model (built on first use: a token trie over the whole vocabulary).
+    ///
+    /// Errors: 500 when llguidance refuses the vocabulary.
+    pub fn grammar(&self) -> Result<&GrammarCompiler, ApiError> {
+        let compiler = self.grammar.get_or_init(|| {
+            let end_of_turn = self.engine.stop_tokens().first().copied().unwrap_or(0);
+            GrammarCompiler::new(self.engine.tokenizer().clone(), self.engine.config().vocab, end_of_turn)
+        });
+        compiler.as_ref().map_err(|e| ApiError::Internal(format!("constrained decoding is unavailable: {e}")))
+    }
 }
 
 /// Where model loading stands.
 #[derive(Debug, Clone)]
 pub enum LoadState {
-    /// The model is being read and validated.
-    Loading,
+    /// The model is being loaded; the phase says what the server is doing.
+    Loading(&'static str),
     /// The model is ready to serve.
     Ready(Arc<ServedModel>),
     /// Loading failed; the server is shutting down. The message names the file and the problem.
@@ -42,36 +67,84 @@ pub struct AppState {
     pub config: ServerConfig,
     /// The model's load state; watchers wake when it changes.
     pub load: watch::Sender<LoadState>,
+    /// Prometheus metrics.
+    pub metrics: Arc<Metrics>,
+    /// The hardware profile file's content, when one is configured.
+    pub profile: Option<Value>,
+    /// The concurrency limit of the generation routes.
+    pub limit: ConcurrencyLimit,
 }
 
 impl AppState {
     /// State for `config`, with the model still loading.
-    pub fn new(config: ServerConfig) -> Self {
-        Self { config, load: watch::Sender::new(LoadState::Loading) }
+    ///
+    /// Errors: the configured profile file cannot be read or parsed.
+    pub fn new(config: ServerConfig) -> Result<Self, ServeError> {
+        let profile = match &config.profile {
+            None => None,
+            Some(path) => Some(read_profile(path)?),
+        };
+        let limit = ConcurrencyLimit::new(config.max_concurrent_requests, config.max_waiting_requests);
+        Ok(Self {
+            config,
+            load: watch::Sender::new(LoadState::Loading("starting")),
+            metrics: Arc::new(Metrics::new()),
+            profile,
+            limit,
+        })
     }
 
     /// The served model, or the error a request gets while there is none.
     pub fn model(&self) -> Result<Arc<ServedModel>, ApiError> {
         match &*self.load.borrow() {
             LoadState::Ready(model) => Ok(model.clone()),
-            LoadState::Loading => Err(ApiError::Loading { phase: "loading the model" }),
+            LoadState::Loading(phase) => Err(ApiError::Loading { phase }),
             LoadState::Failed(_) => Err(ApiError::Internal("the model failed to load; the server is stopping".into())),
         }
     }
+
+    /// A limit of the profile (`max_context`, `max_prefill`), if it has one.
+    pub fn profile_limit(&self, key: &str) -> Option<usize> {
+        self.profile.as_ref()?.get(key)?.as_u64().map(|v| usize::try_from(v).unwrap_or(usize::MAX))
+    }
 }
 
-/// Loads the configured model (blocking: reads and validates every tensor, starts the engine thread).
+/// Reads a profile file (TOML, as `nebula profile detect` writes it) as JSON.
+///
+/// Errors: [`ServeError::Profile`] naming the file.
+pub fn read_profile(path: &std::path::Path) -> Result<Value, ServeError> {
+    let error = |detail: String| ServeError::Profile { path: path.display().to_string(), detail };
+    let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| error(e.to_string()))?;
+    serde_json::to_value(table).map_err(|e| error(e.to_string()))
+}
+
+/// Loads the configured model (blocking: reads and validates every tensor, starts the engine thread), reporting
+/// its phase through `state.load`.
 ///
 /// Errors: [`ServeError::Load`] naming the file and the problem.
-pub fn load_model(config: &ServerConfig) -> Result<ServedModel, ServeError> {
+pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
+    let config = &state.config;
     let started = Instant::now();
     let label = config.model.label();
-    let opts = EngineOptions { max_context: Some(config.engine_max_context()), queue_capacity: config.queue_capacity };
+    let max_context = config.max_context.or(state.profile_limit("max_context")).unwrap_or(config.engine_max_context());
+    let max_prefill = config.max_prefill.or(state.profile_limit("max_prefill")).unwrap_or(PREFILL_CHUNK).max(1);
+    let opts = EngineOptions {
+        max_context: Some(max_context),
+        queue_capacity: config.queue_capacity,
+        prefix_cache: PrefixCacheOptions {
+            max_entries: config.prefix_cache.max_entries,
+            max_bytes: config.prefix_cache.max_mib.saturating_mul(1 << 20),
+            interval: config.prefix_cache.interval.max(1),
+        },
+    };
+    state.load.send_replace(LoadState::Loading("reading and validating the weights"));
     let engine = match &config.model {
         ModelSource::EmbeddedDemo => Engine::from_gguf_bytes(&label, EMBEDDED_DEMO_MODEL.to_vec(), opts),
         ModelSource::File(path) => Engine::load(path, opts),
     }
     .map_err(|source| ServeError::Load { model: label.clone(), error: Box::new(source) })?;
+    state.load.send_replace(LoadState::Loading("preparing the tokenizer and chat template"));
     let template = match engine.chat_template() {
         Some(t) => t.clone(),
         None => {
@@ -79,16 +152,18 @@ pub fn load_model(config: &ServerConfig) -> Result<ServedModel, ServeError> {
             Arc::new(ChatTemplate::new(QWEN38_CHAT_TEMPLATE).map_err(|e| ServeError::Template(e.to_string()))?)
         }
     };
+    let specials = added_tokens(engine.tokenizer());
     let id = config.model_id.clone().unwrap_or_else(|| engine.name().to_owned());
     tracing::info!(
         model = %label,
         id = %id,
         max_context = engine.max_context(),
+        max_prefill,
         trained_context = engine.config().context_length,
         seconds = format_args!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );
-    Ok(ServedModel { engine, id, created: unix_now(), template })
+    Ok(ServedModel { engine, id, created: unix_now(), template, specials, max_prefill, grammar: OnceLock::new() })
 }
 
 /// Seconds since the Unix epoch.

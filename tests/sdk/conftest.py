@@ -1,4 +1,6 @@
-"""Starts `nebula serve` on a free loopback port with the embedded demo model for the SDK tests.
+"""Starts `nebula serve` on free loopback ports with the embedded demo model for the SDK tests: `server` with the
+default settings, `strict_server` with an API key, a 64 KiB body limit and one request at a time (no waiting), for
+the 401, 413 and 429 cases.
 
 The binary is `$NEBULA_BIN` if set, else `target/release/nebula` (scripts/test_sdk.sh builds it).
 """
@@ -33,9 +35,10 @@ def _health(base: str):
         return None, None
 
 
-@pytest.fixture(scope="session")
-def server():
-    """Yields the base URL (`http://127.0.0.1:PORT`) of a running, ready server; stops it afterwards."""
+STRICT_KEY = "sdk-test-key"
+
+
+def _run_server(name: str, extra_env: dict):
     binary = pathlib.Path(os.environ.get("NEBULA_BIN", REPO / "target" / "release" / "nebula"))
     if not binary.exists():
         pytest.fail(f"{binary} does not exist: build it (cargo build --release -p nebula-service) or set NEBULA_BIN")
@@ -43,14 +46,15 @@ def server():
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEBULA_")}
     env.setdefault("RUST_LOG", "info")
-    log = open(REPO / "target" / "sdk-test-server.log", "w")
+    env.update(extra_env)
+    log = open(REPO / "target" / f"sdk-test-{name}.log", "w")
     proc = subprocess.Popen([str(binary), "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         seen = []
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"nebula serve exited with {proc.returncode}; see target/sdk-test-server.log")
+                pytest.fail(f"nebula serve exited with {proc.returncode}; see target/sdk-test-{name}.log")
             status, body = _health(base)
             if status is not None:
                 seen.append((status, body))
@@ -59,8 +63,9 @@ def server():
             if time.monotonic() > deadline:
                 pytest.fail(f"nebula serve was not ready after 120 s: {seen[-3:]}")
             time.sleep(0.05)
-        # Every answer before readiness was the loading answer.
-        assert all(s == (503, {"status": "loading"}) for s in seen[:-1]), seen
+        # Every answer before readiness was the loading answer, with its phase.
+        for status, body in seen[:-1]:
+            assert status == 503 and body["status"] == "loading" and body["phase"], seen
         assert seen[-1] == (200, {"status": "ok"})
         yield base
     finally:
@@ -72,3 +77,23 @@ def server():
             proc.wait()
         log.close()
     assert proc.returncode == 0, f"nebula serve exited with {proc.returncode} on SIGTERM"
+
+
+@pytest.fixture(scope="session")
+def server():
+    """Yields the base URL (`http://127.0.0.1:PORT`) of a running, ready server; stops it afterwards."""
+    yield from _run_server("server", {})
+
+
+@pytest.fixture(scope="session")
+def strict_server():
+    """A server with API key `STRICT_KEY`, a 64 KiB body limit and a single request slot with no queue."""
+    yield from _run_server(
+        "strict-server",
+        {
+            "NEBULA_API_KEY": STRICT_KEY,
+            "NEBULA_BODY_LIMIT_BYTES": "65536",
+            "NEBULA_MAX_CONCURRENT_REQUESTS": "1",
+            "NEBULA_MAX_WAITING_REQUESTS": "0",
+        },
+    )

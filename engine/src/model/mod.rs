@@ -240,6 +240,45 @@ impl Qwen4Exp {
         Ok(())
     }
 
+    /// A new state for at most `max_len` tokens that holds the first `snap.pos()` tokens of `source`: attention
+    /// caches copied up to that length, recurrent and PLE parts from `snap` (taken earlier from `source`, which
+    /// may have grown since). `source` is left as it is, so one cached sequence can seed many requests (the
+    /// prefix cache).
+    ///
+    /// Errors: [`ModelError::BadSnapshot`] when `snap` is not from a state shaped like this model's or lies
+    /// beyond `source`, or `max_len` is below `snap.pos()`.
+    pub fn fork_state(
+        &self,
+        source: &SequenceState,
+        snap: &Snapshot,
+        max_len: usize,
+    ) -> Result<SequenceState, ModelError> {
+        let bad = || ModelError::BadSnapshot { snapshot: snap.pos, current: source.pos };
+        if snap.pos > source.pos || snap.pos > max_len || snap.recurrent.len() != self.layers.len() {
+            return Err(bad());
+        }
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for ((ls, saved), layer) in source.layers.iter().zip(&snap.recurrent).zip(&self.layers) {
+            layers.push(match (ls, saved, &layer.mixer) {
+                (LayerState::LinearAttention(_), Some(s), _) => LayerState::LinearAttention(s.clone()),
+                (LayerState::Attention(a), None, TokenMixer::SelfAttention(att)) => {
+                    let (idim, ratio) = att.index_shape();
+                    let kv = snap.pos * att.kv_width();
+                    let blocks = snap.pos.checked_div(ratio).unwrap_or(0);
+                    let prefix = |v: &Vec<f32>, n: usize| v.get(..n).map(<[f32]>::to_vec).ok_or_else(bad);
+                    LayerState::Attention(self_attn::AttnState {
+                        k: prefix(&a.k, kv)?,
+                        v: prefix(&a.v, kv)?,
+                        index_k: prefix(&a.index_k, snap.pos * idim)?,
+                        pooled: prefix(&a.pooled, blocks * idim)?,
+                    })
+                }
+                _ => return Err(bad()),
+            });
+        }
+        Ok(SequenceState { pos: snap.pos, max_len, layers, ple: snap.ple.clone() })
+    }
+
     /// Runs `tokens` through the model, continuing `state`, and returns the logits asked for (`[rows, vocab]`,
     /// masked ids at `-inf`).
     ///

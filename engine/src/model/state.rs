@@ -44,6 +44,13 @@ impl Snapshot {
     pub fn pos(&self) -> usize {
         self.pos
     }
+
+    /// Approximate bytes held by this snapshot (its recurrent and PLE copies).
+    pub fn bytes(&self) -> usize {
+        let rec: usize = self.recurrent.iter().flatten().map(|g| g.conv.len() + g.recurrent.len()).sum();
+        let ple = self.ple.as_ref().map_or(0, |p| p.conv.len() + p.context.len());
+        4 * (rec + ple)
+    }
 }
 
 impl SequenceState {

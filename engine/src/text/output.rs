@@ -64,11 +64,16 @@ pub struct ParseOptions {
     /// Tool call ids are this prefix followed by the call's index in the output (`call_0`, `call_1`, …). Give
     /// each request its own prefix when ids must be unique across a conversation.
     pub call_id_prefix: String,
+    /// Stream XML tool calls as they are written: [`OutputEvent::ToolCallStart`] once `<function=NAME>` is
+    /// complete, then [`OutputEvent::ToolCallArguments`] fragments, one per completed parameter and a closing
+    /// `}`, which concatenate to the arguments [`OutputEvent::ToolCall`] would carry. Off: one whole
+    /// [`OutputEvent::ToolCall`] per call.
+    pub stream_tool_calls: bool,
 }
 
 impl Default for ParseOptions {
     fn default() -> Self {
-        Self { starts_in_reasoning: false, tools: None, call_id_prefix: "call_".to_owned() }
+        Self { starts_in_reasoning: false, tools: None, call_id_prefix: "call_".to_owned(), stream_tool_calls: false }
     }
 }
 
@@ -125,6 +130,16 @@ impl ParsedOutput {
                     kind: "function".to_owned(),
                     function: FunctionCall { name: name.clone(), arguments: arguments.clone() },
                 }),
+                OutputEvent::ToolCallStart { id, name, .. } => tool_calls.push(ToolCall {
+                    id: id.clone(),
+                    kind: "function".to_owned(),
+                    function: FunctionCall { name: name.clone(), arguments: String::new() },
+                }),
+                OutputEvent::ToolCallArguments { fragment, .. } => {
+                    if let Some(call) = tool_calls.last_mut() {
+                        call.function.arguments.push_str(fragment);
+                    }
+                }
             }
         }
         Self {
@@ -144,6 +159,11 @@ pub enum OutputEvent {
     Content(String),
     /// A whole tool call, emitted when its `</tool_call>` arrives. `index` counts calls from 0 in this output.
     ToolCall { index: usize, id: String, name: String, arguments: String },
+    /// With [`ParseOptions::stream_tool_calls`]: a tool call began (its function name is complete).
+    ToolCallStart { index: usize, id: String, name: String },
+    /// With [`ParseOptions::stream_tool_calls`]: more of the arguments of call `index`. The fragments of a call
+    /// concatenate to its arguments object as JSON text.
+    ToolCallArguments { index: usize, fragment: String },
 }
 
 /// Parses a whole generation.
@@ -203,6 +223,9 @@ pub struct OutputParser {
     saw_tool_call: bool,
     think_closed: bool,
     next_index: usize,
+    stream_tool_calls: bool,
+    /// The tool call being streamed: its index and the arguments sent so far (key, value).
+    streaming: Option<(usize, Vec<(String, Value)>)>,
 }
 
 impl OutputParser {
@@ -219,6 +242,8 @@ impl OutputParser {
             saw_tool_call: false,
             think_closed: false,
             next_index: 0,
+            stream_tool_calls: options.stream_tool_calls,
+            streaming: None,
         }
     }
 
@@ -232,6 +257,9 @@ impl OutputParser {
                     // Resume where a split `</tool_call>` could start next time.
                     let keep = self.buffer.len().saturating_sub(TOOL_CALL_END.len() - 1);
                     self.tool_call_scan = Some(floor_char_boundary(&self.buffer, keep.max(scan)));
+                    if self.stream_tool_calls {
+                        self.stream_tool_call_progress(&mut events);
+                    }
                     break;
                 };
                 let end = scan + found;
@@ -279,12 +307,32 @@ impl OutputParser {
     pub fn finish(mut self) -> Vec<OutputEvent> {
         let mut events = Vec::new();
         let rest = std::mem::take(&mut self.buffer);
-        if self.tool_call_scan.is_some() {
+        // A streamed call cut off by the end of the output is closed with its complete parameters only, so its
+        // arguments stay valid JSON.
+        let complete = rest.rfind(PARAMETER_END).map_or(0, |at| at + PARAMETER_END.len());
+        if self.tool_call_scan.is_some() && self.close_streamed_call(&rest[..complete], &mut events) {
+        } else if self.tool_call_scan.is_some() {
             self.emit_text(Mode::Content, &format!("{TOOL_CALL_START}{rest}"), &mut events);
         } else {
             self.emit_text(self.mode, &rest, &mut events);
         }
         events
+    }
+
+    /// Ends the streamed call, if one is open: the members of `block` not sent yet, then `}`. Whatever the
+    /// whole block parses to, fragments already sent stay. False when no call was being streamed.
+    fn close_streamed_call(&mut self, block: &str, events: &mut Vec<OutputEvent>) -> bool {
+        let Some((index, sent)) = self.streaming.take() else { return false };
+        let arguments = parse_tool_call(block, &self.schemas).map(|(_, a)| a).unwrap_or_default();
+        let mut first = sent.is_empty();
+        let mut fragment = String::new();
+        for (key, value) in arguments.into_iter().skip(sent.len()) {
+            fragment.push_str(&argument_member(&key, &value, first));
+            first = false;
+        }
+        fragment.push_str(if first { "{}" } else { "}" });
+        events.push(OutputEvent::ToolCallArguments { index, fragment });
+        true
     }
 
     /// The tags that change state in the current mode.
@@ -316,7 +364,62 @@ impl OutputParser {
         }
     }
 
+    /// Streams what the open tool call's text (the buffer) completes: the start once the function name is
+    /// known, then each parameter whose `</parameter>` arrived.
+    fn stream_tool_call_progress(&mut self, events: &mut Vec<OutputEvent>) {
+        let block = self.buffer.as_str();
+        if block.trim_start().starts_with('{') {
+            return; // The JSON form is parsed whole at `</tool_call>`.
+        }
+        // Only complete parameters: the text up to the last `</parameter>` (or the function tag alone).
+        let cut = match block.rfind(PARAMETER_END) {
+            Some(at) => at + PARAMETER_END.len(),
+            None => match block.find(FUNCTION_START).and_then(|f| block[f..].find('>').map(|e| f + e + 1)) {
+                Some(end) => end,
+                None => return,
+            },
+        };
+        let Some((name, arguments)) = parse_tool_call(&block[..cut], &self.schemas) else { return };
+        if self.streaming.is_none() {
+            let index = self.next_index;
+            self.next_index += 1;
+            self.saw_tool_call = true;
+            events.push(OutputEvent::ToolCallStart { index, id: format!("{}{index}", self.call_id_prefix), name });
+            self.streaming = Some((index, Vec::new()));
+        }
+        let Some((index, sent)) = self.streaming.as_mut() else { return };
+        for (key, value) in arguments.into_iter().skip(sent.len()) {
+            let fragment = argument_member(&key, &value, sent.is_empty());
+            events.push(OutputEvent::ToolCallArguments { index: *index, fragment });
+            sent.push((key, value));
+        }
+    }
+
     fn finish_tool_call(&mut self, block: &str, events: &mut Vec<OutputEvent>) {
+        if self.stream_tool_calls {
+            if self.streaming.is_none() {
+                if block.trim_start().starts_with('{') {
+                    // The JSON form: parsed whole, sent as a start and one fragment.
+                    if let Some((name, arguments)) = parse_tool_call(block, &self.schemas) {
+                        let index = self.next_index;
+                        self.next_index += 1;
+                        self.saw_tool_call = true;
+                        let id = format!("{}{index}", self.call_id_prefix);
+                        events.push(OutputEvent::ToolCallStart { index, id, name });
+                        let fragment = python_json(&Value::Object(arguments));
+                        events.push(OutputEvent::ToolCallArguments { index, fragment });
+                        return;
+                    }
+                } else {
+                    let saved = std::mem::replace(&mut self.buffer, block.to_owned());
+                    self.stream_tool_call_progress(events);
+                    self.buffer = saved;
+                }
+            }
+            if self.close_streamed_call(block, events) {
+                return;
+            }
+        }
         match parse_tool_call(block, &self.schemas) {
             Some((name, arguments)) => {
                 let index = self.next_index;
@@ -335,6 +438,15 @@ impl OutputParser {
             }
         }
     }
+}
+
+/// One member of an arguments object as JSON text: `{"key": value` for the first, `, "key": value` after.
+fn argument_member(key: &str, value: &Value, first: bool) -> String {
+    let mut one = Map::new();
+    one.insert(key.to_owned(), value.clone());
+    let member = python_json(&Value::Object(one));
+    let inner = &member[1..member.len() - 1];
+    if first { format!("{{{inner}") } else { format!(", {inner}") }
 }
 
 /// The largest char boundary of `s` at or below `at`.
@@ -648,6 +760,48 @@ mod tests {
             }]
         );
         assert!(parser.finish().is_empty());
+    }
+
+    /// Streamed tool calls: for every split point, each call's fragments concatenate to the arguments of the
+    /// whole-text parse, and the start comes once, before them.
+    #[test]
+    fn streamed_tool_call_fragments_concatenate_to_the_arguments() {
+        let text = "plan\n</think>\n\nSure.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n<parameter=opts>\n{\"a\": [1, 2]}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>";
+        let whole = parse_output(text, &ParseOptions { tools: Some(weather_tools()), ..thinking() });
+        assert_eq!(whole.tool_calls.len(), 3);
+        let streaming = ParseOptions { tools: Some(weather_tools()), stream_tool_calls: true, ..thinking() };
+        for cut in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+            let mut parser = OutputParser::new(&streaming);
+            let mut events = parser.push(&text[..cut]);
+            events.extend(parser.push(&text[cut..]));
+            events.extend(parser.finish());
+            let streamed = ParsedOutput::from_events(&events);
+            assert_eq!(streamed, whole, "cut at {cut}");
+            let starts = events.iter().filter(|e| matches!(e, OutputEvent::ToolCallStart { .. })).count();
+            assert_eq!(starts, 3);
+        }
+        // Fed token by token, the first call's parameters arrive one by one.
+        let mut parser = OutputParser::new(&streaming);
+        let mut fragments = Vec::new();
+        for piece in text.split_inclusive('\n') {
+            for e in parser.push(piece) {
+                if let OutputEvent::ToolCallArguments { index: 0, fragment } = e {
+                    fragments.push(fragment);
+                }
+            }
+        }
+        assert_eq!(fragments, vec!["{\"city\": \"Paris\"", ", \"days\": 2", ", \"opts\": {\"a\": [1, 2]}", "}"]);
+    }
+
+    #[test]
+    fn a_streamed_call_cut_off_is_closed_with_its_complete_parameters() {
+        let streaming = ParseOptions { stream_tool_calls: true, ..ParseOptions::default() };
+        let mut parser = OutputParser::new(&streaming);
+        let mut events = parser.push("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nhal");
+        events.extend(parser.finish());
+        let out = ParsedOutput::from_events(&events);
+        assert_eq!(out.tool_calls[0].function.arguments, "{\"a\": 1}");
+        assert_eq!(out.content, None);
     }
 
     /// Streaming equals whole-text parsing for every way of cutting the text (property test over split points).

@@ -1,6 +1,7 @@
 //! The HTTP handlers, one file per resource. The router that mounts them is assembled in [`crate::router`].
 
 pub mod chat;
+pub mod completions;
 pub mod health;
 pub mod models;
 

@@ -1,0 +1,254 @@
+//! `GET /metrics`: Prometheus text format with vLLM's metric names (so existing Grafana boards and the WebUI read
+//! them) plus Nebula's own `nebula:*` families.
+//!
+//! vLLM names (`vllm:` prefix, labelled `model_name`): `num_requests_running`, `num_requests_waiting`,
+//! `prompt_tokens_total`, `generation_tokens_total`, `request_success_total{finished_reason}`,
+//! `time_to_first_token_seconds`, `inter_token_latency_seconds`, `e2e_request_latency_seconds`,
+//! `request_queue_time_seconds`, `request_prefill_time_seconds`, `request_decode_time_seconds`,
+//! `prefix_cache_queries_total` and `prefix_cache_hits_total` (prompt tokens looked up / found).
+//!
+//! Nebula's: `nebula:prompt_tokens_cached_total` and `nebula:prompt_tokens_prefilled_total` (prompt tokens taken
+//! from the prefix cache / run through the model), `nebula:prefix_cache_entries`, `nebula:prefix_cache_bytes`,
+//! `nebula:requests_rejected_total{reason}`, `nebula:request_errors_total{kind}`, `nebula:model_loaded`, and the
+//! placement and speculative-decoding families `nebula:expert_hits_total{tier}`, `nebula:pcie_bytes_total`,
+//! `nebula:ssd_read_bytes_total`, `nebula:draft_tokens_total`, `nebula:draft_accepted_tokens_total`. The last five
+//! read 0 until expert placement and MTP land in the engine (the CPU engine has no tiers and no drafts yet).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+use crate::state::{AppState, LoadState};
+
+/// Every metric the server exports.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    registry: Registry,
+    running: IntGaugeVec,
+    waiting: IntGaugeVec,
+    prompt_tokens: IntCounterVec,
+    generation_tokens: IntCounterVec,
+    success: IntCounterVec,
+    ttft: HistogramVec,
+    itl: HistogramVec,
+    e2e: HistogramVec,
+    queue_time: HistogramVec,
+    prefill_time: HistogramVec,
+    decode_time: HistogramVec,
+    prefix_queries: IntCounterVec,
+    prefix_hits: IntCounterVec,
+    cached_tokens: IntCounter,
+    prefilled_tokens: IntCounter,
+    cache_entries: IntGauge,
+    cache_bytes: IntGauge,
+    rejected: IntCounterVec,
+    errors: IntCounterVec,
+    model_loaded: IntGauge,
+    expert_hits: IntCounterVec,
+    pcie_bytes: IntCounter,
+    ssd_bytes: IntCounter,
+    draft_tokens: IntCounter,
+    draft_accepted: IntCounter,
+}
+
+/// What one finished request adds to the metrics.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestRecord {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Seconds from arrival to the first token (`None`: no token came).
+    pub ttft_s: Option<f64>,
+    /// Seconds from arrival to the end.
+    pub e2e_s: f64,
+    /// Seconds in the engine's queue.
+    pub queue_s: f64,
+    /// Seconds of prefill.
+    pub prefill_s: f64,
+    /// Seconds of decode.
+    pub decode_s: f64,
+}
+
+const LATENCY_BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+const REQUEST_BUCKETS: &[f64] =
+    &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0];
+
+fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    registry.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str, buckets: &[f64]) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), &["model_name"])
+        .expect("valid metric");
+    registry.register(Box::new(h.clone())).expect("unique metric");
+    h
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A fresh registry with every family registered.
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let gauge_vec = |name: &str, help: &str| {
+            let g = IntGaugeVec::new(Opts::new(name, help), &["model_name"]).expect("valid metric");
+            r.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("valid metric");
+            r.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let plain = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).expect("valid metric");
+            r.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let m = "model_name";
+        Self {
+            running: gauge_vec("vllm:num_requests_running", "Requests the engine is generating now."),
+            waiting: gauge_vec("vllm:num_requests_waiting", "Requests waiting in the engine's queue."),
+            prompt_tokens: counter(&r, "vllm:prompt_tokens_total", "Prompt tokens of finished requests.", &[m]),
+            generation_tokens: counter(&r, "vllm:generation_tokens_total", "Generated tokens.", &[m]),
+            success: counter(
+                &r,
+                "vllm:request_success_total",
+                "Finished requests by finish reason.",
+                &[m, "finished_reason"],
+            ),
+            ttft: histogram(&r, "vllm:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS),
+            itl: histogram(&r, "vllm:inter_token_latency_seconds", "Time between output tokens.", LATENCY_BUCKETS),
+            e2e: histogram(&r, "vllm:e2e_request_latency_seconds", "Arrival to the end.", REQUEST_BUCKETS),
+            queue_time: histogram(&r, "vllm:request_queue_time_seconds", "Time in the engine queue.", REQUEST_BUCKETS),
+            prefill_time: histogram(&r, "vllm:request_prefill_time_seconds", "Prefill time.", REQUEST_BUCKETS),
+            decode_time: histogram(&r, "vllm:request_decode_time_seconds", "Decode time.", REQUEST_BUCKETS),
+            prefix_queries: counter(
+                &r,
+                "vllm:prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache.",
+                &[m],
+            ),
+            prefix_hits: counter(&r, "vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", &[m]),
+            cached_tokens: plain(
+                "nebula:prompt_tokens_cached_total",
+                "Prompt tokens resumed from a prefix-cache checkpoint instead of being prefilled.",
+            ),
+            prefilled_tokens: plain("nebula:prompt_tokens_prefilled_total", "Prompt tokens run through the model."),
+            cache_entries: gauge("nebula:prefix_cache_entries", "Sequences held by the prefix cache."),
+            cache_bytes: gauge("nebula:prefix_cache_bytes", "Bytes of state held by the prefix cache."),
+            rejected: counter(&r, "nebula:requests_rejected_total", "Requests refused before running.", &["reason"]),
+            errors: counter(&r, "nebula:request_errors_total", "Requests that failed after they started.", &["kind"]),
+            model_loaded: gauge("nebula:model_loaded", "1 once the model is loaded and served."),
+            expert_hits: counter(
+                &r,
+                "nebula:expert_hits_total",
+                "Routed expert uses by the tier that held the expert (0 until placement lands).",
+                &["tier"],
+            ),
+            pcie_bytes: plain("nebula:pcie_bytes_total", "Bytes copied over PCIe (0 until placement lands)."),
+            ssd_bytes: plain("nebula:ssd_read_bytes_total", "Expert bytes read from SSD (0 until placement lands)."),
+            draft_tokens: plain("nebula:draft_tokens_total", "MTP draft tokens proposed (0 until MTP lands)."),
+            draft_accepted: plain(
+                "nebula:draft_accepted_tokens_total",
+                "MTP draft tokens accepted (0 until MTP lands).",
+            ),
+            registry: r,
+        }
+        .with_zero_series()
+    }
+
+    /// Creates the unlabelled-by-request series at 0 so they show before the first request.
+    fn with_zero_series(self) -> Self {
+        for tier in ["gpu", "ram", "ssd"] {
+            self.expert_hits.with_label_values(&[tier]);
+        }
+        for reason in ["queue_full", "busy", "unauthorized", "timeout"] {
+            self.rejected.with_label_values(&[reason]);
+        }
+        self
+    }
+
+    /// Counts a request refused before it ran (`queue_full`, `busy`, `unauthorized`, `timeout`).
+    pub fn rejected(&self, reason: &str) {
+        self.rejected.with_label_values(&[reason]).inc();
+    }
+
+    /// Counts a request that failed after it started (`engine`, `watchdog`, `constraint`).
+    pub fn error(&self, kind: &str) {
+        self.errors.with_label_values(&[kind]).inc();
+    }
+
+    /// Records the gap between two output tokens.
+    pub fn inter_token(&self, model: &str, seconds: f64) {
+        self.itl.with_label_values(&[model]).observe(seconds);
+    }
+
+    /// Records a finished request.
+    pub fn finished(&self, model: &str, reason: &str, r: &RequestRecord) {
+        self.prompt_tokens.with_label_values(&[model]).inc_by(r.prompt_tokens as u64);
+        self.generation_tokens.with_label_values(&[model]).inc_by(r.completion_tokens as u64);
+        self.success.with_label_values(&[model, reason]).inc();
+        if let Some(t) = r.ttft_s {
+            self.ttft.with_label_values(&[model]).observe(t);
+        }
+        self.e2e.with_label_values(&[model]).observe(r.e2e_s);
+        self.queue_time.with_label_values(&[model]).observe(r.queue_s);
+        self.prefill_time.with_label_values(&[model]).observe(r.prefill_s);
+        self.decode_time.with_label_values(&[model]).observe(r.decode_s);
+    }
+
+    /// The text exposition, after reading the engine's gauges and counters.
+    pub fn render(&self, state: &AppState) -> String {
+        if let LoadState::Ready(model) = &*state.load.borrow() {
+            let engine = &model.engine;
+            let id = model.id.as_str();
+            self.model_loaded.set(1);
+            self.running.with_label_values(&[id]).set(engine.running() as i64);
+            self.waiting.with_label_values(&[id]).set(engine.waiting() as i64);
+            let stats = engine.stats();
+            let set = |c: &IntCounter, v: usize| {
+                let v = v as u64;
+                if v > c.get() {
+                    c.inc_by(v - c.get());
+                }
+            };
+            let queries = stats.prefix_queries.load(Ordering::Relaxed);
+            let hits = stats.prefix_hits.load(Ordering::Relaxed);
+            set(&self.prefix_queries.with_label_values(&[id]), queries);
+            set(&self.prefix_hits.with_label_values(&[id]), hits);
+            set(&self.cached_tokens, hits);
+            set(&self.prefilled_tokens, stats.prefilled_tokens.load(Ordering::Relaxed));
+            self.cache_entries.set(stats.cache_entries.load(Ordering::Relaxed) as i64);
+            self.cache_bytes.set(stats.cache_bytes.load(Ordering::Relaxed) as i64);
+        }
+        let _ = (&self.pcie_bytes, &self.ssd_bytes, &self.draft_tokens, &self.draft_accepted);
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            tracing::error!("encoding the metrics failed: {e}");
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+/// `GET /metrics`.
+#[utoipa::path(get, path = "/metrics", tag = "observability",
+    responses((status = 200, description = "Prometheus text exposition format 0.0.4", content_type = "text/plain", body = String)))]
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let body = state.metrics.render(&state);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+}
