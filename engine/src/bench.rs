@@ -82,6 +82,11 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
         // One untimed step warms up decode-shaped kernels.
         logits = runner.forward(&mut st, &[tok], LogitsFor::Last)?;
         tok = argmax(&logits).unwrap_or(0) as u32;
+        // Profiles (NEBULA_CUDA_PROFILE) then cover decode only: what prefill and the warm-up step left is dropped.
+        if let Runner::Cuda(m) = runner {
+            m.take_kernel_times();
+            m.take_profile();
+        }
         let t1 = Instant::now();
         for _ in 0..opts.decode_tokens {
             logits = runner.forward(&mut st, &[tok], LogitsFor::Last)?;

@@ -235,3 +235,99 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
         if (i < hd) o[i] = acc[c] / l;
     }
 }
+
+// Split-key attention for decode (flash-decoding): grid (n * nh, S); split s of query (t, h) takes keys
+// [s * per, min((s + 1) * per, nkeys)) of its list, per = ceil(nkeys / S) rounded up to 32, and writes its running
+// max m, sum l and unnormalised accumulator to part_m/part_l [n * nh][S] and part_acc [n * nh][S][hd].
+// attention_combine then merges the S parts. block = 128 threads, hd <= 512.
+extern "C" __global__ void attention_part(const float* __restrict__ q, const float* __restrict__ Kc,
+                                          const float* __restrict__ Vc, const int* __restrict__ sel,
+                                          const int* __restrict__ count, int cap, int pos0, const int* pos_dev,
+                                          float* part_m, float* part_l, float* part_acc, int nh, int nkv, int hd,
+                                          float scale) {
+    if (pos_dev) pos0 = *pos_dev;
+    const int S = gridDim.y, s = blockIdx.y;
+    const int t = blockIdx.x / nh, h = blockIdx.x % nh;
+    const int kvh = h / (nh / nkv);
+    const int kvw = nkv * hd;
+    const int nkeys = sel ? count[t] : pos0 + t + 1;
+    const int* list = sel ? sel + (long long)t * cap : nullptr;
+    const int per = ((nkeys + S - 1) / S + 31) / 32 * 32;
+    const int k0 = min(nkeys, s * per), k1 = min(nkeys, k0 + per);
+    __shared__ float qs[512];
+    __shared__ float ps[32];
+    __shared__ int ks[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* qh = q + ((long long)t * nh + h) * hd;
+    for (int i = tid; i < hd; i += blockDim.x) qs[i] = qh[i];
+    float m = -INFINITY, l = 0.f;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    __syncthreads();
+    for (int base = k0; base < k1; base += 32) {
+        const int tile = min(32, k1 - base);
+        for (int j = warp; j < tile; j += 4) {
+            const int key = list ? list[base + j] : base + j;
+            const float4* k = reinterpret_cast<const float4*>(Kc + (long long)key * kvw + kvh * hd);
+            const float4* qv = reinterpret_cast<const float4*>(qs);
+            float d = 0.f;
+            for (int i = lane; i < hd / 4; i += 32) {
+                const float4 a = qv[i], b = __ldg(k + i);
+                d += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+            }
+            d = warp_sum(d);
+            if (lane == 0) {
+                ps[j] = d * scale;
+                ks[j] = key;
+            }
+        }
+        __syncthreads();
+        float tmax = -INFINITY;
+        for (int j = 0; j < tile; j++) tmax = fmaxf(tmax, ps[j]);
+        const float m_new = fmaxf(m, tmax);
+        const float corr = expf(m - m_new);
+        l *= corr;
+        for (int c = 0; c < 4; c++) acc[c] *= corr;
+        for (int j = 0; j < tile; j++) {
+            const float p = expf(ps[j] - m_new);
+            l += p;
+            const float* v = Vc + (long long)ks[j] * kvw + kvh * hd;
+            for (int c = 0; c < 4; c++) {
+                const int i = tid + 128 * c;
+                if (i < hd) acc[c] += p * v[i];
+            }
+        }
+        m = m_new;
+        __syncthreads();
+    }
+    const long long part = (long long)blockIdx.x * S + s;
+    if (tid == 0) {
+        part_m[part] = m;
+        part_l[part] = l;
+    }
+    for (int c = 0; c < 4; c++) {
+        const int i = tid + 128 * c;
+        if (i < hd) part_acc[part * hd + i] = acc[c];
+    }
+}
+
+// out[(t, h)] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s over the S parts (empty parts have m = -inf).
+// grid n * nh, block 128.
+extern "C" __global__ void attention_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
+                                             const float* __restrict__ part_acc, float* out, int S, int hd) {
+    const long long qh = blockIdx.x;
+    float M = -INFINITY;
+    for (int s = 0; s < S; s++) M = fmaxf(M, part_m[qh * S + s]);
+    float L = 0.f;
+    for (int s = 0; s < S; s++) {
+        const float ms = part_m[qh * S + s];
+        if (ms != -INFINITY) L += expf(ms - M) * part_l[qh * S + s];
+    }
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < S; s++) {
+            const float ms = part_m[qh * S + s];
+            if (ms != -INFINITY) a += expf(ms - M) * part_acc[(qh * S + s) * hd + i];
+        }
+        out[qh * hd + i] = a / L;
+    }
+}

@@ -13,9 +13,10 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ W, long lo
     const int rows_per_block = blockDim.x / lanes;
     const int r = blockIdx.x * rows_per_block + threadIdx.x / lanes;
     const int lane = threadIdx.x % lanes;
-    if (r >= rows) return;
-    const uint8_t* row = W + (long long)r * row_bytes;
-    const int nchunks = cols / 32;
+    // No early return: the whole warp takes part in the shuffles below.
+    const bool valid = r < rows;
+    const uint8_t* row = W + (long long)(valid ? r : 0) * row_bytes;
+    const int nchunks = valid ? cols / 32 : 0;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
@@ -35,7 +36,7 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ W, long lo
         }
     }
     if constexpr (Block<T>::elems == 1) {
-        for (int i = 32 * nchunks + lane; i < cols; i += lanes) {
+        for (int i = 32 * nchunks + lane; valid && i < cols; i += lanes) {
             const float wv = load_one<T>(row, i);
 #pragma unroll
             for (int t = 0; t < NT; t++) acc[t] += wv * x[t * x_stride + i];
@@ -44,7 +45,7 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ W, long lo
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         const float s = warp_sum(acc[t], lanes);
-        if (lane == 0) y[t * y_stride + r] = s;
+        if (lane == 0 && valid) y[t * y_stride + r] = s;
     }
 }
 
@@ -267,3 +268,255 @@ GROUPED(q4_k, T_Q4_K)
 GROUPED(q5_k, T_Q5_K)
 GROUPED(q6_k, T_Q6_K)
 GROUPED(iq4_xs, T_IQ4_XS)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Quantized-activation GEMV ("q8 path"), the way ggml pairs weights with activations (engine/src/quant/acts.rs):
+// the activation vector is quantized once to 8 bits (per block of 32 values for the 32-value formats, per 256
+// for Q4_K, each block's scale d = max|x| / 127 in f32, q = round-half-away(x / d)), and the weight chunks are
+// multiplied as integers with dp4a. Each 32-value chunk contributes dx * (dw * sum(qw * qx) - mw * sum(qx)).
+// The integer sums equal the CPU kernels' exactly; only the f32 accumulation order differs.
+
+__device__ __forceinline__ int dp4a_(int a, int b, int c) {
+    int r;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+__device__ __forceinline__ bool nonfinite_(float v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u; }
+
+// x [n][cols] f32 -> qx [n][cols] int8 and dx [n][cols / 32] f32 (a 256-block's scale repeated over its 8 chunks).
+// grid (cols / blk, n), blockDim = blk (32 or 256). A block with a NaN or an infinity gets d = NaN and q = 0.
+extern "C" __global__ void quantize_act(const float* __restrict__ x, int cols, signed char* __restrict__ qx,
+                                        float* __restrict__ dx) {
+    const int blk = blockDim.x;
+    const long long base = (long long)blockIdx.y * cols + (long long)blockIdx.x * blk;
+    const float v = x[base + threadIdx.x];
+    __shared__ float wmax[8];
+    __shared__ int bad_sh;
+    if (threadIdx.x == 0) bad_sh = 0;
+    __syncthreads();
+    float a = fabsf(v);
+    if (nonfinite_(v)) atomicOr(&bad_sh, 1);
+    a = warp_max(a);
+    if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = a;
+    __syncthreads();
+    float amax = 0.f;
+    for (int w = 0; w < (blk >> 5); w++) amax = fmaxf(amax, wmax[w]);
+    const bool bad = bad_sh != 0;
+    const float d = amax / 127.0f;
+    const float id = d > 0.f ? 1.0f / d : 0.f;
+    float q = roundf(v * id);
+    q = fminf(fmaxf(q, -127.f), 127.f);
+    qx[base + threadIdx.x] = bad ? 0 : (signed char)(int)q;
+    if ((threadIdx.x & 31) == 0) dx[base / 32 + (threadIdx.x >> 5)] = bad ? __int_as_float(0x7fc00000) : d;
+}
+
+// One task's weights as packed int8 (8 words = 32 values per chunk), its scale and its min (value = s * q - m).
+template <int T>
+struct QTask;
+
+// Q8_0: a chunk is one block (f16 d, 32 int8), 2-byte aligned.
+template <>
+struct QTask<T_Q8_0> {
+    static constexpr int chunks = 1;
+    __device__ static void load(const uint8_t* __restrict__ row, int t, int (&q)[1][8], float (&s)[1], float (&m)[1]) {
+        const uint16_t* b = reinterpret_cast<const uint16_t*>(row + 34 * t);
+        s[0] = half_bits_to_f32(__ldg(b));
+        m[0] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) q[0][i] = (int)__ldg(b + 1 + 2 * i) | ((int)__ldg(b + 2 + 2 * i) << 16);
+    }
+};
+
+// The 16 nibble bytes of an 18-byte block (2-byte aligned) as four words.
+__device__ __forceinline__ void nibble_words_(const uint16_t* __restrict__ b, unsigned int (&w)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = (unsigned int)__ldg(b + 1 + 2 * i) | ((unsigned int)__ldg(b + 2 + 2 * i) << 16);
+}
+
+// Q4_0: values nibble - 8; low nibbles are positions 0..15, high nibbles 16..31. The -8 goes into the min term.
+template <>
+struct QTask<T_Q4_0> {
+    static constexpr int chunks = 1;
+    __device__ static void load(const uint8_t* __restrict__ row, int t, int (&q)[1][8], float (&s)[1], float (&m)[1]) {
+        const uint16_t* b = reinterpret_cast<const uint16_t*>(row + 18 * t);
+        s[0] = half_bits_to_f32(__ldg(b));
+        m[0] = 8.f * s[0];
+        unsigned int w[4];
+        nibble_words_(b, w);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            q[0][i] = (int)(w[i] & 0x0F0F0F0Fu);
+            q[0][i + 4] = (int)((w[i] >> 4) & 0x0F0F0F0Fu);
+        }
+    }
+};
+
+// IQ4_NL: nibbles index the non-linear grid; the grid is looked up through a 256-entry table in shared memory
+// that maps a byte to its (low, high) grid pair.
+template <>
+struct QTask<T_IQ4_NL> {
+    static constexpr int chunks = 1;
+    __device__ static void load(const uint8_t* __restrict__ row, int t, int (&q)[1][8], float (&s)[1], float (&m)[1],
+                                const uint16_t* __restrict__ pairs) {
+        const uint16_t* b = reinterpret_cast<const uint16_t*>(row + 18 * t);
+        s[0] = half_bits_to_f32(__ldg(b));
+        m[0] = 0.f;
+        unsigned int w[4];
+        nibble_words_(b, w);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const unsigned int p0 = pairs[w[i] & 0xFF], p1 = pairs[(w[i] >> 8) & 0xFF];
+            const unsigned int p2 = pairs[(w[i] >> 16) & 0xFF], p3 = pairs[w[i] >> 24];
+            const unsigned int lo01 = p0 | (p1 << 16), lo23 = p2 | (p3 << 16);
+            q[0][i] = (int)__byte_perm(lo01, lo23, 0x6420);
+            q[0][i + 4] = (int)__byte_perm(lo01, lo23, 0x7531);
+        }
+    }
+};
+
+// Q4_K: a task is a pair of sub-blocks (64 values from 32 quant bytes: low nibbles the even sub-block, high the odd).
+template <>
+struct QTask<T_Q4_K> {
+    static constexpr int chunks = 2;
+    __device__ static void load(const uint8_t* __restrict__ row, int t, int (&q)[2][8], float (&s)[2], float (&m)[2]) {
+        const uint8_t* b = row + 144 * (t >> 2);
+        const int pair = t & 3;
+        const float d = ld_f16(b), dmin = ld_f16(b + 2);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int sc, mn;
+            scale_min_k4(2 * pair + h, b + 4, sc, mn);
+            s[h] = d * (float)sc;
+            m[h] = dmin * (float)mn;
+        }
+        const uint4* qp = reinterpret_cast<const uint4*>(b + 16 + 32 * pair);
+        const uint4 a = __ldg(qp), c = __ldg(qp + 1);
+        const unsigned int w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            q[0][i] = (int)(w[i] & 0x0F0F0F0Fu);
+            q[1][i] = (int)((w[i] >> 4) & 0x0F0F0F0Fu);
+        }
+    }
+};
+
+template <int T, int C>
+__device__ __forceinline__ void qtask_load(const uint8_t* row, int t, int (&q)[C][8], float (&s)[C], float (&m)[C],
+                                           const uint16_t* pairs) {
+    if constexpr (T == T_IQ4_NL) QTask<T>::load(row, t, q, s, m, pairs);
+    else QTask<T>::load(row, t, q, s, m);
+}
+
+// Fills the IQ4_NL byte -> (grid[low], grid[high]) table (every thread of the block must call it).
+__device__ __forceinline__ void iq4nl_pairs_(uint16_t* pairs) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x)
+        pairs[i] = (uint16_t)((uint8_t)kvalues_iq4nl[i & 15] | ((uint16_t)(uint8_t)kvalues_iq4nl[i >> 4] << 8));
+    __syncthreads();
+}
+
+// y[t][r] for NT tokens: a group of `lanes` threads per row, each taking tasks lane, lane + lanes, ...
+template <int T, int NT>
+__device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long long row_bytes, int rows, int cols,
+                                           const signed char* __restrict__ qx, const float* __restrict__ dx,
+                                           long long x_stride, float* __restrict__ y, long long y_stride, int lanes,
+                                           const uint16_t* pairs) {
+    constexpr int C = QTask<T>::chunks;
+    const int rows_per_block = blockDim.x / lanes;
+    const int r = blockIdx.x * rows_per_block + threadIdx.x / lanes;
+    const int lane = threadIdx.x % lanes;
+    // No early return: the whole warp takes part in the shuffles below.
+    const bool valid = r < rows;
+    const uint8_t* row = W + (long long)(valid ? r : 0) * row_bytes;
+    const int ntasks = valid ? cols / (32 * C) : 0;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    for (int task = lane; task < ntasks; task += lanes) {
+        int q[C][8];
+        float s[C], m[C];
+        qtask_load<T, C>(row, task, q, s, m, pairs);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+#pragma unroll
+            for (int h = 0; h < C; h++) {
+                const int chunk = task * C + h;
+                const int4* xp = reinterpret_cast<const int4*>(qx + t * x_stride + 32 * chunk);
+                const int4 a = __ldg(xp), b = __ldg(xp + 1);
+                const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                int dot = 0, sum = 0;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    dot = dp4a_(q[h][i], xs[i], dot);
+                    sum = dp4a_(0x01010101, xs[i], sum);
+                }
+                acc[t] += __ldg(dx + t * (x_stride / 32) + chunk) * (s[h] * (float)dot - m[h] * (float)sum);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        const float v = warp_sum(acc[t], lanes);
+        if (lane == 0 && valid) y[t * y_stride + r] = v;
+    }
+}
+
+// Routed experts, decode: slot s = blockIdx.y multiplies expert ids[s] with token s / slots_per_x's activations.
+// blockIdx.z picks (W0, y0) or (W1, y1) so gate and up run in one launch.
+template <int T>
+__device__ __forceinline__ void moe_gemvq_body(const uint8_t* W0, const uint8_t* W1, long long expert_bytes,
+                                               long long row_bytes, int rows, int cols, const int* __restrict__ ids,
+                                               const signed char* qx, const float* dx, long long x_stride,
+                                               int slots_per_x, float* y0, float* y1, int lanes,
+                                               const uint16_t* pairs) {
+    const int s = blockIdx.y;
+    const long long e = ids[s];
+    const uint8_t* W = blockIdx.z == 0 ? W0 : W1;
+    float* y = blockIdx.z == 0 ? y0 : y1;
+    const long long xt = s / slots_per_x;
+    gemvq_body<T, 1>(W + e * expert_bytes, row_bytes, rows, cols, qx + xt * x_stride, dx + xt * (x_stride / 32), 0,
+                     y + (long long)s * rows, 0, lanes, pairs);
+}
+
+#define GEMVQ(NAME, T)                                                                                            \
+    extern "C" __global__ void gemvq_##NAME##_1(const uint8_t* W, long long rb, int rows, int cols,              \
+                                                const signed char* qx, const float* dx, long long xs, float* y,  \
+                                                long long ys, int lanes) {                                       \
+        __shared__ uint16_t pairs[256];                                                                            \
+        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        gemvq_body<T, 1>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
+    }                                                                                                             \
+    extern "C" __global__ void gemvq_##NAME##_2(const uint8_t* W, long long rb, int rows, int cols,              \
+                                                const signed char* qx, const float* dx, long long xs, float* y,  \
+                                                long long ys, int lanes) {                                       \
+        __shared__ uint16_t pairs[256];                                                                            \
+        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        gemvq_body<T, 2>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
+    }                                                                                                             \
+    extern "C" __global__ void gemvq_##NAME##_4(const uint8_t* W, long long rb, int rows, int cols,              \
+                                                const signed char* qx, const float* dx, long long xs, float* y,  \
+                                                long long ys, int lanes) {                                       \
+        __shared__ uint16_t pairs[256];                                                                            \
+        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        gemvq_body<T, 4>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
+    }                                                                                                             \
+    extern "C" __global__ void gemvq_##NAME##_8(const uint8_t* W, long long rb, int rows, int cols,              \
+                                                const signed char* qx, const float* dx, long long xs, float* y,  \
+                                                long long ys, int lanes) {                                       \
+        __shared__ uint16_t pairs[256];                                                                            \
+        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        gemvq_body<T, 8>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
+    }                                                                                                             \
+    extern "C" __global__ void moe_gemvq_##NAME(const uint8_t* W0, const uint8_t* W1, long long eb, long long rb, \
+                                                int rows, int cols, const int* ids, const signed char* qx,         \
+                                                const float* dx, long long xs, int spx, float* y0, float* y1,      \
+                                                int lanes) {                                                       \
+        __shared__ uint16_t pairs[256];                                                                            \
+        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        moe_gemvq_body<T>(W0, W1, eb, rb, rows, cols, ids, qx, dx, xs, spx, y0, y1, lanes, pairs);               \
+    }
+
+GEMVQ(q8_0, T_Q8_0)
+GEMVQ(q4_0, T_Q4_0)
+GEMVQ(iq4_nl, T_IQ4_NL)
+GEMVQ(q4_k, T_Q4_K)

@@ -125,7 +125,7 @@ fn expand_names(src: &str) -> Vec<String> {
     let mut out: Vec<String> = templates.iter().filter(|n| !n.contains("##")).cloned().collect();
     for line in src.lines() {
         let line = line.trim();
-        for macro_name in ["GEMV", "GET_ROWS", "ELEM", "GROUPED"] {
+        for macro_name in ["GEMV", "GEMVQ", "GET_ROWS", "ELEM", "GROUPED"] {
             if let Some(args) = line.strip_prefix(&format!("{macro_name}(")) {
                 let ty = args.split(',').next().unwrap_or("").trim();
                 let block: String = src
@@ -242,6 +242,10 @@ mod tests {
             "get_rows_q8_0",
             "get_rows_elem_bf16",
             "dequant_elem_f32_f16",
+            "gemvq_q4_k_1",
+            "gemvq_iq4_nl_8",
+            "moe_gemvq_q8_0",
+            "quantize_act",
         ] {
             assert!(names.iter().any(|x| x == n), "{n} missing from {names:?}");
         }

@@ -25,6 +25,8 @@ use ops::{Arg, Dev, ptr, type_suffix};
 
 /// Tokens up to which matrix products use the GEMV kernels (weights read once for all of them).
 const GEMV_MAX_TOKENS: usize = 8;
+/// Key splits per query of decode attention (flash-decoding); parts are merged by `attention_combine`.
+const ATTN_SPLITS: usize = 16;
 /// Largest weight block dequantized at once for the SGEMM path, in values (64 Mi floats = 256 MiB).
 const DEQUANT_CHUNK: usize = 64 << 20;
 
@@ -200,6 +202,11 @@ pub struct CudaModel {
     scratch: Mutex<Option<CudaSlice<f32>>>,
     arena: Mutex<Arena>,
     graphs: bool,
+    /// Quantize activations to 8 bits for the GEMVs of Q8_0, Q4_0, IQ4_NL and Q4_K weights (integer dot products,
+    /// as the CPU kernels do); `NEBULA_CUDA_Q8=0` keeps f32 activations for every type.
+    q8_acts: bool,
+    /// The last quantized activations: ((x, n, cols, block, write count), (qx, dx)).
+    q8_cache: Mutex<Option<((u64, usize, usize, usize, u64), (u64, u64))>>,
     /// Per-phase wall time (`NEBULA_CUDA_PROFILE=1`: the stream is synchronised after each phase).
     profile: Option<Mutex<PhaseTimes>>,
     /// Bytes of weights uploaded.
@@ -470,7 +477,11 @@ impl CudaModel {
             arena: Mutex::new(Arena { chunks: Vec::new(), used: 0, generation: 0 }),
             graphs: std::env::var("NEBULA_CUDA_GRAPHS").map_or(true, |v| v != "0")
                 && std::env::var("NEBULA_CUDA_PROFILE").is_err(),
-            profile: std::env::var("NEBULA_CUDA_PROFILE").is_ok_and(|v| v == "1").then(|| Mutex::new(PhaseTimes::default())),
+            q8_acts: std::env::var("NEBULA_CUDA_Q8").map_or(true, |v| v != "0"),
+            q8_cache: Mutex::new(None),
+            profile: std::env::var("NEBULA_CUDA_PROFILE")
+                .is_ok_and(|v| v == "1")
+                .then(|| Mutex::new(PhaseTimes::default())),
             weight_bytes,
         })
     }
@@ -566,7 +577,10 @@ impl CudaModel {
 
     /// Per-kernel (name, total seconds, launches) when `NEBULA_CUDA_PROFILE=kernels`; then clears it.
     pub fn take_kernel_times(&self) -> Vec<(String, f64, u64)> {
-        self.dev.kernel_times.as_ref().map_or_else(Vec::new, |t| std::mem::take(&mut *t.lock().expect("kernel times lock")))
+        self.dev
+            .kernel_times
+            .as_ref()
+            .map_or_else(Vec::new, |t| std::mem::take(&mut *t.lock().expect("kernel times lock")))
     }
 
     /// Turns decode-step CUDA Graphs on or off (on by default; `NEBULA_CUDA_GRAPHS=0` turns them off).
@@ -588,21 +602,94 @@ impl CudaModel {
         self.arena.lock().expect("arena lock").take(&self.dev, n)
     }
 
+    /// The activation block of the 8-bit GEMV path for weights of type `ty` with `cols` columns (32 for the
+    /// 32-value formats, 256 for Q4_K, as `engine/src/quant/acts.rs` pairs them), or `None` for f32 activations.
+    fn q8_block(&self, ty: GgmlType, cols: usize) -> Option<usize> {
+        let blk = match ty {
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::IQ4_NL => 32,
+            GgmlType::Q4_K => 256,
+            _ => return None,
+        };
+        (self.q8_acts && cols % blk == 0).then_some(blk)
+    }
+
+    /// Threads per row of the 8-bit GEMV: about four tasks (32-value chunks, 64 for Q4_K) per thread.
+    fn q8_lanes(ty: GgmlType, cols: usize) -> usize {
+        let per_task = if ty == GgmlType::Q4_K { 64 } else { 32 };
+        let want = (cols / per_task / 4).max(1);
+        (1usize << want.ilog2()).min(32)
+    }
+
+    /// Quantizes `x` (`[n][cols]` f32) to 8 bits per block of `blk`: (int8 `[n][cols]`, f32 scales `[n][cols/32]`).
+    /// A vector quantized earlier in the same pass is reused while no other kernel ran in between (a GEMV only
+    /// writes a fresh output, so `x` is unchanged).
+    fn quantize_act(&self, x: u64, n: usize, cols: usize, blk: usize) -> Result<(u64, u64), CudaError> {
+        let writes = self.dev.writes.load(std::sync::atomic::Ordering::Relaxed);
+        let key = (x, n, cols, blk, writes);
+        let mut cache = self.q8_cache.lock().expect("q8 cache lock");
+        if let Some((k, out)) = *cache
+            && k == key
+        {
+            return Ok(out);
+        }
+        let qx = self.tmp((n * cols).div_ceil(4))?;
+        let dx = self.tmp(n * cols / 32)?;
+        self.dev.launch(
+            "quantize_act",
+            ((cols / blk) as u32, n as u32, 1),
+            blk as u32,
+            &[Arg::Ptr(x), Arg::I32(cols as i32), Arg::Ptr(qx), Arg::Ptr(dx)],
+        )?;
+        *cache = Some((key, (qx, dx)));
+        Ok((qx, dx))
+    }
+
     /// `y[n][rows] = x[n][cols] . W^T`.
     fn matmul(&self, w: MatRef, x: u64, n: usize, y: u64) -> Result<(), CudaError> {
         let dev = &self.dev;
         let sfx = type_suffix(w.ty)?;
+        if n <= GEMV_MAX_TOKENS
+            && let Some(blk) = self.q8_block(w.ty, w.cols)
+        {
+            let (qx, dx) = self.quantize_act(x, n, w.cols, blk)?;
+            let lanes = Self::q8_lanes(w.ty, w.cols);
+            let rows_per_block = 128 / lanes;
+            let mut t0 = 0;
+            while t0 < n {
+                let c = [8usize, 4, 2, 1].into_iter().find(|&c| c <= n - t0).expect("1 always fits");
+                dev.launch(
+                    &format!("gemvq_{sfx}_{c}"),
+                    (w.rows.div_ceil(rows_per_block) as u32, 1, 1),
+                    128,
+                    &[
+                        Arg::Ptr(w.ptr),
+                        Arg::I64(w.row_bytes as i64),
+                        Arg::I32(w.rows as i32),
+                        Arg::I32(w.cols as i32),
+                        Arg::Ptr(qx + (t0 * w.cols) as u64),
+                        Arg::Ptr(dx + (t0 * w.cols / 32 * 4) as u64),
+                        Arg::I64(w.cols as i64),
+                        Arg::Ptr(y + (t0 * w.rows * 4) as u64),
+                        Arg::I64(w.rows as i64),
+                        Arg::I32(lanes as i32),
+                    ],
+                )?;
+                t0 += c;
+            }
+            return Ok(());
+        }
         if n <= GEMV_MAX_TOKENS {
-            let nchunks = w.cols / 32;
-            let lanes: u32 = if nchunks >= 24 { 32 } else { 16 };
-            let rows_per_block = 256 / lanes as usize;
+            // About four 32-value chunks per thread, 128-thread blocks: short rows (routers, 640-wide expert
+            // rows) still spread over every SM.
+            let lanes = (1usize << (w.cols / 32 / 4).max(1).ilog2()).clamp(4, 32) as u32;
+            let rows_per_block = 128 / lanes as usize;
             let mut t0 = 0;
             while t0 < n {
                 let c = [8usize, 4, 2, 1].into_iter().find(|&c| c <= n - t0).expect("1 always fits");
                 dev.launch(
                     &format!("gemv_{sfx}_{c}"),
                     (w.rows.div_ceil(rows_per_block) as u32, 1, 1),
-                    256,
+                    128,
                     &[
                         Arg::Ptr(w.ptr),
                         Arg::I64(w.row_bytes as i64),
@@ -633,8 +720,13 @@ impl CudaModel {
         while r0 < w.rows {
             let rows = rows_per.min(w.rows - r0);
             let wp = w.ptr + (r0 * w.row_bytes) as u64;
-            let args =
-                [Arg::Ptr(wp), Arg::I64(w.row_bytes as i64), Arg::I32(rows as i32), Arg::I32(w.cols as i32), Arg::Ptr(sp)];
+            let args = [
+                Arg::Ptr(wp),
+                Arg::I64(w.row_bytes as i64),
+                Arg::I32(rows as i32),
+                Arg::I32(w.cols as i32),
+                Arg::Ptr(sp),
+            ];
             if elem {
                 dev.launch_1d(&format!("dequant_elem_f32_{sfx}"), rows * w.cols, &args)?;
             } else {
@@ -684,7 +776,15 @@ impl CudaModel {
     }
 
     /// Rotates `heads` heads of `n` tokens starting at the sequence position (`pos_dev`).
-    fn rope(&self, x: u64, n: usize, heads: usize, token_stride: usize, head_stride: usize, pos_dev: u64) -> Result<(), CudaError> {
+    fn rope(
+        &self,
+        x: u64,
+        n: usize,
+        heads: usize,
+        token_stride: usize,
+        head_stride: usize,
+        pos_dev: u64,
+    ) -> Result<(), CudaError> {
         let cfg = &self.config;
         let half = cfg.rope_dim / 2;
         self.dev.launch_1d(
@@ -866,10 +966,20 @@ impl CudaModel {
 
     /// Gated attention for `n` tokens at the position in `pos_dev`; `capacity` is the state's token capacity
     /// (it sizes the QSA score rows so the launch shapes do not depend on the position).
-    fn attn(&self, at: &DevAttn, st: &DevLayerState, m: u64, n: usize, pos_dev: u64, capacity: usize) -> Result<u64, CudaError> {
+    fn attn(
+        &self,
+        at: &DevAttn,
+        st: &DevLayerState,
+        m: u64,
+        n: usize,
+        pos_dev: u64,
+        capacity: usize,
+    ) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
-        let DevLayerState::Attn { k: kc, v: vc, raw, pooled } = st else { unreachable!("state follows the layer kinds") };
+        let DevLayerState::Attn { k: kc, v: vc, raw, pooled } = st else {
+            unreachable!("state follows the layer kinds")
+        };
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
         let kvw = nkv * hd;
         let pq = self.tmp(n * nh * hd * 2)?;
@@ -893,7 +1003,14 @@ impl CudaModel {
             dev.launch_1d(
                 "copy_rows_at",
                 n * kvw,
-                &[Arg::Ptr(src), Arg::Ptr(self.p(dst, 0)), Arg::I32(0), Arg::Ptr(pos_dev), Arg::I32(n as i32), Arg::I32(kvw as i32)],
+                &[
+                    Arg::Ptr(src),
+                    Arg::Ptr(self.p(dst, 0)),
+                    Arg::I32(0),
+                    Arg::Ptr(pos_dev),
+                    Arg::I32(n as i32),
+                    Arg::I32(kvw as i32),
+                ],
             )?;
         }
         let mut selection: Option<(u64, u64, usize)> = None;
@@ -909,7 +1026,14 @@ impl CudaModel {
             dev.launch_1d(
                 "copy_rows_at",
                 n * ihd,
-                &[Arg::Ptr(kr), Arg::Ptr(self.p(raw, 0)), Arg::I32(0), Arg::Ptr(pos_dev), Arg::I32(n as i32), Arg::I32(ihd as i32)],
+                &[
+                    Arg::Ptr(kr),
+                    Arg::Ptr(self.p(raw, 0)),
+                    Arg::I32(0),
+                    Arg::Ptr(pos_dev),
+                    Arg::I32(n as i32),
+                    Arg::I32(ihd as i32),
+                ],
             )?;
             dev.launch(
                 "qsa_pool_new",
@@ -971,26 +1095,69 @@ impl CudaModel {
         }
         let out = self.tmp(n * nh * hd)?;
         let (sp, cp, cap) = selection.unwrap_or((0, 0, 0));
-        dev.launch(
-            "attention",
-            ((n * nh) as u32, 1, 1),
-            128,
-            &[
-                Arg::Ptr(q),
-                Arg::Ptr(self.p(kc, 0)),
-                Arg::Ptr(self.p(vc, 0)),
-                Arg::Ptr(sp),
-                Arg::Ptr(cp),
-                Arg::I32(cap as i32),
-                Arg::I32(0),
-                Arg::Ptr(pos_dev),
-                Arg::Ptr(out),
-                Arg::I32(nh as i32),
-                Arg::I32(nkv as i32),
-                Arg::I32(hd as i32),
-                Arg::F32(1.0 / (hd as f32).sqrt()),
-            ],
-        )?;
+        if n <= GEMV_MAX_TOKENS && hd % 4 == 0 {
+            // Decode: few queries, so the keys are split over ATTN_SPLITS blocks per query and merged after.
+            let splits = ATTN_SPLITS;
+            let pm = self.tmp(n * nh * splits)?;
+            let pl = self.tmp(n * nh * splits)?;
+            let pa = self.tmp(n * nh * splits * hd)?;
+            dev.launch(
+                "attention_part",
+                ((n * nh) as u32, splits as u32, 1),
+                128,
+                &[
+                    Arg::Ptr(q),
+                    Arg::Ptr(self.p(kc, 0)),
+                    Arg::Ptr(self.p(vc, 0)),
+                    Arg::Ptr(sp),
+                    Arg::Ptr(cp),
+                    Arg::I32(cap as i32),
+                    Arg::I32(0),
+                    Arg::Ptr(pos_dev),
+                    Arg::Ptr(pm),
+                    Arg::Ptr(pl),
+                    Arg::Ptr(pa),
+                    Arg::I32(nh as i32),
+                    Arg::I32(nkv as i32),
+                    Arg::I32(hd as i32),
+                    Arg::F32(1.0 / (hd as f32).sqrt()),
+                ],
+            )?;
+            dev.launch(
+                "attention_combine",
+                ((n * nh) as u32, 1, 1),
+                128,
+                &[
+                    Arg::Ptr(pm),
+                    Arg::Ptr(pl),
+                    Arg::Ptr(pa),
+                    Arg::Ptr(out),
+                    Arg::I32(splits as i32),
+                    Arg::I32(hd as i32),
+                ],
+            )?;
+        } else {
+            dev.launch(
+                "attention",
+                ((n * nh) as u32, 1, 1),
+                128,
+                &[
+                    Arg::Ptr(q),
+                    Arg::Ptr(self.p(kc, 0)),
+                    Arg::Ptr(self.p(vc, 0)),
+                    Arg::Ptr(sp),
+                    Arg::Ptr(cp),
+                    Arg::I32(cap as i32),
+                    Arg::I32(0),
+                    Arg::Ptr(pos_dev),
+                    Arg::Ptr(out),
+                    Arg::I32(nh as i32),
+                    Arg::I32(nkv as i32),
+                    Arg::I32(hd as i32),
+                    Arg::F32(1.0 / (hd as f32).sqrt()),
+                ],
+            )?;
+        }
         dev.launch_1d("mul_sigmoid", n * nh * hd, &[Arg::Ptr(out), Arg::Ptr(gate), Arg::I64((n * nh * hd) as i64)])?;
         let y = self.tmp(n * cfg.hidden)?;
         self.matmul(at.o.r(dev), out, n, y)?;
@@ -1034,10 +1201,24 @@ impl CudaModel {
         let ys = self.tmp(slots * d)?;
         if n <= GEMV_MAX_TOKENS / 2 {
             // Decode: one GEMV per (token, expert) slot, expert ids read on the device.
-            self.moe_gemv(&moe.gate, ids, slots, m, d, k, g)?;
-            self.moe_gemv(&moe.up, ids, slots, m, d, k, u)?;
+            match self.q8_block(moe.gate.ty, d) {
+                Some(blk) if moe.up.ty == moe.gate.ty => {
+                    let (qx, dx) = self.quantize_act(m, n, d, blk)?;
+                    self.moe_gemvq(&moe.gate, Some(&moe.up), ids, slots, (qx, dx), d, k, (g, u))?;
+                }
+                _ => {
+                    self.moe_gemv(&moe.gate, ids, slots, m, d, k, g)?;
+                    self.moe_gemv(&moe.up, ids, slots, m, d, k, u)?;
+                }
+            }
             dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
-            self.moe_gemv(&moe.down, ids, slots, g, ff, 1, ys)?;
+            match self.q8_block(moe.down.ty, ff) {
+                Some(blk) => {
+                    let (qx, dx) = self.quantize_act(g, slots, ff, blk)?;
+                    self.moe_gemvq(&moe.down, None, ids, slots, (qx, dx), ff, 1, (ys, ys))?;
+                }
+                None => self.moe_gemv(&moe.down, ids, slots, g, ff, 1, ys)?,
+            }
         } else {
             // Prefill: slots grouped by expert on the device; each expert's weights decoded once per 8 tokens.
             let offsets = self.tmp(e + 1)?;
@@ -1076,7 +1257,16 @@ impl CudaModel {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn moe_gemv(&self, stack: &DevStack, ids: u64, slots: usize, x: u64, x_stride: usize, slots_per_x: usize, y: u64) -> Result<(), CudaError> {
+    fn moe_gemv(
+        &self,
+        stack: &DevStack,
+        ids: u64,
+        slots: usize,
+        x: u64,
+        x_stride: usize,
+        slots_per_x: usize,
+        y: u64,
+    ) -> Result<(), CudaError> {
         let sfx = type_suffix(stack.ty)?;
         let lanes = Self::lanes(stack.cols);
         let rows_per_block = 256 / lanes as usize;
@@ -1101,8 +1291,60 @@ impl CudaModel {
         Ok(())
     }
 
+    /// Routed-expert GEMVs on 8-bit activations `(qx, dx)` (from [`Self::quantize_act`]); with `second`, the
+    /// same slots multiply a second stack of the same shape and type (gate and up in one launch) into `y.1`.
     #[allow(clippy::too_many_arguments)]
-    fn moe_grouped(&self, stack: &DevStack, offsets: u64, perm: u64, x: u64, x_div: usize, x_stride: usize, y: u64) -> Result<(), CudaError> {
+    fn moe_gemvq(
+        &self,
+        stack: &DevStack,
+        second: Option<&DevStack>,
+        ids: u64,
+        slots: usize,
+        x: (u64, u64),
+        x_stride: usize,
+        slots_per_x: usize,
+        y: (u64, u64),
+    ) -> Result<(), CudaError> {
+        let sfx = type_suffix(stack.ty)?;
+        let lanes = Self::q8_lanes(stack.ty, stack.cols);
+        let rows_per_block = 128 / lanes;
+        let w0 = ptr(&stack.data, self.dev.stream(), 0);
+        let w1 = second.map_or(w0, |s| ptr(&s.data, self.dev.stream(), 0));
+        self.dev.launch(
+            &format!("moe_gemvq_{sfx}"),
+            (stack.rows.div_ceil(rows_per_block) as u32, slots as u32, if second.is_some() { 2 } else { 1 }),
+            128,
+            &[
+                Arg::Ptr(w0),
+                Arg::Ptr(w1),
+                Arg::I64(stack.expert_bytes() as i64),
+                Arg::I64(stack.row_bytes as i64),
+                Arg::I32(stack.rows as i32),
+                Arg::I32(stack.cols as i32),
+                Arg::Ptr(ids),
+                Arg::Ptr(x.0),
+                Arg::Ptr(x.1),
+                Arg::I64(x_stride as i64),
+                Arg::I32(slots_per_x as i32),
+                Arg::Ptr(y.0),
+                Arg::Ptr(y.1),
+                Arg::I32(lanes as i32),
+            ],
+        )?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn moe_grouped(
+        &self,
+        stack: &DevStack,
+        offsets: u64,
+        perm: u64,
+        x: u64,
+        x_div: usize,
+        x_stride: usize,
+        y: u64,
+    ) -> Result<(), CudaError> {
         let sfx = type_suffix(stack.ty)?;
         let lanes = Self::lanes(stack.cols);
         let rows_per_block = 256 / lanes as usize;
@@ -1130,7 +1372,15 @@ impl CudaModel {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn get_rows(&self, w: &DevMatrix, ids: u64, n: usize, out: u64, out_stride: usize, copies: usize) -> Result<(), CudaError> {
+    fn get_rows(
+        &self,
+        w: &DevMatrix,
+        ids: u64,
+        n: usize,
+        out: u64,
+        out_stride: usize,
+        copies: usize,
+    ) -> Result<(), CudaError> {
         let sfx = type_suffix(w.ty)?;
         let args = [
             Arg::Ptr(ptr(&w.data, self.dev.stream(), 0)),
@@ -1222,7 +1472,16 @@ impl CudaModel {
     /// `st.pos_dev`), ending with the logits of `rows` tokens from `r0` in `logits` (when `rows > 0`). Issues no
     /// host synchronisation, so the decode step can be captured as a CUDA Graph.
     #[allow(clippy::too_many_arguments)]
-    fn launch_pass(&self, st: &CudaState, n: usize, ids: u64, ple_rows: u64, r0: usize, rows: usize, logits: u64) -> Result<(), CudaError> {
+    fn launch_pass(
+        &self,
+        st: &CudaState,
+        n: usize,
+        ids: u64,
+        ple_rows: u64,
+        r0: usize,
+        rows: usize,
+        logits: u64,
+    ) -> Result<(), CudaError> {
         let cfg = &self.config;
         let dev = &self.dev;
         let (s, d) = (cfg.hc_count, cfg.hidden);

@@ -51,6 +51,9 @@ pub(crate) struct Dev {
     pub(crate) blas: CudaBlas,
     /// Per-kernel wall time when `NEBULA_CUDA_PROFILE=kernels` (the stream is synchronised around each launch).
     pub(crate) kernel_times: Option<std::sync::Mutex<Vec<(String, f64, u64)>>>,
+    /// Launches of kernels other than the GEMVs and `quantize_act` (which write only fresh outputs); the 8-bit
+    /// activation cache of the CUDA model is valid while this count is unchanged.
+    pub(crate) writes: std::sync::atomic::AtomicU64,
 }
 
 impl Dev {
@@ -59,7 +62,7 @@ impl Dev {
         unsafe { gpu.ctx.disable_event_tracking() };
         let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| GpuError::Driver(format!("cuBLAS: {e:?}")))?;
         let kernel_times = std::env::var("NEBULA_CUDA_PROFILE").is_ok_and(|v| v == "kernels").then(Default::default);
-        Ok(Self { gpu, blas, kernel_times })
+        Ok(Self { gpu, blas, kernel_times, writes: Default::default() })
     }
 
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
@@ -72,6 +75,10 @@ impl Dev {
             return Ok(());
         }
         let f = self.gpu.func(name)?;
+        if !(name.starts_with("gemv") || name.starts_with("moe_gemv") || name == "quantize_act") {
+            // Any other kernel may write a buffer an earlier quantize_act read: cached 8-bit activations expire.
+            self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let t0 = match &self.kernel_times {
             Some(_) => {
                 self.gpu.stream.synchronize().map_err(GpuError::from)?;
