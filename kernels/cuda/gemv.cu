@@ -520,3 +520,81 @@ GEMVQ(q8_0, T_Q8_0)
 GEMVQ(q4_0, T_Q4_0)
 GEMVQ(iq4_nl, T_IQ4_NL)
 GEMVQ(q4_k, T_Q4_K)
+
+// Routed experts, prefill, on 8-bit activations: as moe_grouped (blockIdx.y = expert e, its slots
+// perm[offsets[e] .. offsets[e+1]] 8 at a time) with each weight task decoded once per 8 slots and multiplied by
+// dp4a. Slot s reads activations (qx, dx) + (s / x_div) * x_stride and writes y + s * rows.
+template <int T>
+__device__ __forceinline__ void moe_groupedq_body(const uint8_t* __restrict__ W, long long expert_bytes,
+                                                  long long row_bytes, int rows, int cols,
+                                                  const int* __restrict__ offsets, const int* __restrict__ perm,
+                                                  const signed char* __restrict__ qx, const float* __restrict__ dx,
+                                                  int x_div, long long x_stride, float* __restrict__ y, int lanes,
+                                                  const uint16_t* pairs) {
+    constexpr int C = QTask<T>::chunks;
+    const int e = blockIdx.y;
+    const int start = offsets[e], end = offsets[e + 1];
+    if (start == end) return;  // uniform over the block
+    const int rows_per_block = blockDim.x / lanes;
+    const int r = blockIdx.x * rows_per_block + threadIdx.x / lanes;
+    const int lane = threadIdx.x % lanes;
+    const bool valid = r < rows;
+    const uint8_t* row = W + (long long)e * expert_bytes + (long long)(valid ? r : 0) * row_bytes;
+    const int ntasks = valid ? cols / (32 * C) : 0;
+    for (int base = start; base < end; base += 8) {
+        const int nt = min(8, end - base);
+        int slot[8];
+        long long xo[8];
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            slot[t] = t < nt ? perm[base + t] : perm[base];
+            xo[t] = (long long)(slot[t] / x_div) * x_stride;
+        }
+        float acc[8];
+#pragma unroll
+        for (int t = 0; t < 8; t++) acc[t] = 0.f;
+        for (int task = lane; task < ntasks; task += lanes) {
+            int q[C][8];
+            float s[C], m[C];
+            qtask_load<T, C>(row, task, q, s, m, pairs);
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                if (t >= nt) break;
+#pragma unroll
+                for (int h = 0; h < C; h++) {
+                    const int chunk = task * C + h;
+                    const int4* xp = reinterpret_cast<const int4*>(qx + xo[t] + 32 * chunk);
+                    const int4 a = __ldg(xp), b = __ldg(xp + 1);
+                    const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                    int dot = 0, sum = 0;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        dot = dp4a_(q[h][i], xs[i], dot);
+                        sum = dp4a_(0x01010101, xs[i], sum);
+                    }
+                    acc[t] += __ldg(dx + xo[t] / 32 + chunk) * (s[h] * (float)dot - m[h] * (float)sum);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const float v = warp_sum(acc[t], lanes);
+            if (lane == 0 && valid && t < nt) y[(long long)slot[t] * rows + r] = v;
+        }
+    }
+}
+
+#define GROUPEDQ(NAME, T)                                                                                         \
+    extern "C" __global__ void moe_groupedq_##NAME(const uint8_t* W, long long eb, long long rb, int rows,        \
+                                                   int cols, const int* offsets, const int* perm,                  \
+                                                   const signed char* qx, const float* dx, int x_div, long long xs, \
+                                                   float* y, int lanes) {                                          \
+        __shared__ uint16_t pairs[256];                                                                            \
+        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        moe_groupedq_body<T>(W, eb, rb, rows, cols, offsets, perm, qx, dx, x_div, xs, y, lanes, pairs);          \
+    }
+
+GROUPEDQ(q8_0, T_Q8_0)
+GROUPEDQ(q4_0, T_Q4_0)
+GROUPEDQ(iq4_nl, T_IQ4_NL)
+GROUPEDQ(q4_k, T_Q4_K)

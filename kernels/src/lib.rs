@@ -125,7 +125,7 @@ fn expand_names(src: &str) -> Vec<String> {
     let mut out: Vec<String> = templates.iter().filter(|n| !n.contains("##")).cloned().collect();
     for line in src.lines() {
         let line = line.trim();
-        for macro_name in ["GEMV", "GEMVQ", "GET_ROWS", "ELEM", "GROUPED"] {
+        for macro_name in ["GEMV", "GEMVQ", "GET_ROWS", "ELEM", "GROUPED", "GROUPEDQ"] {
             if let Some(args) = line.strip_prefix(&format!("{macro_name}(")) {
                 let ty = args.split(',').next().unwrap_or("").trim();
                 let block: String = src
@@ -246,6 +246,7 @@ mod tests {
             "gemvq_iq4_nl_8",
             "moe_gemvq_q8_0",
             "quantize_act",
+            "moe_groupedq_q4_k",
         ] {
             assert!(names.iter().any(|x| x == n), "{n} missing from {names:?}");
         }

@@ -112,12 +112,41 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             }
         }
     }
+    for r in &rows {
+        if !r.prefill_phases.is_empty() {
+            let total: f64 = r.prefill_phases.iter().map(|p| p.1).sum();
+            println!("prefill of {} tokens, phases (stream synchronised after each):", r.context);
+            for (name, secs, count) in &r.prefill_phases {
+                println!("  {name:<20} {:>9.1} ms {:>5.1} %  ({count} times)", secs * 1e3, secs / total * 100.0);
+            }
+        }
+        let mut kt = r.prefill_kernels.clone();
+        if kt.is_empty() {
+            continue;
+        }
+        kt.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let total: f64 = kt.iter().map(|k| k.1).sum();
+        println!(
+            "prefill of {} tokens, kernels by time (synchronised around each launch; cuBLAS not counted):",
+            r.context
+        );
+        for (name, secs, count) in kt.iter().take(12) {
+            println!(
+                "  {name:<24} {:>9.2} ms {:>5.1} %  {count:>6} launches, {:>8.1} us each",
+                secs * 1e3,
+                secs / total * 100.0,
+                secs * 1e6 / *count as f64
+            );
+        }
+    }
     if let Runner::Cuda(m) = &runner {
         let mut kt = m.take_kernel_times();
         if !kt.is_empty() {
             kt.sort_by(|a, b| b.1.total_cmp(&a.1));
             let total: f64 = kt.iter().map(|k| k.1).sum();
-            println!("kernels by time (NEBULA_CUDA_PROFILE=kernels, synchronised around each launch, all runs):");
+            println!(
+                "decode kernels by time (NEBULA_CUDA_PROFILE=kernels, synchronised around each launch, last frontier):"
+            );
             for (name, secs, count) in kt.iter().take(20) {
                 println!(
                     "  {name:<24} {:>9.2} ms {:>5.1} %  {count:>6} launches, {:>8.1} us each",

@@ -1229,10 +1229,23 @@ impl CudaModel {
                 1024,
                 &[Arg::Ptr(ids), Arg::I32(slots as i32), Arg::I32(e as i32), Arg::Ptr(offsets), Arg::Ptr(perm)],
             )?;
-            self.moe_grouped(&moe.gate, offsets, perm, m, k, d, g)?;
-            self.moe_grouped(&moe.up, offsets, perm, m, k, d, u)?;
+            for (stack, out) in [(&moe.gate, g), (&moe.up, u)] {
+                match self.q8_block(stack.ty, d) {
+                    Some(blk) => {
+                        let qx = self.quantize_act(m, n, d, blk)?;
+                        self.moe_groupedq(stack, offsets, perm, qx, k, d, out)?;
+                    }
+                    None => self.moe_grouped(stack, offsets, perm, m, k, d, out)?,
+                }
+            }
             dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
-            self.moe_grouped(&moe.down, offsets, perm, g, 1, ff, ys)?;
+            match self.q8_block(moe.down.ty, ff) {
+                Some(blk) => {
+                    let qx = self.quantize_act(g, slots, ff, blk)?;
+                    self.moe_groupedq(&moe.down, offsets, perm, qx, 1, ff, ys)?;
+                }
+                None => self.moe_grouped(&moe.down, offsets, perm, g, 1, ff, ys)?,
+            }
         }
         let out = self.tmp(n * d)?;
         dev.launch_1d(
@@ -1328,6 +1341,44 @@ impl CudaModel {
                 Arg::I32(slots_per_x as i32),
                 Arg::Ptr(y.0),
                 Arg::Ptr(y.1),
+                Arg::I32(lanes as i32),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Prefill routed experts on 8-bit activations `x = (qx, dx)`, grouped by expert (see `moe_groupedq_*`).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_groupedq(
+        &self,
+        stack: &DevStack,
+        offsets: u64,
+        perm: u64,
+        x: (u64, u64),
+        x_div: usize,
+        x_stride: usize,
+        y: u64,
+    ) -> Result<(), CudaError> {
+        let sfx = type_suffix(stack.ty)?;
+        let lanes = Self::q8_lanes(stack.ty, stack.cols);
+        let rows_per_block = 128 / lanes;
+        self.dev.launch(
+            &format!("moe_groupedq_{sfx}"),
+            (stack.rows.div_ceil(rows_per_block) as u32, self.config.n_expert as u32, 1),
+            128,
+            &[
+                Arg::Ptr(ptr(&stack.data, self.dev.stream(), 0)),
+                Arg::I64(stack.expert_bytes() as i64),
+                Arg::I64(stack.row_bytes as i64),
+                Arg::I32(stack.rows as i32),
+                Arg::I32(stack.cols as i32),
+                Arg::Ptr(offsets),
+                Arg::Ptr(perm),
+                Arg::Ptr(x.0),
+                Arg::Ptr(x.1),
+                Arg::I32(x_div as i32),
+                Arg::I64(x_stride as i64),
+                Arg::Ptr(y),
                 Arg::I32(lanes as i32),
             ],
         )?;
