@@ -942,3 +942,6 @@ impl Placement {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests;
