@@ -188,7 +188,9 @@ impl Hotlist {
             "format": self.format, "version": self.version, "model": self.model, "campaign": self.campaign,
         });
         let mut out = serde_json::to_string_pretty(&head).unwrap_or_default();
-        out.truncate(out.trim_end().len().saturating_sub(1)); // drop the closing brace
+        // Drop the closing brace (and the line break before it) to append the layers.
+        out.truncate(out.trim_end().len().saturating_sub(1));
+        out.truncate(out.trim_end().len());
         out.push_str(",\n  \"layers\": [\n");
         for (i, l) in self.layers.iter().enumerate() {
             let line = serde_json::to_string(l).unwrap_or_default();
@@ -304,6 +306,7 @@ mod tests {
         let h = sample();
         let text = h.to_json();
         assert_eq!(Hotlist::parse(&text, "x.json").unwrap(), h);
+        assert!(text.contains("\"campaign\": {\n    \"prompts\": 1\n  },\n  \"layers\": [\n    {\"layer\":0,"), "{text}");
         let bad = |edit: &dyn Fn(&mut serde_json::Value)| {
             let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
             edit(&mut v);

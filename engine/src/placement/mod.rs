@@ -22,6 +22,7 @@
 //! came from, and a layer's experts are summed in one fixed order ([`crate::quant::moe`]), so greedy tokens are
 //! identical for any X, H, pool size and thread count.
 
+pub mod campaign;
 pub mod hotlist;
 pub mod memory;
 pub(crate) mod ngram;
@@ -118,6 +119,9 @@ pub struct PlacementOptions {
     pub reader: Option<Arc<dyn WeightReader>>,
     /// What the placement came from, for the report (e.g. `profile 12gb-vram-128gb-ram`).
     pub source: String,
+    /// The experts per layer the counts were written for (a profile's `experts_per_layer`, 512): a model with
+    /// another number gets the counts scaled to its own (the 28 MB demo model has 32). `None`: counts as given.
+    pub counts_for_experts: Option<usize>,
 }
 
 impl Default for PlacementOptions {
@@ -138,6 +142,24 @@ impl Default for PlacementOptions {
             lock_memory: true,
             reader: None,
             source: "options".into(),
+            counts_for_experts: None,
+        }
+    }
+}
+
+impl PlacementOptions {
+    /// (GPU, RAM) experts per layer for a model of `n_expert` experts: as given, or scaled from
+    /// [`PlacementOptions::counts_for_experts`] (rounded to the nearest expert, RAM kept at least the GPU count).
+    pub fn counts_for(&self, n_expert: usize) -> (usize, usize) {
+        match self.counts_for_experts {
+            Some(base) if base > 0 && base != n_expert => {
+                let scale = |c: usize| {
+                    if c >= base { n_expert } else { ((c as f64 * n_expert as f64 / base as f64).round() as usize).min(n_expert) }
+                };
+                let gpu = scale(self.gpu_experts);
+                (gpu, scale(self.ram_experts).max(gpu))
+            }
+            _ => (self.gpu_experts, self.ram_experts),
         }
     }
 }
@@ -158,6 +180,7 @@ impl std::fmt::Debug for PlacementOptions {
             .field("lock_memory", &self.lock_memory)
             .field("reader", &self.reader.as_ref().map(|r| r.describe()))
             .field("source", &self.source)
+            .field("counts_for_experts", &self.counts_for_experts)
             .finish()
     }
 }
@@ -498,7 +521,8 @@ impl Placement {
     ) -> Result<Self, PlacementError> {
         let cfg = &model.config;
         let (n_layer, n_expert) = (cfg.n_layer, cfg.n_expert);
-        let plan = PlacementPlan::new(n_layer, n_expert, opts.gpu_experts, opts.ram_experts, opts.hotlist.as_deref())?;
+        let (gpu_experts, ram_experts) = opts.counts_for(n_expert);
+        let plan = PlacementPlan::new(n_layer, n_expert, gpu_experts, ram_experts, opts.hotlist.as_deref())?;
         let reader = match &opts.reader {
             Some(r) => r.clone(),
             None => default_reader(model, opts.direct_io)?,
@@ -561,7 +585,7 @@ impl Placement {
                 gib(budget),
                 gib(ram_needed + dense),
                 gib(ram_tier),
-                opts.ram_experts.min(n_expert),
+                ram_experts.min(n_expert),
                 gib(pool_bytes),
                 gib(table_ram),
                 gib(dense)
@@ -591,7 +615,7 @@ impl Placement {
                  ({}). Lower the GPU experts per layer or raise the budget",
                 gib(budget),
                 gib(vram_planned),
-                opts.gpu_experts,
+                gpu_experts,
                 gib(gpu_bytes),
                 gib(dense)
             )));
