@@ -245,7 +245,7 @@ fn logprobs_come_with_tokens() {
     assert_eq!(seen, 5);
 }
 
-/// The demo model with tiny tiers (1 GPU, 3 RAM, 28 of 32 experts per layer on SSD, the n-gram table on SSD)
+/// The demo model with tiny tiers (1 GPU, 3 RAM, 29 of 32 experts per layer on SSD, the n-gram table on SSD)
 /// answers every reference prompt with the same tokens as the memory-mapped engine; an injected read error
 /// fails only the request that hit it, and the worker serves the next one.
 #[test]
@@ -268,14 +268,15 @@ fn placed_engine_answers_the_same_and_survives_read_errors() {
         ..Default::default()
     };
     let engine = Engine::load(&path, EngineOptions { placement: Some(placement), ..Default::default() }).unwrap();
-    assert_eq!(engine.placement().totals(), (4, 8, 112));
+    assert_eq!(engine.placement().totals(), (4, 8, 116));
     assert_eq!(reference_sequences(&engine), reference, "placement changed a greedy answer");
     let hits = engine.placement_stats().snapshot();
     assert!(hits.expert_hits_ssd > 0 && hits.expert_hits_gpu > 0 && hits.expert_hits_ram > 0, "{hits:?}");
 
     faulty.fail_next(1);
     let prompt = reference[0].0.clone();
-    let mut rx = engine.submit(GenerateRequest { use_prefix_cache: false, ..GenerateRequest::new(prompt.clone(), 4) }).unwrap();
+    let mut rx =
+        engine.submit(GenerateRequest { use_prefix_cache: false, ..GenerateRequest::new(prompt.clone(), 4) }).unwrap();
     let failure = loop {
         match rx.blocking_recv().expect("the worker reports an end") {
             GenerationEvent::Failed(e) => break e,

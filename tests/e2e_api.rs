@@ -336,7 +336,8 @@ async fn prefix_cache_counts_through_metrics() {
 async fn placement_report_counters_and_metrics() {
     let dir = tempfile::tempdir().unwrap();
     let profile = dir.path().join("profile.toml");
-    std::fs::write(&profile, "name = \"demo-cpu\"\nbackend = \"cpu\"\nmax_context = 4096\nmax_prefill = 256\n").unwrap();
+    std::fs::write(&profile, "name = \"demo-cpu\"\nbackend = \"cpu\"\nmax_context = 4096\nmax_prefill = 256\n")
+        .unwrap();
     let mut c = config();
     c.profile = Some(profile);
     c.placement.gpu_experts = Some(2);
@@ -366,8 +367,10 @@ async fn placement_report_counters_and_metrics() {
     assert!(hits["ssd"].as_u64().unwrap() > 0 && hits["gpu"].as_u64().unwrap() > 0, "{after}");
     assert!(after["counters"]["ssd_expert_bytes"].as_u64().unwrap() > 0);
     assert!(after["counters"]["ngram_rows_read"].as_u64().unwrap() > 0);
-    assert_eq!(metric(&base, "nebula:expert_hits_total").await, (hits["gpu"].as_u64().unwrap()
-        + hits["ram"].as_u64().unwrap() + hits["ssd"].as_u64().unwrap()) as f64);
+    assert_eq!(
+        metric(&base, "nebula:expert_hits_total").await,
+        (hits["gpu"].as_u64().unwrap() + hits["ram"].as_u64().unwrap() + hits["ssd"].as_u64().unwrap()) as f64
+    );
     assert!(metric(&base, "nebula:ssd_read_bytes_total").await > 0.0);
 
     let (_, detail) = get("/v1/placement?experts=true").await;

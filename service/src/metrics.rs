@@ -166,7 +166,10 @@ impl Metrics {
             ),
             pcie_bytes: plain("nebula:pcie_bytes_total", "Bytes copied over PCIe (0 until placement lands)."),
             ssd_bytes: plain("nebula:ssd_read_bytes_total", "Expert and n-gram table bytes read from SSD."),
-            ssd_errors: plain("nebula:ssd_read_errors_total", "Failed SSD reads (each fails the request that needed it)."),
+            ssd_errors: plain(
+                "nebula:ssd_read_errors_total",
+                "Failed SSD reads (each fails the request that needed it).",
+            ),
             prefetch: counter(
                 &r,
                 "nebula:expert_prefetch_total",

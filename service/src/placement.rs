@@ -85,7 +85,8 @@ impl PlacementConfig {
     ///
     /// Errors: a message naming the key.
     pub fn validate(&self) -> Result<(), String> {
-        for (name, v) in [("placement.vram_budget_gib", self.vram_budget_gib), ("placement.ram_budget_gib", self.ram_budget_gib)]
+        for (name, v) in
+            [("placement.vram_budget_gib", self.vram_budget_gib), ("placement.ram_budget_gib", self.ram_budget_gib)]
         {
             if let Some(v) = v
                 && !(v.is_finite() && v > 0.0)

@@ -430,13 +430,10 @@ impl Qwen4Exp {
                     layer.mlp.forward_routed(&mixed.mixed, n, &routing)
                 }
                 Some(p) => {
-                    // Predict the next layers' SSD experts from this hidden state; their reads overlap this layer.
-                    for ahead in 1..=p.prefetch_layers() {
-                        if let Some(next) = self.layers.get(li + ahead) {
-                            p.prefetch(li + ahead, &next.mlp, &mixed.mixed, n);
-                        }
-                    }
-                    p.moe_forward(li, &layer.mlp, &mixed.mixed, n, &routing)?
+                    // The next layers' routers on this hidden state predict which SSD experts to prefetch.
+                    let ahead: Vec<&moe::SparseMoe> =
+                        self.layers.iter().skip(li + 1).take(p.prefetch_layers()).map(|l| &l.mlp).collect();
+                    p.moe_forward(li, &layer.mlp, &mixed.mixed, n, &routing, &ahead)?
                 }
             };
             layer.mlp_hyper_connection.inject(&mut x, &y, &mixed.inject);

@@ -95,8 +95,9 @@ pub fn run_campaign(
             if opts.stop_tokens.contains(&next) {
                 break;
             }
-            logits =
-                model.forward_recording(&mut state, &[next], LogitsFor::Last, &mut builder).map_err(|e| model_err(i, e))?;
+            logits = model
+                .forward_recording(&mut state, &[next], LogitsFor::Last, &mut builder)
+                .map_err(|e| model_err(i, e))?;
         }
         progress(i + 1, builder.tokens());
     }

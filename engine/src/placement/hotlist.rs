@@ -306,7 +306,10 @@ mod tests {
         let h = sample();
         let text = h.to_json();
         assert_eq!(Hotlist::parse(&text, "x.json").unwrap(), h);
-        assert!(text.contains("\"campaign\": {\n    \"prompts\": 1\n  },\n  \"layers\": [\n    {\"layer\":0,"), "{text}");
+        assert!(
+            text.contains("\"campaign\": {\n    \"prompts\": 1\n  },\n  \"layers\": [\n    {\"layer\":0,"),
+            "{text}"
+        );
         let bad = |edit: &dyn Fn(&mut serde_json::Value)| {
             let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
             edit(&mut v);

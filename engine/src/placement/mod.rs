@@ -154,7 +154,11 @@ impl PlacementOptions {
         match self.counts_for_experts {
             Some(base) if base > 0 && base != n_expert => {
                 let scale = |c: usize| {
-                    if c >= base { n_expert } else { ((c as f64 * n_expert as f64 / base as f64).round() as usize).min(n_expert) }
+                    if c >= base {
+                        n_expert
+                    } else {
+                        ((c as f64 * n_expert as f64 / base as f64).round() as usize).min(n_expert)
+                    }
                 };
                 let gpu = scale(self.gpu_experts);
                 (gpu, scale(self.ram_experts).max(gpu))
@@ -866,9 +870,17 @@ impl Placement {
         self.prefetch_layers
     }
 
+    /// Most tokens a forward call may have for the prefetcher to run: it is for decode and short verification
+    /// batches, where a layer's SSD reads would otherwise stall the step. A long prefill needs most experts of
+    /// every layer anyway, and reads them in groups while it computes the previous group.
+    pub(crate) const PREFETCH_MAX_TOKENS: usize = 16;
+
     /// The MoE block of `layer` for `n` tokens `x` (`[n, d]`) routed as `routing`: RAM-resident experts computed
     /// while the SSD ones are read, SSD ones in groups as their reads land, everything summed in ascending expert
     /// id order with the shared expert last (as [`SparseMoe::forward`]), so the result is bit-identical to it.
+    ///
+    /// `ahead` are the MoE blocks of the next layers: once this layer's SSD reads are queued, their routers
+    /// predict what to prefetch (see [`Placement::prefetch`]), so this layer's reads go first.
     ///
     /// Errors: [`ModelError::WeightRead`] when an SSD read fails.
     pub(crate) fn moe_forward(
@@ -878,6 +890,7 @@ impl Placement {
         x: &[f32],
         n: usize,
         routing: &[Routing],
+        ahead: &[&SparseMoe],
     ) -> Result<Vec<f32>, ModelError> {
         let d = moe.shared_expert_gate.len();
         let tiers = &self.tiers[layer];
@@ -896,6 +909,11 @@ impl Placement {
         if let (Some(ssd), Some(first)) = (&self.ssd, ssd_groups.first()) {
             for &e in *first {
                 ssd.request(layer, e, false);
+            }
+        }
+        if n <= Self::PREFETCH_MAX_TOKENS {
+            for (k, next) in ahead.iter().enumerate() {
+                self.prefetch(layer + 1 + k, next, x, n);
             }
         }
 

@@ -53,13 +53,13 @@ pub fn run(args: HotlistArgs) -> anyhow::Result<()> {
         }
     };
     let name = file.get_str_opt("general.name").ok().flatten().unwrap_or("model").to_owned();
-    let stop_tokens: Vec<u32> = ["<|im_end|>", "<|endoftext|>"].iter().filter_map(|s| tokenizer.token_to_id(s)).collect();
+    let stop_tokens: Vec<u32> =
+        ["<|im_end|>", "<|endoftext|>"].iter().filter_map(|s| tokenizer.token_to_id(s)).collect();
     let model = Qwen4Exp::from_gguf(file)?;
     let (text, label) = match &args.prompts {
-        Some(p) => (
-            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-            p.display().to_string(),
-        ),
+        Some(p) => {
+            (std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?, p.display().to_string())
+        }
         None => (DEFAULT_PROMPT_SET.to_owned(), "assets/hotlist/prompts.jsonl (embedded)".to_owned()),
     };
     let mut prompts = parse_prompt_set(&text).map_err(|e| anyhow::anyhow!("prompt set {label}: {e}"))?;
