@@ -71,6 +71,8 @@ enum Command {
     Hotlist(nebula_service::cli::hotlist::HotlistArgs),
 }
 
+// Parsed once at start: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum BenchCommand {
     /// Prefill and decode speed at context frontiers on a backend.

@@ -102,7 +102,7 @@ pub struct Qwen4Exp {
     pub(crate) masked: Vec<Range<usize>>,
     pub(crate) file: Arc<GgufFile>,
     /// Where the experts and the n-gram table live; `None`: everything read through the memory map.
-    pub(crate) placement: Option<Placement>,
+    pub(crate) placement: Option<Box<Placement>>,
     /// Expert uses by tier, SSD reads (also counted without placement: every expert then counts as RAM).
     pub(crate) placement_stats: Arc<PlacementStats>,
 }
@@ -188,7 +188,7 @@ impl Qwen4Exp {
     /// budget or `MemAvailable` (refused before anything is allocated), a failed read of the RAM tier.
     pub fn place(&mut self, opts: &PlacementOptions) -> Result<(), PlacementError> {
         self.placement = None;
-        self.placement = Some(Placement::build(self, opts, self.placement_stats.clone())?);
+        self.placement = Some(Box::new(Placement::build(self, opts, self.placement_stats.clone())?));
         Ok(())
     }
 

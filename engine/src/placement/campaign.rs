@@ -35,7 +35,7 @@ pub fn parse_prompt_set(text: &str) -> Result<Vec<CampaignPrompt>, String> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let p: CampaignPrompt = serde_json::from_str(line).map_err(|e| format!("line {}: {e}", i + 1))?;
-        if p.domain.trim().is_empty() || !p.messages.as_array().is_some_and(|m| !m.is_empty()) {
+        if p.domain.trim().is_empty() || p.messages.as_array().is_none_or(|m| m.is_empty()) {
             return Err(format!("line {}: a prompt needs a domain and a non-empty messages list", i + 1));
         }
         out.push(p);

@@ -81,7 +81,7 @@ pub fn read_span(reader: &dyn WeightReader, span: Span, buf: &mut [u8]) -> Resul
     let padded = span.padded_len(a as usize);
     let fail =
         |detail: String| ReadError { file: reader.part_name(span.part), offset: span.offset, len: span.len, detail };
-    if buf.len() < padded || (buf.as_ptr() as usize) % a as usize != 0 {
+    if buf.len() < padded || !(buf.as_ptr() as usize).is_multiple_of(a as usize) {
         return Err(fail(format!("internal: a buffer of {} bytes at a misaligned or short address", buf.len())));
     }
     let need = (span.offset - start) as usize + span.len;
@@ -97,7 +97,7 @@ pub fn read_span(reader: &dyn WeightReader, span: Span, buf: &mut [u8]) -> Resul
         }
         done += n;
         // Direct I/O reads whole blocks: a short read off a block boundary is the end of the file.
-        if done < need && a > 1 && done as u64 % a != 0 {
+        if done < need && a > 1 && !(done as u64).is_multiple_of(a) {
             return Err(fail(format!("the file ends at byte {}", start + done as u64)));
         }
     }
