@@ -460,6 +460,8 @@ async fn profile_file_is_shown_and_bounds_the_limits() {
     let card = &models["data"][0];
     assert_eq!(card["profile"]["name"], "test-profile");
     assert_eq!(card["profile"]["placement"][1], json!({"tier": "ram", "experts_per_layer": 141, "gpu_copies": 11}));
+    // The profile's tiers, scaled from 512 experts per layer to the demo's 32: 1 GPU, 10 in RAM, 22 on SSD.
+    assert_eq!(card["profile"]["placement_actual"]["experts"], json!({"gpu": 4, "ram": 36, "ssd": 88}));
     assert_eq!(card["max_model_len"], 2048);
     assert_eq!(card["max_prefill"], 256);
     // Per-request limits within the server's.

@@ -107,6 +107,20 @@ impl PlacementConfig {
         Ok(())
     }
 
+    /// Fills the settings left unset with the profile's ([`profile_layer`]): what `ServerConfig::resolve` does
+    /// with figment, for a config built in code and handed to `start`.
+    pub fn fill_from_profile(&mut self, profile: &Value) {
+        let layer = profile_layer(profile);
+        let Ok(p) = serde_json::from_value::<PlacementConfig>(layer["placement"].clone()) else { return };
+        self.gpu_experts = self.gpu_experts.or(p.gpu_experts);
+        self.ram_experts = self.ram_experts.or(p.ram_experts);
+        self.counts_for_experts = self.counts_for_experts.or(p.counts_for_experts);
+        self.ngram_table = self.ngram_table.or(p.ngram_table);
+        self.vram_budget_gib = self.vram_budget_gib.or(p.vram_budget_gib);
+        self.ram_budget_gib = self.ram_budget_gib.or(p.ram_budget_gib);
+        self.threads = self.threads.or(p.threads);
+    }
+
     /// The engine's options, reading the hotlist; `None` when no placement is asked for. `source` names where
     /// the settings come from, for the report.
     ///
@@ -209,20 +223,26 @@ pub fn profile_layer(profile: &Value) -> Value {
             .and_then(Value::as_array)
             .and_then(|a| a.iter().find(|t| t.get("tier").and_then(Value::as_str) == Some(name)))
     };
-    let (gpu, ram) = match (tier("gpu"), tier("ram")) {
+    // (GPU, CPU, RAM copies of the GPU experts, SSD) per layer.
+    let (gpu, cpu, copies, ssd) = match (tier("gpu"), tier("ram")) {
         (Some(g), Some(r)) => (
             u(g.get("experts_per_layer")),
-            u(r.get("experts_per_layer")).map(|c| c + u(r.get("gpu_copies")).unwrap_or(0)),
+            u(r.get("experts_per_layer")),
+            u(r.get("gpu_copies")).unwrap_or(0),
+            tier("ssd").and_then(|s| u(s.get("experts_per_layer"))),
         ),
         _ => (
             u(profile.get("gpu_experts_per_layer")),
-            u(profile.get("cpu_experts_per_layer")).map(|c| c + u(profile.get("gpu_copies_in_ram")).unwrap_or(0)),
+            u(profile.get("cpu_experts_per_layer")),
+            u(profile.get("gpu_copies_in_ram")).unwrap_or(0),
+            u(profile.get("ssd_experts_per_layer")),
         ),
     };
-    if let (Some(g), Some(r)) = (gpu, ram) {
+    if let (Some(g), Some(c)) = (gpu, cpu) {
         p.insert("gpu_experts".into(), g.into());
-        p.insert("ram_experts".into(), r.into());
-        if let Some(n) = u(profile.get("experts_per_layer")) {
+        p.insert("ram_experts".into(), (c + copies).into());
+        // The experts per layer the counts are for: stated, or GPU + CPU + SSD.
+        if let Some(n) = u(profile.get("experts_per_layer")).or(ssd.map(|s| g + c + s)) {
             p.insert("counts_for_experts".into(), n.into());
         }
         if let Some(t) = profile.get("ngram_table").and_then(Value::as_str) {
@@ -290,6 +310,10 @@ mod tests {
                          "ngram_table": "ssd", "vram_gb": 8, "ram_gb": 32});
         let p = &profile_layer(&row)["placement"];
         assert_eq!((p["gpu_experts"].as_u64(), p["ram_experts"].as_u64()), (Some(11), Some(152)));
+        assert!(p.get("counts_for_experts").is_none(), "no SSD count, no experts_per_layer: counts as they are");
+        let row = json!({"gpu_experts_per_layer": 11, "cpu_experts_per_layer": 141, "gpu_copies_in_ram": 11,
+                         "ssd_experts_per_layer": 360});
+        assert_eq!(profile_layer(&row)["placement"]["counts_for_experts"], 512, "GPU + CPU + SSD");
         // A demo profile: no tiers, so no placement (threads still apply).
         let demo = json!({"name": "demo-cpu", "threads": 2, "placement": []});
         assert_eq!(profile_layer(&demo), json!({"placement": {"threads": 2}}));

@@ -133,8 +133,11 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         Some(p) => format!("profile {} with the config's overrides", p.display()),
         None => "the config".to_owned(),
     };
-    let placement = config
-        .placement
+    let mut placement_config = config.placement.clone();
+    if let Some(profile) = &state.profile {
+        placement_config.fill_from_profile(profile);
+    }
+    let placement = placement_config
         .to_options(&source)
         .map_err(|e| ServeError::Config(crate::config::ConfigError(format!("placement.hotlist: {e}"))))?;
     let opts = EngineOptions {
