@@ -385,6 +385,18 @@ async fn placement_report_counters_and_metrics() {
     assert_eq!(p["placement_actual"]["experts"], json!({"gpu": 8, "ram": 24, "ssd": 96}));
 }
 
+/// A placement over the RAM budget stops the server at start, saying what it needs; nothing is served.
+#[tokio::test]
+async fn a_placement_over_budget_is_refused_at_start() {
+    let mut c = config();
+    c.placement.ram_experts = Some(32);
+    c.placement.ram_budget_gib = Some(0.001);
+    let handle = start(c).await.expect("the server binds");
+    let err = handle.ready().await.unwrap_err().to_string();
+    assert!(err.contains("does not fit") && err.contains("RAM budget") && err.contains("RAM tier"), "{err}");
+    assert!(handle.wait().await.is_err(), "the load error is the server's outcome");
+}
+
 #[tokio::test]
 async fn metrics_openapi_and_models() {
     let (base, _) = spawn_server(config());
