@@ -232,6 +232,12 @@ impl GgufFile {
         Self { path, parts, metadata: metadata.unwrap_or_default(), tensors, by_name }
     }
 
+    /// True when the parts are memory-mapped files ([`Self::open`]), false for bytes held in memory
+    /// ([`Self::from_bytes`]).
+    pub fn is_mapped(&self) -> bool {
+        self.parts.iter().all(|p| matches!(p.bytes, Bytes::Mapped(_)))
+    }
+
     /// All bytes of part `split` (0-based): the memory map, or the bytes given to [`Self::from_bytes`].
     pub fn part_bytes(&self, split: usize) -> Option<&[u8]> {
         self.parts.get(split).map(|p| p.bytes.as_slice())

@@ -506,10 +506,11 @@ fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
-/// The default reader of a model: its part files (direct I/O when asked), or its bytes when it has no file.
+/// The default reader of a model: its part files (direct I/O when asked), or its bytes when it was loaded from
+/// memory. A part that cannot be opened (a missing shard) is an error naming it.
 fn default_reader(model: &Qwen4Exp, direct: bool) -> Result<Arc<dyn WeightReader>, PlacementError> {
-    let paths: Vec<&Path> = model.file.part_paths().collect();
-    if paths.iter().all(|p| p.is_file()) {
+    if model.file.is_mapped() {
+        let paths: Vec<&Path> = model.file.part_paths().collect();
         Ok(Arc::new(FileReader::open(&paths, direct)?))
     } else {
         Ok(Arc::new(MemoryReader::new(model.file.clone())))
