@@ -11,8 +11,8 @@
 //! - **RAM tier**: the experts are read (direct I/O) into page-aligned anonymous memory, locked with `mlock` when
 //!   the process may ([`memory`]); the file's page cache is never relied on.
 //! - **SSD tier**: read on demand into a bounded pool of aligned buffers by several I/O threads, kept while there
-//!   is room, and prefetched with the next layers' routers applied to the current hidden state ([`ssd`]).
-//! - **n-gram table**: in RAM, on SSD (rows fetched ahead of the PLE layer, [`ngram`]) or left memory-mapped.
+//!   is room, and prefetched with the next layers' routers applied to the current hidden state (`ssd.rs`).
+//! - **n-gram table**: in RAM, on SSD (rows fetched ahead of the PLE layer, `ngram.rs`) or left memory-mapped.
 //!
 //! Before anything is allocated the plan is checked against the budgets and `MemAvailable`; a placement that does
 //! not fit is refused with what it needs and what there is. A failed read at run time fails that forward call

@@ -4,7 +4,7 @@
 //! A token's table rows depend only on the token and the ones before it ([`crate::model::ple::ngram_rows`]),
 //! all known before the forward pass starts; so with the table on SSD the forward pass computes the rows first
 //! and hands their reads to the I/O threads ([`NgramTable::fetch`]), runs the layers before the PLE layer
-//! meanwhile, and only waits for the rows when the PLE layer needs them ([`RowFetch::wait`]).
+//! meanwhile, and only waits for the rows when the PLE layer needs them ([`NgramTable::gather`]).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
