@@ -185,6 +185,9 @@ pub struct PlacementFlags {
     /// I/O threads reading from SSD. Default: 4.
     #[arg(long)]
     pub io_threads: Option<usize>,
+    /// Layers ahead whose routers choose the SSD experts to prefetch (0: no prefetch). Default: 1.
+    #[arg(long)]
+    pub prefetch_layers: Option<usize>,
 }
 
 impl PlacementFlags {
@@ -205,6 +208,7 @@ impl PlacementFlags {
         put("threads", self.threads.map(Value::from));
         put("ssd_pool_mib", self.ssd_pool_mib.map(Value::from));
         put("io_threads", self.io_threads.map(Value::from));
+        put("prefetch_layers", self.prefetch_layers.map(Value::from));
         Value::Object(m)
     }
 }
