@@ -47,7 +47,10 @@ impl IoPool {
                         Err(_) => return,
                     };
                     match job {
-                        Ok(job) => job(),
+                        // A panicking job must not take the thread down with it (its caller sees the loss).
+                        Ok(job) => {
+                            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                        }
                         Err(_) => return,
                     }
                 }
@@ -316,7 +319,18 @@ impl SsdTier {
         }
         let job: IoJob = Box::new(move || {
             let Some(home) = shared.upgrade() else { return };
-            let outcome = source.read_into(reader.as_ref(), buf.as_mut_slice());
+            // A panic here would leave the entry loading forever and its waiter stuck: make it a read error.
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                source.read_into(reader.as_ref(), buf.as_mut_slice())
+            }))
+            .unwrap_or_else(|_| {
+                Err(ReadError {
+                    file: reader.part_name(source.spans[0].part),
+                    offset: source.spans[0].offset,
+                    len: source.spans.iter().map(|s| s.len).sum(),
+                    detail: "the read failed with an internal error (panic)".into(),
+                })
+            });
             let bytes: u64 = source.spans.iter().map(|s| s.len as u64).sum();
             let entry = match outcome {
                 Ok(ranges) => {
