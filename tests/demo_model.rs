@@ -244,3 +244,56 @@ fn logprobs_come_with_tokens() {
     }
     assert_eq!(seen, 5);
 }
+
+/// The demo model with tiny tiers (1 GPU, 3 RAM, 29 of 32 experts per layer on SSD, the n-gram table on SSD)
+/// answers every reference prompt with the same tokens as the memory-mapped engine; an injected read error
+/// fails only the request that hit it, and the worker serves the next one.
+#[test]
+fn placed_engine_answers_the_same_and_survives_read_errors() {
+    use std::sync::Arc;
+
+    use nebula_engine::gguf::GgufFile;
+    use nebula_engine::placement::{FaultyReader, MemoryReader, PlacementOptions, TablePlacement};
+
+    let path = nebula_tests::repo_root().join("models/nebula-demo.gguf");
+    let reference = reference_sequences(&demo_engine());
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let faulty = Arc::new(FaultyReader::new(Arc::new(MemoryReader::new(file))));
+    let placement = PlacementOptions {
+        gpu_experts: 1,
+        ram_experts: 3,
+        ngram_table: TablePlacement::Ssd,
+        ssd_pool_bytes: Some(1),
+        reader: Some(faulty.clone()),
+        ..Default::default()
+    };
+    let engine = Engine::load(&path, EngineOptions { placement: Some(placement), ..Default::default() }).unwrap();
+    assert_eq!(engine.placement().totals(), (4, 8, 116));
+    assert_eq!(reference_sequences(&engine), reference, "placement changed a greedy answer");
+    let hits = engine.placement_stats().snapshot();
+    assert!(hits.expert_hits_ssd > 0 && hits.expert_hits_gpu > 0 && hits.expert_hits_ram > 0, "{hits:?}");
+
+    faulty.fail_next(1);
+    let prompt = reference[0].0.clone();
+    let mut rx =
+        engine.submit(GenerateRequest { use_prefix_cache: false, ..GenerateRequest::new(prompt.clone(), 4) }).unwrap();
+    let failure = loop {
+        match rx.blocking_recv().expect("the worker reports an end") {
+            GenerationEvent::Failed(e) => break e,
+            GenerationEvent::Finished { .. } => panic!("the injected read error did not fail the request"),
+            _ => {}
+        }
+    };
+    assert!(failure.contains("os error 5") && failure.contains("nebula-demo.gguf"), "{failure}");
+    let mut rx = engine.submit(GenerateRequest::new(prompt, 80)).unwrap();
+    let mut out = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            GenerationEvent::Token { id, .. } => out.push(id),
+            GenerationEvent::Finished { .. } => break,
+            GenerationEvent::Failed(e) => panic!("the engine did not recover: {e}"),
+            _ => {}
+        }
+    }
+    assert_eq!(out, reference[0].1, "the request after the failure answers as usual");
+}

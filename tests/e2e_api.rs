@@ -329,6 +329,74 @@ async fn prefix_cache_counts_through_metrics() {
     assert!(metric(&base, "vllm:prefix_cache_queries_total").await >= p1 * 2.0 + p3 + p4);
 }
 
+/// `/v1/placement` reports the tiers as configured (tiny tiers on the demo model: 2 GPU + 6 RAM + 24 SSD experts
+/// per layer, the n-gram table on SSD), the counters move with a request, the metrics agree, and `/v1/models`
+/// links the report from the profile.
+#[tokio::test]
+async fn placement_report_counters_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = dir.path().join("profile.toml");
+    std::fs::write(&profile, "name = \"demo-cpu\"\nbackend = \"cpu\"\nmax_context = 4096\nmax_prefill = 256\n")
+        .unwrap();
+    let mut c = config();
+    c.profile = Some(profile);
+    c.placement.gpu_experts = Some(2);
+    c.placement.ram_experts = Some(8);
+    c.placement.ngram_table = Some(nebula_engine::placement::TablePlacement::Ssd);
+    let (base, _) = spawn_server(c);
+    let get = |path: &'static str| {
+        let base = base.clone();
+        async move {
+            let resp = client().get(format!("{base}{path}")).send().await.unwrap();
+            (resp.status(), resp.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, before) = get("/v1/placement").await;
+    assert_eq!(status, StatusCode::OK, "{before}");
+    assert_eq!(before["placed"], true);
+    assert_eq!(before["totals"], json!({"gpu": 8, "ram": 24, "ssd": 96}));
+    assert_eq!(before["layers"][3], json!({"layer": 3, "gpu": 2, "ram": 6, "ssd": 24}));
+    assert_eq!(before["ngram_table"]["placement"], "ssd");
+    assert!(before["ssd"]["pool_buffers"].as_u64().unwrap() >= 8);
+    assert!(before["memory"]["ram_tier_bytes"].as_u64().unwrap() > 0);
+
+    let (status, body) = post(&base, "/v1/chat/completions", &with(hello(), json!({"max_tokens": 4}))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (_, after) = get("/v1/placement").await;
+    let hits = &after["counters"]["expert_hits"];
+    assert!(hits["ssd"].as_u64().unwrap() > 0 && hits["gpu"].as_u64().unwrap() > 0, "{after}");
+    assert!(after["counters"]["ssd_expert_bytes"].as_u64().unwrap() > 0);
+    assert!(after["counters"]["ngram_rows_read"].as_u64().unwrap() > 0);
+    assert_eq!(
+        metric(&base, "nebula:expert_hits_total").await,
+        (hits["gpu"].as_u64().unwrap() + hits["ram"].as_u64().unwrap() + hits["ssd"].as_u64().unwrap()) as f64
+    );
+    assert!(metric(&base, "nebula:ssd_read_bytes_total").await > 0.0);
+
+    let (_, detail) = get("/v1/placement?experts=true").await;
+    assert_eq!(detail["layers"][0]["experts"]["gpu"], json!([0, 1]), "id order without a hotlist");
+    assert_eq!(detail["layers"][0]["experts"]["ssd"].as_array().unwrap().len(), 24);
+    let (status, err) = get("/v1/placement?experts=maybe").await;
+    assert_eq!((status, err["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("experts")));
+
+    let (_, models) = get("/v1/models").await;
+    let p = &models["data"][0]["profile"];
+    assert_eq!(p["placement_report"], "/v1/placement");
+    assert_eq!(p["placement_actual"]["experts"], json!({"gpu": 8, "ram": 24, "ssd": 96}));
+}
+
+/// A placement over the RAM budget stops the server at start, saying what it needs; nothing is served.
+#[tokio::test]
+async fn a_placement_over_budget_is_refused_at_start() {
+    let mut c = config();
+    c.placement.ram_experts = Some(32);
+    c.placement.ram_budget_gib = Some(0.001);
+    let handle = start(c).await.expect("the server binds");
+    let err = handle.ready().await.unwrap_err().to_string();
+    assert!(err.contains("does not fit") && err.contains("RAM budget") && err.contains("RAM tier"), "{err}");
+    assert!(handle.wait().await.is_err(), "the load error is the server's outcome");
+}
+
 #[tokio::test]
 async fn metrics_openapi_and_models() {
     let (base, _) = spawn_server(config());
@@ -351,6 +419,8 @@ async fn metrics_openapi_and_models() {
         "nebula:expert_hits_total",
         "nebula:pcie_bytes_total",
         "nebula:ssd_read_bytes_total",
+        "nebula:ssd_read_errors_total",
+        "nebula:expert_prefetch_total",
         "nebula:draft_tokens_total",
         "nebula:draft_accepted_tokens_total",
     ] {
@@ -402,6 +472,8 @@ async fn profile_file_is_shown_and_bounds_the_limits() {
     let card = &models["data"][0];
     assert_eq!(card["profile"]["name"], "test-profile");
     assert_eq!(card["profile"]["placement"][1], json!({"tier": "ram", "experts_per_layer": 141, "gpu_copies": 11}));
+    // The profile's tiers, scaled from 512 experts per layer to the demo's 32: 1 GPU, 10 in RAM, 22 on SSD.
+    assert_eq!(card["profile"]["placement_actual"]["experts"], json!({"gpu": 4, "ram": 36, "ssd": 88}));
     assert_eq!(card["max_model_len"], 2048);
     assert_eq!(card["max_prefill"], 256);
     // Per-request limits within the server's.

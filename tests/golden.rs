@@ -192,6 +192,38 @@ fn quantization_recipes_agree_on_top1() {
     }
 }
 
+/// Placement changes no logit: each golden checkpoint (F32 and Q8_0) with tiny tiers (1 expert per layer on the
+/// GPU, 2 in RAM, the rest read from SSD through direct I/O into the smallest pool, the n-gram table on SSD) gives
+/// the same logits, bit for bit, as the memory-mapped model over the golden prefill and decode steps.
+#[test]
+fn tiny_tier_placement_changes_no_logit() {
+    use nebula_engine::placement::{PlacementOptions, TablePlacement};
+    let tmp = tempfile::tempdir().unwrap();
+    for out_type in [OutType::F32, OutType::Q8_0] {
+        for name in CASES {
+            let g = load_golden(name);
+            let plain = converted(name, out_type, tmp.path());
+            let want = run(&plain, &g, ForwardOptions::default());
+            let mut placed = Qwen4Exp::load(&tmp.path().join(format!("{name}-{out_type:?}.gguf"))).unwrap();
+            let opts = PlacementOptions {
+                gpu_experts: 1,
+                ram_experts: 2,
+                ssd_pool_bytes: Some(1),
+                ngram_table: TablePlacement::Ssd,
+                ..Default::default()
+            };
+            placed.place(&opts).unwrap();
+            let got = run(&placed, &g, ForwardOptions::default());
+            assert!(
+                got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name} {out_type:?}: placement changed the logits"
+            );
+            let s = placed.placement_stats().snapshot();
+            assert!(s.expert_hits_ssd > 0 && s.ssd_expert_bytes > 0, "{name}: nothing was read from SSD: {s:?}");
+        }
+    }
+}
+
 #[test]
 fn incremental_decode_equals_one_prefill() {
     let tmp = tempfile::tempdir().unwrap();

@@ -1,7 +1,8 @@
 //! Nebula's inference engine for Qwen3.8-Flash-Next (`qwen4exp`).
 //!
 //! Data flows one way: [`gguf`] reads the file, [`quant`] turns its blocks into numbers, [`model`] runs the
-//! forward pass of the reference (`transformers` `modeling_qwen4_exp.py`), [`sampling`] picks the next token, and
+//! forward pass of the reference (`transformers` `modeling_qwen4_exp.py`) with its experts and n-gram table placed
+//! in GPU/RAM/SSD tiers by [`placement`], [`sampling`] picks the next token, and
 //! [`text`] turns text into token ids and back (tokenizer, chat template, output parsing). [`worker`] runs
 //! generation on a worker thread fed by a queue, resuming prompts from the [`prefix_cache`]; the HTTP service never
 //! touches tensors.
@@ -11,6 +12,7 @@ pub mod bench;
 pub mod convert;
 pub mod gguf;
 pub mod model;
+pub mod placement;
 pub mod prefix_cache;
 pub mod quant;
 pub mod sampling;

@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 
 use crate::gguf::GgufFile;
 use crate::model::{LogitsFor, ModelConfig, ModelError, Qwen4Exp, SequenceState};
+use crate::placement::{PlacementOptions, PlacementReport, PlacementStats};
 use crate::prefix_cache::{CacheEntry, Checkpoint, PrefixCache, PrefixCacheOptions};
 use crate::sampling::{Sampler, SamplingParams, TokenConstraint, TokenLogprobs, logprobs_of};
 use crate::text::chat_template::{ChatTemplate, TemplateError};
@@ -224,11 +225,13 @@ pub struct EngineOptions {
     pub queue_capacity: usize,
     /// The prefix cache's limits.
     pub prefix_cache: PrefixCacheOptions,
+    /// Where the experts and the n-gram table go (`None`: everything read through the memory map).
+    pub placement: Option<PlacementOptions>,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { max_context: None, queue_capacity: 64, prefix_cache: PrefixCacheOptions::default() }
+        Self { max_context: None, queue_capacity: 64, prefix_cache: PrefixCacheOptions::default(), placement: None }
     }
 }
 
@@ -266,6 +269,8 @@ pub struct Engine {
     stop_tokens: Vec<u32>,
     max_context: usize,
     name: String,
+    placement: Arc<PlacementReport>,
+    placement_stats: Arc<PlacementStats>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -278,8 +283,11 @@ impl std::fmt::Debug for Engine {
 }
 
 impl Engine {
-    /// Loads the GGUF model at `path` (validating every tensor), its tokenizer and chat template, and starts the
-    /// worker thread.
+    /// Loads the GGUF model at `path` (validating every tensor), its tokenizer and chat template, places its
+    /// experts when `opts.placement` says so, and starts the worker thread.
+    ///
+    /// Errors: [`LoadError`]; a placement that does not fit the budgets or memory is refused here
+    /// ([`ModelError::Placement`]), before the worker starts.
     pub fn load(path: &Path, opts: EngineOptions) -> Result<Self, LoadError> {
         let file = Arc::new(GgufFile::open(path).map_err(ModelError::from)?);
         Self::from_gguf(file, opts)
@@ -316,7 +324,12 @@ impl Engine {
             .flatten()
             .map(str::to_string)
             .unwrap_or_else(|| path.file_stem().map_or("model".into(), |s| s.to_string_lossy().into_owned()));
-        let model = Qwen4Exp::from_gguf(file)?;
+        let mut model = Qwen4Exp::from_gguf(file)?;
+        if let Some(p) = &opts.placement {
+            model.place(p).map_err(ModelError::from)?;
+        }
+        let placement = Arc::new(model.placement_report());
+        let placement_stats = model.placement_stats();
         let config = model.config.clone();
         // End of turn: <|im_end|> and <|endoftext|> by name, plus the file's EOS id.
         let mut stop_tokens: Vec<u32> =
@@ -357,6 +370,8 @@ impl Engine {
             stop_tokens,
             max_context,
             name,
+            placement,
+            placement_stats,
         })
     }
 
@@ -421,6 +436,14 @@ impl Engine {
     /// The worker's counters.
     pub fn stats(&self) -> &EngineStats {
         &self.stats
+    }
+    /// Where the experts and the n-gram table were placed at load.
+    pub fn placement(&self) -> &Arc<PlacementReport> {
+        &self.placement
+    }
+    /// The placement's counters (expert uses by tier, SSD reads), live.
+    pub fn placement_stats(&self) -> &Arc<PlacementStats> {
+        &self.placement_stats
     }
 }
 

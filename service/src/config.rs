@@ -64,6 +64,9 @@ pub struct ServeArgs {
     /// OTLP/HTTP endpoint for traces (e.g. http://127.0.0.1:4318/v1/traces). Default: no tracing export.
     #[arg(long)]
     pub otlp_endpoint: Option<String>,
+    /// Expert placement and emulation flags (`[placement]` of the config).
+    #[command(flatten)]
+    pub placement: crate::placement::PlacementFlags,
 }
 
 /// Where the served model comes from. In config files and the environment: a path, or empty for the embedded
@@ -242,6 +245,8 @@ pub struct ServerConfig {
     pub defaults: GenerationDefaults,
     /// Prefix cache limits.
     pub prefix_cache: PrefixCacheConfig,
+    /// Expert placement (defaults from the profile).
+    pub placement: crate::placement::PlacementConfig,
 }
 
 impl Default for ServerConfig {
@@ -269,6 +274,7 @@ impl Default for ServerConfig {
             otlp_service_name: "nebula".into(),
             defaults: GenerationDefaults::default(),
             prefix_cache: PrefixCacheConfig::default(),
+            placement: crate::placement::PlacementConfig::default(),
         }
     }
 }
@@ -279,12 +285,24 @@ impl Default for ServerConfig {
 pub struct ConfigError(pub String);
 
 impl ServerConfig {
-    /// Resolves the configuration: defaults < config file < `NEBULA_*` environment < `args`.
+    /// Resolves the configuration: defaults < the profile's placement (when a profile is configured) < config
+    /// file < `NEBULA_*` environment < `args`.
     ///
-    /// Errors: an unreadable or malformed file, an unknown key, or a value of the wrong type (the message
-    /// names the key and where it came from).
+    /// Errors: an unreadable or malformed file (config or profile), an unknown key, or a value of the wrong type
+    /// (the message names the key and where it came from).
     pub fn resolve(args: &ServeArgs) -> Result<Self, ConfigError> {
+        let config = Self::extract(args, None)?;
+        let Some(profile) = &config.profile else { return Ok(config) };
+        // The profile's tier counts, budgets and threads sit just above the defaults (crate::placement).
+        let value = crate::placement::read_profile_value(profile).map_err(ConfigError)?;
+        Self::extract(args, Some(crate::placement::profile_layer(&value)))
+    }
+
+    fn extract(args: &ServeArgs, profile_layer: Option<serde_json::Value>) -> Result<Self, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(ServerConfig::default()));
+        if let Some(layer) = profile_layer {
+            figment = figment.merge(Serialized::defaults(layer));
+        }
         match &args.config {
             Some(path) if !path.exists() => {
                 return Err(ConfigError(format!("the config file {} does not exist", path.display())));
@@ -338,6 +356,7 @@ impl ServerConfig {
         if self.api_key.as_deref() == Some("") {
             return Err(ConfigError("api_key is empty; leave it unset for an open server".into()));
         }
+        self.placement.validate().map_err(ConfigError)?;
         Ok(())
     }
 
@@ -373,6 +392,12 @@ struct FlagOverrides {
     api_key: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     otlp_endpoint: Option<String>,
+    #[serde(skip_serializing_if = "is_empty_object")]
+    placement: serde_json::Value,
+}
+
+fn is_empty_object(v: &serde_json::Value) -> bool {
+    v.as_object().is_none_or(|m| m.is_empty())
 }
 
 impl From<&ServeArgs> for FlagOverrides {
@@ -387,6 +412,7 @@ impl From<&ServeArgs> for FlagOverrides {
             profile: a.profile.clone(),
             api_key: a.api_key.clone(),
             otlp_endpoint: a.otlp_endpoint.clone(),
+            placement: a.placement.overrides(),
         }
     }
 }
@@ -421,6 +447,36 @@ mod tests {
             jail.create_file("nebula.toml", "prot = 1\n")?;
             let err = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
             assert!(err.contains("prot"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail closure returns figment::Error.
+    fn the_profile_sets_placement_defaults_that_config_env_and_flags_override() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "p.toml",
+                "name = \"8gb-vram-32gb-ram\"\nvram_gb = 8\nram_gb = 32\nthreads = 6\nngram_table = \"ssd\"\n\
+                 experts_per_layer = 512\n[[placement]]\ntier = \"gpu\"\nexperts_per_layer = 11\n\
+                 [[placement]]\ntier = \"ram\"\nexperts_per_layer = 141\ngpu_copies = 11\n",
+            )?;
+            let args = ServeArgs { profile: Some("p.toml".into()), ..Default::default() };
+            let c = ServerConfig::resolve(&args).unwrap();
+            let p = &c.placement;
+            assert_eq!((p.gpu_experts, p.ram_experts, p.threads), (Some(11), Some(152), Some(6)));
+            assert_eq!((p.vram_budget_gib, p.ram_budget_gib), (Some(8.0), Some(32.0)));
+            assert_eq!(p.ngram_table, Some(nebula_engine::placement::TablePlacement::Ssd));
+            jail.create_file("nebula.toml", "[placement]\nram_experts = 200\n")?;
+            jail.set_env("NEBULA_PLACEMENT__THREADS", "3");
+            let mut args = args;
+            args.placement.ram_budget_gib = Some(64.0);
+            let c = ServerConfig::resolve(&args).unwrap();
+            assert_eq!((c.placement.ram_experts, c.placement.threads), (Some(200), Some(3)));
+            assert_eq!((c.placement.ram_budget_gib, c.placement.gpu_experts), (Some(64.0), Some(11)));
+            jail.create_file("nebula.toml", "[placement]\nram_experts = 5\n")?;
+            let err = ServerConfig::resolve(&args).unwrap_err().to_string();
+            assert!(err.contains("placement.ram_experts"), "{err}");
             Ok(())
         });
     }

@@ -26,6 +26,7 @@ pub mod layers;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
+pub mod placement;
 pub mod profile;
 pub mod prompt;
 pub mod routes;
@@ -60,6 +61,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(routes::health::health))
         .route("/v1/models", get(routes::models::list_models))
         .route("/v1/models/{*model}", get(routes::models::retrieve_model))
+        .route("/v1/placement", get(routes::placement::placement))
         .route("/metrics", get(metrics::metrics))
         .route("/openapi.json", get(openapi::openapi_json))
         .merge(generation)
@@ -208,6 +210,13 @@ pub async fn start(config: ServerConfig) -> Result<ServerHandle, ServeError> {
 /// or the runtime fails.
 pub fn serve(config: ServerConfig) -> Result<(), ServeError> {
     let _telemetry = telemetry::init(&config)?;
+    if let Some(threads) = config.placement.threads {
+        // Emulation and tuning: the compute pool's size, set before anything uses it.
+        match rayon::ThreadPoolBuilder::new().num_threads(threads).build_global() {
+            Ok(()) => tracing::info!(threads, "compute threads"),
+            Err(e) => tracing::warn!(threads, "cannot set the compute threads: {e}"),
+        }
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         let model = config.model.label();

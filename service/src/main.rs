@@ -1,7 +1,7 @@
 //! The `nebula` command: `serve` (the OpenAI-compatible API), `convert` (HF checkpoint or GGUF to GGUF),
 //! `openapi` (print the API's OpenAPI document), `profile detect` (the hardware profile the container entry point
 //! writes before `serve`), `synth` (random-weight real-width GGUF for benchmarks), `bench` (speed), `generate`
-//! (greedy continuation).
+//! (greedy continuation), `hotlist` (the routing campaign ranking experts for placement).
 
 mod bench;
 
@@ -66,8 +66,13 @@ enum Command {
     Generate(nebula_service::cli::generate::GenerateArgs),
     /// Hardware profiles: `nebula profile detect` chooses one of deploy/profiles.toml and writes it.
     Profile(nebula_service::profile::ProfileArgs),
+    /// Routing campaign over a prompt set: ranks each layer's experts (count, then router weight) and writes the
+    /// hotlist file that placement uses (`--hotlist`, `placement.hotlist`).
+    Hotlist(nebula_service::cli::hotlist::HotlistArgs),
 }
 
+// Parsed once at start: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum BenchCommand {
     /// Prefill and decode speed at context frontiers on a backend.
@@ -90,6 +95,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Synth(args) => nebula_service::cli::synth::run(args),
         Command::Generate(args) => nebula_service::cli::generate::run(args),
+        Command::Hotlist(args) => nebula_service::cli::hotlist::run(args),
         Command::Bench(BenchCommand::Model(args)) => nebula_service::cli::bench::run_model(args),
         Command::Bench(BenchCommand::Kernels(args)) => bench::run_kernels(&args),
         Command::Convert { input, output, outtype, no_mtp, split_max_gib, name, recipe, recipe_from } => {

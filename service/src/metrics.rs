@@ -10,9 +10,11 @@
 //! Nebula's: `nebula:prompt_tokens_cached_total` and `nebula:prompt_tokens_prefilled_total` (prompt tokens taken
 //! from the prefix cache / run through the model), `nebula:prefix_cache_entries`, `nebula:prefix_cache_bytes`,
 //! `nebula:requests_rejected_total{reason}`, `nebula:request_errors_total{kind}`, `nebula:model_loaded`, and the
-//! placement and speculative-decoding families `nebula:expert_hits_total{tier}`, `nebula:pcie_bytes_total`,
-//! `nebula:ssd_read_bytes_total`, `nebula:draft_tokens_total`, `nebula:draft_accepted_tokens_total`. The last five
-//! read 0 until expert placement and MTP land in the engine (the CPU engine has no tiers and no drafts yet).
+//! placement families `nebula:expert_hits_total{tier}` (routed expert uses, token x expert, by the tier that held
+//! the expert: `gpu`, `ram`, `ssd`; without a placement every use counts as `ram`), `nebula:ssd_read_bytes_total`
+//! (expert and n-gram bytes read from SSD), `nebula:ssd_read_errors_total`, `nebula:expert_prefetch_total{outcome}`
+//! (`issued`, `used`), and `nebula:pcie_bytes_total`, `nebula:draft_tokens_total`,
+//! `nebula:draft_accepted_tokens_total`, which read 0 until the GPU expert cache and MTP land in the engine.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -53,6 +55,8 @@ pub struct Metrics {
     expert_hits: IntCounterVec,
     pcie_bytes: IntCounter,
     ssd_bytes: IntCounter,
+    ssd_errors: IntCounter,
+    prefetch: IntCounterVec,
     draft_tokens: IntCounter,
     draft_accepted: IntCounter,
 }
@@ -157,11 +161,21 @@ impl Metrics {
             expert_hits: counter(
                 &r,
                 "nebula:expert_hits_total",
-                "Routed expert uses by the tier that held the expert (0 until placement lands).",
+                "Routed expert uses (token x expert) by the tier that held the expert.",
                 &["tier"],
             ),
             pcie_bytes: plain("nebula:pcie_bytes_total", "Bytes copied over PCIe (0 until placement lands)."),
-            ssd_bytes: plain("nebula:ssd_read_bytes_total", "Expert bytes read from SSD (0 until placement lands)."),
+            ssd_bytes: plain("nebula:ssd_read_bytes_total", "Expert and n-gram table bytes read from SSD."),
+            ssd_errors: plain(
+                "nebula:ssd_read_errors_total",
+                "Failed SSD reads (each fails the request that needed it).",
+            ),
+            prefetch: counter(
+                &r,
+                "nebula:expert_prefetch_total",
+                "SSD expert reads started by the prefetcher (issued) and prefetched experts then used (used).",
+                &["outcome"],
+            ),
             draft_tokens: plain("nebula:draft_tokens_total", "MTP draft tokens proposed (0 until MTP lands)."),
             draft_accepted: plain(
                 "nebula:draft_accepted_tokens_total",
@@ -176,6 +190,9 @@ impl Metrics {
     fn with_zero_series(self) -> Self {
         for tier in ["gpu", "ram", "ssd"] {
             self.expert_hits.with_label_values(&[tier]);
+        }
+        for outcome in ["issued", "used"] {
+            self.prefetch.with_label_values(&[outcome]);
         }
         for reason in ["queue_full", "busy", "unauthorized", "timeout"] {
             self.rejected.with_label_values(&[reason]);
@@ -235,8 +252,21 @@ impl Metrics {
             set(&self.prefilled_tokens, stats.prefilled_tokens.load(Ordering::Relaxed));
             self.cache_entries.set(stats.cache_entries.load(Ordering::Relaxed) as i64);
             self.cache_bytes.set(stats.cache_bytes.load(Ordering::Relaxed) as i64);
+            let p = engine.placement_stats().snapshot();
+            let set64 = |c: &IntCounter, v: u64| {
+                if v > c.get() {
+                    c.inc_by(v - c.get());
+                }
+            };
+            for (tier, v) in [("gpu", p.expert_hits_gpu), ("ram", p.expert_hits_ram), ("ssd", p.expert_hits_ssd)] {
+                set64(&self.expert_hits.with_label_values(&[tier]), v);
+            }
+            set64(&self.ssd_bytes, p.ssd_expert_bytes + p.ngram_bytes_read);
+            set64(&self.ssd_errors, p.ssd_read_errors);
+            set64(&self.prefetch.with_label_values(&["issued"]), p.prefetch_issued);
+            set64(&self.prefetch.with_label_values(&["used"]), p.prefetch_hits);
         }
-        let _ = (&self.pcie_bytes, &self.ssd_bytes, &self.draft_tokens, &self.draft_accepted);
+        let _ = (&self.pcie_bytes, &self.draft_tokens, &self.draft_accepted);
         let mut out = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
             tracing::error!("encoding the metrics failed: {e}");

@@ -129,6 +129,17 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
     let label = config.model.label();
     let max_context = config.max_context.or(state.profile_limit("max_context")).unwrap_or(config.engine_max_context());
     let max_prefill = config.max_prefill.or(state.profile_limit("max_prefill")).unwrap_or(PREFILL_CHUNK).max(1);
+    let source = match &config.profile {
+        Some(p) => format!("profile {} with the config's overrides", p.display()),
+        None => "the config".to_owned(),
+    };
+    let mut placement_config = config.placement.clone();
+    if let Some(profile) = &state.profile {
+        placement_config.fill_from_profile(profile);
+    }
+    let placement = placement_config
+        .to_options(&source)
+        .map_err(|e| ServeError::Config(crate::config::ConfigError(format!("placement.hotlist: {e}"))))?;
     let opts = EngineOptions {
         max_context: Some(max_context),
         queue_capacity: config.queue_capacity,
@@ -137,8 +148,13 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
             max_bytes: config.prefix_cache.max_mib.saturating_mul(1 << 20),
             interval: config.prefix_cache.interval.max(1),
         },
+        placement,
     };
-    state.load.send_replace(LoadState::Loading("reading and validating the weights"));
+    state.load.send_replace(LoadState::Loading(if opts.placement.is_some() {
+        "reading and validating the weights, placing the experts"
+    } else {
+        "reading and validating the weights"
+    }));
     let engine = match &config.model {
         ModelSource::EmbeddedDemo => Engine::from_gguf_bytes(&label, EMBEDDED_DEMO_MODEL.to_vec(), opts),
         ModelSource::File(path) => Engine::load(path, opts),
@@ -152,6 +168,9 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
             Arc::new(ChatTemplate::new(QWEN38_CHAT_TEMPLATE).map_err(|e| ServeError::Template(e.to_string()))?)
         }
     };
+    if engine.placement().placed {
+        tracing::info!("{}", engine.placement().summary());
+    }
     let specials = added_tokens(engine.tokenizer());
     let id = config.model_id.clone().unwrap_or_else(|| engine.name().to_owned());
     tracing::info!(

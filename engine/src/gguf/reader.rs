@@ -232,6 +232,28 @@ impl GgufFile {
         Self { path, parts, metadata: metadata.unwrap_or_default(), tensors, by_name }
     }
 
+    /// True when the parts are memory-mapped files ([`Self::open`]), false for bytes held in memory
+    /// ([`Self::from_bytes`]).
+    pub fn is_mapped(&self) -> bool {
+        self.parts.iter().all(|p| matches!(p.bytes, Bytes::Mapped(_)))
+    }
+
+    /// All bytes of part `split` (0-based): the memory map, or the bytes given to [`Self::from_bytes`].
+    pub fn part_bytes(&self, split: usize) -> Option<&[u8]> {
+        self.parts.get(split).map(|p| p.bytes.as_slice())
+    }
+
+    /// Where `bytes`, a slice of this file's data (e.g. a tensor or part of one), lies: its part (0-based) and
+    /// absolute offset in that part. `None` when the slice is not inside one part's bytes.
+    pub fn locate(&self, bytes: &[u8]) -> Option<(usize, u64)> {
+        let (start, end) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+        self.parts.iter().enumerate().find_map(|(i, p)| {
+            let all = p.bytes.as_slice();
+            let base = all.as_ptr() as usize;
+            (start >= base && end <= base + all.len()).then(|| (i, (start - base) as u64))
+        })
+    }
+
     /// The path opened (part 1 for a split model), or the label given to [`Self::from_bytes`].
     pub fn path(&self) -> &Path {
         &self.path

@@ -36,6 +36,13 @@ pub enum ModelError {
     /// The sequence would grow past the context the state was created for.
     #[error("the sequence would hold {needed} tokens, over the context limit of {limit}")]
     ContextOverflow { needed: usize, limit: usize },
+    /// Weights could not be read from the model file during a forward pass (an SSD-tier expert or n-gram rows):
+    /// this call fails, the sequence's state is left part-way (discard it), and the model stays usable.
+    #[error("{what}: {detail}")]
+    WeightRead { what: String, detail: String },
+    /// The expert placement could not be built.
+    #[error(transparent)]
+    Placement(#[from] crate::placement::PlacementError),
     /// A state snapshot does not belong to this sequence.
     #[error("snapshot at position {snapshot} cannot be restored into a sequence at position {current}")]
     BadSnapshot { snapshot: usize, current: usize },

@@ -23,6 +23,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::gguf::GgufFile;
+use crate::placement::hotlist::HotlistBuilder;
+use crate::placement::{Placement, PlacementError, PlacementOptions, PlacementReport, PlacementStats, Tier};
 use crate::quant::Matrix;
 
 pub use config::{GateActivation, LayerKind, ModelConfig};
@@ -99,6 +101,10 @@ pub struct Qwen4Exp {
     pub(crate) rope: Rope,
     pub(crate) masked: Vec<Range<usize>>,
     pub(crate) file: Arc<GgufFile>,
+    /// Where the experts and the n-gram table live; `None`: everything read through the memory map.
+    pub(crate) placement: Option<Box<Placement>>,
+    /// Expert uses by tier, SSD reads (also counted without placement: every expert then counts as RAM).
+    pub(crate) placement_stats: Arc<PlacementStats>,
 }
 
 impl std::fmt::Debug for Qwen4Exp {
@@ -169,7 +175,34 @@ impl Qwen4Exp {
             masked,
             config,
             file,
+            placement: None,
+            placement_stats: Arc::default(),
         })
+    }
+
+    /// Places the routed experts and the n-gram table in tiers as `opts` says (see [`crate::placement`]): reads
+    /// the RAM tier into (locked) anonymous memory, sets up the SSD tier's buffer pool and I/O threads. Replaces
+    /// any earlier placement. Outputs do not change, only where the weights are read from.
+    ///
+    /// Errors: [`PlacementError`]: an unusable hotlist, contradictory counts, a placement over the RAM or VRAM
+    /// budget or `MemAvailable` (refused before anything is allocated), a failed read of the RAM tier.
+    pub fn place(&mut self, opts: &PlacementOptions) -> Result<(), PlacementError> {
+        self.placement = None;
+        self.placement = Some(Box::new(Placement::build(self, opts, self.placement_stats.clone())?));
+        Ok(())
+    }
+
+    /// The placement as built ([`PlacementReport::unplaced`] when [`Qwen4Exp::place`] was not called).
+    pub fn placement_report(&self) -> PlacementReport {
+        match &self.placement {
+            Some(p) => p.report().clone(),
+            None => PlacementReport::unplaced(self),
+        }
+    }
+
+    /// The placement's counters (expert uses by tier, SSD reads), shared: they keep counting after the call.
+    pub fn placement_stats(&self) -> Arc<PlacementStats> {
+        self.placement_stats.clone()
     }
 
     /// The GGUF file the model was loaded from.
@@ -283,7 +316,9 @@ impl Qwen4Exp {
     /// masked ids at `-inf`).
     ///
     /// Errors: [`ModelError::TokenOutOfRange`] for an id outside the vocabulary and
-    /// [`ModelError::ContextOverflow`] past the state's `max_len`; the state is unchanged on error.
+    /// [`ModelError::ContextOverflow`] past the state's `max_len` (the state is then unchanged), and
+    /// [`ModelError::WeightRead`] when a placed weight (SSD tier) cannot be read (the state is then left part-way
+    /// and must be discarded; the model stays usable).
     pub fn forward(&self, state: &mut SequenceState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, ModelError> {
         self.forward_with(state, tokens, want, ForwardOptions::default())
     }
@@ -295,6 +330,31 @@ impl Qwen4Exp {
         tokens: &[u32],
         want: LogitsFor,
         opts: ForwardOptions,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.forward_inner(state, tokens, want, opts, None)
+    }
+
+    /// [`Qwen4Exp::forward`] that also records each layer's routing decisions into `campaign` (the hotlist
+    /// campaign of `nebula hotlist`).
+    pub fn forward_recording(
+        &self,
+        state: &mut SequenceState,
+        tokens: &[u32],
+        want: LogitsFor,
+        campaign: &mut HotlistBuilder,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.forward_inner(state, tokens, want, ForwardOptions::default(), Some(campaign))
+    }
+
+    /// The forward pass. Errors as [`Qwen4Exp::forward`], plus [`ModelError::WeightRead`] when a placed weight
+    /// cannot be read (SSD tier, n-gram rows on SSD): the state is then left part-way and must be discarded.
+    fn forward_inner(
+        &self,
+        state: &mut SequenceState,
+        tokens: &[u32],
+        want: LogitsFor,
+        opts: ForwardOptions,
+        mut campaign: Option<&mut HotlistBuilder>,
     ) -> Result<Vec<f32>, ModelError> {
         let cfg = &self.config;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
@@ -310,6 +370,16 @@ impl Qwen4Exp {
         }
         let (d, s) = (cfg.hidden, cfg.hc_count);
         let dim = s * d;
+        // The n-gram rows depend on known tokens only: with the table placed, start reading them now, so the
+        // layers before the PLE layer run while the reads are in flight.
+        let placed_table = self.placement.as_ref().and_then(|p| p.table().map(|t| (p, t)));
+        let mut table_rows = None;
+        if let (Some((p, _)), Some(ple), Some(ps)) =
+            (placed_table, self.layers.iter().find_map(|l| l.ple.as_ref()), state.ple.as_ref())
+        {
+            let rows = ple.rows(tokens, ps);
+            table_rows = p.fetch_rows(&rows).map(|f| (rows, f));
+        }
         // X_0 = [e; e; ...; e].
         let mut x = vec![0f32; n * dim];
         let mut e = vec![0f32; d];
@@ -320,10 +390,20 @@ impl Qwen4Exp {
             }
         }
         let pos0 = state.pos;
-        for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
+        for (li, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             if let Some(ple) = &layer.ple {
                 let ps = state.ple.as_mut().expect("a model with a PLE layer always has PLE state");
-                let delta = ple.forward(&x, tokens, ps);
+                let delta = match (placed_table, table_rows.take()) {
+                    (Some((_, table)), Some((rows, fetch))) => {
+                        let mut emb = vec![0f32; n * ple.cfg.embed_dim()];
+                        table.gather(fetch, &rows, &mut emb).map_err(|e| ModelError::WeightRead {
+                            what: "n-gram table rows".into(),
+                            detail: e.to_string(),
+                        })?;
+                        ple.forward_gathered(&x, tokens, ps, &emb)
+                    }
+                    _ => ple.forward(&x, tokens, ps),
+                };
                 for (a, b) in x.iter_mut().zip(&delta) {
                     *a += b;
                 }
@@ -340,7 +420,22 @@ impl Qwen4Exp {
             };
             layer.attn_hyper_connection.inject(&mut x, &y, &mixed.inject);
             let mixed = layer.mlp_hyper_connection.mix(&x, n);
-            let y = layer.mlp.forward(&mixed.mixed, n);
+            let routing = layer.mlp.route(&mixed.mixed, n);
+            if let Some(c) = campaign.as_deref_mut() {
+                c.record(li, &routing);
+            }
+            let y = match &self.placement {
+                None => {
+                    self.placement_stats.hit(Tier::Ram, (n * cfg.n_expert_used) as u64);
+                    layer.mlp.forward_routed(&mixed.mixed, n, &routing)
+                }
+                Some(p) => {
+                    // The next layers' routers on this hidden state predict which SSD experts to prefetch.
+                    let ahead: Vec<&moe::SparseMoe> =
+                        self.layers.iter().skip(li + 1).take(p.prefetch_layers()).map(|l| &l.mlp).collect();
+                    p.moe_forward(li, &layer.mlp, &mixed.mixed, n, &routing, &ahead)?
+                }
+            };
             layer.mlp_hyper_connection.inject(&mut x, &y, &mixed.inject);
         }
         state.pos = needed;

@@ -96,15 +96,15 @@ impl SparseMoe {
     /// ([`routed_experts`]): routed experts in ascending id order (as the reference's `index_add_` loop), the
     /// shared expert last, each output a fixed-order sum whatever the thread count.
     pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let d = self.shared_expert_gate.len();
         let routing = self.route(x, n);
-        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
-        for (t, r) in routing.iter().enumerate() {
-            for (&e, &w) in r.experts.iter().zip(&r.weights) {
-                by_expert[e].push((t, w));
-            }
-        }
-        let mut work: Vec<ExpertWork<'_>> = by_expert
+        self.forward_routed(x, n, &routing)
+    }
+
+    /// [`SparseMoe::forward`] with the routing already computed (by [`SparseMoe::route`] on the same `x`).
+    pub fn forward_routed(&self, x: &[f32], n: usize, routing: &[Routing]) -> Vec<f32> {
+        let d = self.shared_expert_gate.len();
+        let mut work: Vec<ExpertWork<'_>> = self
+            .tokens_by_expert(routing)
             .into_iter()
             .enumerate()
             .filter(|(_, users)| !users.is_empty())
@@ -115,6 +115,19 @@ impl SparseMoe {
         let mut out = vec![0f32; n * d];
         routed_experts(&work, x, n, &mut out);
         out
+    }
+
+    /// For each routed expert, the `(token, weight)` pairs routed to it, tokens ascending.
+    pub fn tokens_by_expert(&self, routing: &[Routing]) -> Vec<Vec<(usize, f32)>> {
+        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
+        for (t, r) in routing.iter().enumerate() {
+            for (&e, &w) in r.experts.iter().zip(&r.weights) {
+                if let Some(v) = by_expert.get_mut(e) {
+                    v.push((t, w));
+                }
+            }
+        }
+        by_expert
     }
 }
 

@@ -125,25 +125,33 @@ impl PleLayer {
 
     /// The residual update `U + C` for `tokens` (`[n, S*d]`), given the bundle `x` entering the layer.
     pub fn forward(&self, x: &[f32], tokens: &[u32], state: &mut PleState) -> Vec<f32> {
+        // E: gather the hashed rows.
+        let rows = self.rows(tokens, state);
+        let mut emb = vec![0f32; tokens.len() * self.cfg.embed_dim()];
+        for (r, out) in rows.iter().zip(emb.chunks_exact_mut(self.cfg.head_dim)) {
+            self.ngram_embedding.dequantize_row(*r as usize, out);
+        }
+        self.forward_gathered(x, tokens, state, &emb)
+    }
+
+    /// The table rows `tokens` read, given the context in `state` (`[n, n_heads]`, see [`ngram_rows`]).
+    pub fn rows(&self, tokens: &[u32], state: &PleState) -> Vec<u64> {
+        ngram_rows(&self.cfg, &state.context, tokens)
+    }
+
+    /// [`PleLayer::forward`] with the n-gram embedding `emb` (`[n, n_heads * head_dim]`, the decoded table rows
+    /// of [`PleLayer::rows`]) already gathered, wherever the table lives.
+    pub fn forward_gathered(&self, x: &[f32], tokens: &[u32], state: &mut PleState, emb: &[f32]) -> Vec<f32> {
         let n = tokens.len();
         let (s, d) = (self.streams, self.hidden);
         let dim = s * d;
-        let heads = self.cfg.n_heads();
-        let hd = self.cfg.head_dim;
         let pe = self.cfg.embed_dim();
-
-        // E: gather the hashed rows.
-        let rows = ngram_rows(&self.cfg, &state.context, tokens);
-        let mut emb = vec![0f32; n * pe];
-        for (r, out) in rows.iter().zip(emb.chunks_exact_mut(hd)) {
-            self.ngram_embedding.dequantize_row(*r as usize, out);
-        }
-        debug_assert_eq!(rows.len(), n * heads);
+        debug_assert_eq!(emb.len(), n * pe);
 
         let mut key = vec![0f32; n * dim];
-        self.key_proj.matmul(&emb, n, &mut key);
+        self.key_proj.matmul(emb, n, &mut key);
         let mut value = vec![0f32; n * d];
-        self.value_proj.matmul(&emb, n, &mut value);
+        self.value_proj.matmul(emb, n, &mut value);
 
         let mut gated = vec![0f32; n * dim];
         let mut kn = vec![0f32; dim];

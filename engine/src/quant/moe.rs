@@ -4,7 +4,7 @@
 //! For each expert `e` and each of its tokens `t` with router weight `w`:
 //! `out[t] += w * W_down[e] (silu(W_gate[e] x_t) * W_up[e] x_t)` (`Qwen4ExpTextExperts`, format doc §4.9).
 //!
-//! One [`rayon::broadcast`] region runs three phases separated by spin barriers, each phase taking work items
+//! One [`rayon::broadcast`] region runs the first three phases separated by spin barriers, each phase taking work items
 //! from a shared counter:
 //! 1. gate/up: items are (expert, 16 rows); each weight row is dotted with the expert's tokens in tiles of 4
 //!    (one decode of each weight block per tile), and `silu(gate) * up` is written at once;
@@ -13,12 +13,18 @@
 //!    hardware prefetchers stream it), written to the expert's output block;
 //! 4. combine: items are 64 output rows; each output value sums `w * y` over the experts in the order given.
 //!
+//! Phases 1-3 ([`expert_outputs`]) and phase 4 ([`combine_expert_outputs`]) are also callable apart, so the
+//! experts of one layer can be computed in several groups (those in RAM while those on SSD are still being read,
+//! then the SSD ones as their reads land) and still be summed in one fixed order.
+//!
 //! Every output value is produced by one item in a fixed order (experts in the order of the work list, usually
 //! ascending id), and every dot product goes through the same kernels whatever the tile, so the result is
 //! bit-identical for any thread count.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rayon::prelude::*;
 
 use super::{ActFormat, ActRow, Activations, Matrix};
 
@@ -124,13 +130,66 @@ impl BatchActs {
 /// Adds the routed experts' outputs for the `n` tokens `x` (`[n, d]`) into `out` (`[n, d]`). Runs on the
 /// current rayon pool (the global one, or the one `install`ed); must not be called from inside another
 /// parallel operation of that pool. Panics if the shapes disagree.
+///
+/// Equals [`expert_outputs`] followed by [`combine_expert_outputs`] over the whole work list, bit for bit.
 pub fn routed_experts(work: &[ExpertWork<'_>], x: &[f32], n: usize, out: &mut [f32]) {
     if work.is_empty() || n == 0 {
         return;
     }
+    let outputs = expert_outputs(work, x, n);
+    let parts: Vec<ExpertContribution<'_>> =
+        work.iter().enumerate().map(|(i, w)| ExpertContribution { tokens: &w.tokens, y: outputs.block(i) }).collect();
+    combine_expert_outputs(&parts, n, out);
+}
+
+/// The unweighted down-projection outputs of a list of experts for their tokens: block `i` belongs to work item
+/// `i` and is `[d, tokens_i]` (output rows, tokens inner, tokens in the item's order).
+#[derive(Debug, Clone, Default)]
+pub struct ExpertOutputs {
+    y: Vec<f32>,
+    offsets: Vec<usize>,
+}
+
+impl ExpertOutputs {
+    /// Block `i` (`[d, tokens_i]`); empty for an item without tokens or past the end.
+    pub fn block(&self, i: usize) -> &[f32] {
+        match (self.offsets.get(i), self.offsets.get(i + 1)) {
+            (Some(&a), Some(&b)) => &self.y[a..b],
+            _ => &[],
+        }
+    }
+
+    /// Number of blocks (work items).
+    pub fn len(&self) -> usize {
+        self.offsets.len().saturating_sub(1)
+    }
+
+    /// True when there are no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One expert's part of a layer's output: its `(token, weight)` pairs and its unweighted outputs `y`
+/// (`[d, tokens.len()]`, a block of [`ExpertOutputs`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertContribution<'a> {
+    /// `(token, weight)` pairs, in the order `y`'s columns follow.
+    pub tokens: &'a [(usize, f32)],
+    /// `[d, tokens.len()]`.
+    pub y: &'a [f32],
+}
+
+/// Phases 1-3 of the kernel: gate/up with `silu(gate) * up`, the hidden vectors prepared for the down projection,
+/// and the down projection, for every expert of `work` over its tokens of `x` (`[n, d]`). Each block depends on
+/// its expert and tokens only, so any split of a layer's experts into several calls gives the same blocks.
+/// Runs on the current rayon pool (see [`routed_experts`]). Panics if the shapes disagree.
+pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOutputs {
+    if work.is_empty() || n == 0 {
+        return ExpertOutputs { y: Vec::new(), offsets: vec![0; work.len() + 1] };
+    }
     let d = work[0].expert.gate.cols();
     assert_eq!(x.len(), n * d, "routed_experts: x is not [n, d]");
-    assert_eq!(out.len(), n * d, "routed_experts: out is not [n, d]");
     for w in work {
         let (g, u, dn) = (w.expert.gate, w.expert.up, w.expert.down);
         assert!(g.cols() == d && u.cols() == d && dn.rows() == d, "routed_experts: expert shapes disagree");
@@ -162,9 +221,6 @@ pub fn routed_experts(work: &[ExpertWork<'_>], x: &[f32], n: usize, out: &mut [f
     }
     let mut y_all = vec![0f32; *y_offsets.last().unwrap()];
     let y_shared = Shared::new(&mut y_all);
-    // Output transposed: [d, n].
-    let mut out_t = vec![0f32; d * n];
-    let out_shared = Shared::new(&mut out_t);
 
     // Work items of phase 1: (expert index, first row).
     let mut items1 = Vec::new();
@@ -182,11 +238,9 @@ pub fn routed_experts(work: &[ExpertWork<'_>], x: &[f32], n: usize, out: &mut [f
             items3.extend((0..d).step_by(DOWN_ROWS).map(|r0| (e, r0)));
         }
     }
-    let items4 = d.div_ceil(COMBINE_ROWS);
     let next1 = AtomicUsize::new(0);
     let next2 = AtomicUsize::new(0);
     let next3 = AtomicUsize::new(0);
-    let next4 = AtomicUsize::new(0);
     let threads = rayon::current_num_threads();
     let barrier = SpinBarrier::new(threads);
 
@@ -268,38 +322,55 @@ pub fn routed_experts(work: &[ExpertWork<'_>], x: &[f32], n: usize, out: &mut [f
                 }
             }
         }
-        barrier.wait();
-        // Phase 4: each output value sums its experts' contributions in the order of `work`.
-        loop {
-            let i = next4.fetch_add(1, Ordering::Relaxed);
-            if i >= items4 {
-                break;
+    });
+    ExpertOutputs { y: y_all, offsets: y_offsets }
+}
+
+/// Phase 4 of the kernel: adds `sum_e w_e y_e[t]` to `out[t]` (`out` is `[n, d]`), each output value summing the
+/// contributions in the order of `parts` (so the result does not depend on how the blocks were computed). Runs
+/// on the current rayon pool. Panics if a block's size disagrees with its tokens or `out` is not `[n, d]`.
+pub fn combine_expert_outputs(parts: &[ExpertContribution<'_>], n: usize, out: &mut [f32]) {
+    if n == 0 {
+        return;
+    }
+    let d = out.len() / n;
+    assert_eq!(out.len(), n * d, "routed_experts: out is not [n, d]");
+    for p in parts {
+        assert_eq!(p.y.len(), p.tokens.len() * d, "routed_experts: an output block does not match its tokens");
+        assert!(p.tokens.iter().all(|&(t, _)| t < n), "routed_experts: token index out of range");
+    }
+    // Output transposed: [d, n], items of COMBINE_ROWS rows.
+    let mut out_t = vec![0f32; d * n];
+    let combine = |i: usize, o: &mut [f32]| {
+        let r0 = i * COMBINE_ROWS;
+        let r1 = (r0 + COMBINE_ROWS).min(d);
+        for p in parts {
+            let nt = p.tokens.len();
+            if nt == 0 {
+                continue;
             }
-            let r0 = i * COMBINE_ROWS;
-            let r1 = (r0 + COMBINE_ROWS).min(d);
-            // SAFETY: output rows r0..r1 (all tokens) belong to this item alone; phase 3 is over.
-            let o = unsafe { out_shared.range(r0 * n, (r1 - r0) * n) };
-            for (e, w) in work.iter().enumerate() {
-                let nt = w.tokens.len();
-                if nt == 0 {
-                    continue;
-                }
-                let y = unsafe { y_shared.range(y_offsets[e] + r0 * nt, (r1 - r0) * nt) };
-                for k in 0..r1 - r0 {
-                    for (i, &(t, wt)) in w.tokens.iter().enumerate() {
-                        o[k * n + t] += wt * y[k * nt + i];
-                    }
+            let y = &p.y[r0 * nt..r1 * nt];
+            for k in 0..r1 - r0 {
+                for (i, &(t, wt)) in p.tokens.iter().enumerate() {
+                    o[k * n + t] += wt * y[k * nt + i];
                 }
             }
         }
-    });
-
+    };
+    if d * n * parts.len() < PARALLEL_COMBINE_MIN {
+        out_t.chunks_mut(COMBINE_ROWS * n).enumerate().for_each(|(i, o)| combine(i, o));
+    } else {
+        out_t.par_chunks_mut(COMBINE_ROWS * n).enumerate().for_each(|(i, o)| combine(i, o));
+    }
     for r in 0..d {
         for t in 0..n {
             out[t * d + r] += out_t[r * n + t];
         }
     }
 }
+
+/// Below this many multiply-adds the combine runs on the calling thread.
+const PARALLEL_COMBINE_MIN: usize = 1 << 16;
 
 #[cfg(test)]
 mod tests {
@@ -406,5 +477,29 @@ mod tests {
                 assert_eq!(results[0], want, "{types:?} n={n}: fused kernel differs from the unfused products");
             }
         }
+    }
+
+    #[test]
+    fn experts_computed_in_groups_combine_to_the_same_bits() {
+        let (d, ff, n) = (256, 64, 5);
+        let ex = experts((GgmlType::Q4_K, GgmlType::IQ4_NL), 9, d, ff);
+        let w = work(&ex, n, 3);
+        let x = rand_vec(n * d, 3);
+        let mut whole = vec![0.5f32; n * d];
+        routed_experts(&w, &x, n, &mut whole);
+        // Odd items in one call, even items in another, then combined in the original order.
+        let odd: Vec<ExpertWork<'_>> = w.iter().skip(1).step_by(2).cloned().collect();
+        let even: Vec<ExpertWork<'_>> = w.iter().step_by(2).cloned().collect();
+        let (yo, ye) = (expert_outputs(&odd, &x, n), expert_outputs(&even, &x, n));
+        let parts: Vec<ExpertContribution<'_>> = (0..w.len())
+            .map(|i| ExpertContribution {
+                tokens: &w[i].tokens,
+                y: if i % 2 == 1 { yo.block(i / 2) } else { ye.block(i / 2) },
+            })
+            .collect();
+        let mut split = vec![0.5f32; n * d];
+        combine_expert_outputs(&parts, n, &mut split);
+        assert!(whole.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits()), "grouping changed the sums");
+        assert_eq!((yo.len(), ye.len()), (odd.len(), even.len()));
     }
 }

@@ -32,12 +32,23 @@ pub struct BenchModelArgs {
     /// Write the rows as CSV here.
     #[arg(long)]
     pub csv: Option<PathBuf>,
+    /// Hardware profile file (`nebula profile detect`) whose expert tiers, n-gram table place, budgets and threads
+    /// to emulate (CPU backend); the placement flags below override it.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Expert placement and emulation.
+    #[command(flatten)]
+    pub placement: crate::placement::PlacementFlags,
 }
 
 /// Runs `nebula bench model`.
 pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
+    let placement = crate::placement::resolve(args.profile.as_deref(), &args.placement).map_err(anyhow::Error::msg)?;
+    if let Some(threads) = placement.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().context("setting the compute threads")?;
+    }
     let t = std::time::Instant::now();
-    let model = match &args.model {
+    let mut model = match &args.model {
         Some(p) => Qwen4Exp::load(p).with_context(|| format!("loading {}", p.display()))?,
         None => {
             let f = nebula_engine::gguf::GgufFile::from_bytes(
@@ -49,6 +60,16 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
     };
     let cfg = model.config.clone();
     let (dense, experts, table) = model.weight_bytes();
+    let source = args.profile.as_ref().map_or("flags".to_owned(), |p| format!("profile {}", p.display()));
+    if let Some(opts) = placement.to_options(&source).map_err(anyhow::Error::msg)? {
+        if matches!(args.backend, BackendKind::Cpu) {
+            model.place(&opts).context("placing the experts")?;
+            println!("{}", model.placement_report().summary());
+        } else {
+            eprintln!("placement flags apply to the CPU backend only; the GPU runs with every weight on the device");
+        }
+    }
+    let stats = model.placement_stats();
     let backend = match args.backend {
         BackendKind::Cuda { vram_budget, .. } => BackendKind::Cuda { device: args.gpu, vram_budget },
         other => other,
@@ -156,6 +177,23 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
                 );
             }
         }
+    }
+    let s = stats.snapshot();
+    let uses = (s.expert_hits_gpu + s.expert_hits_ram + s.expert_hits_ssd).max(1) as f64;
+    if s.expert_hits_ssd > 0 || s.expert_hits_gpu > 0 {
+        println!(
+            "expert uses by tier over the run: GPU {:.1} %, RAM {:.1} %, SSD {:.1} %; SSD read {:.1} MiB in {} expert \
+             reads ({} errors), prefetched {} of which {} used; n-gram rows read {}",
+            s.expert_hits_gpu as f64 / uses * 100.0,
+            s.expert_hits_ram as f64 / uses * 100.0,
+            s.expert_hits_ssd as f64 / uses * 100.0,
+            s.ssd_expert_bytes as f64 / (1u64 << 20) as f64,
+            s.ssd_expert_reads,
+            s.ssd_read_errors,
+            s.prefetch_issued,
+            s.prefetch_hits,
+            s.ngram_rows_read
+        );
     }
     if let Some(path) = &args.csv {
         let mut f = std::fs::File::create(path)?;

@@ -1,5 +1,7 @@
-//! Subcommands beside `serve`: `synth` (random-weight real-width GGUF) and `bench model` (prefill/decode speed).
+//! Subcommands beside `serve`: `synth` (random-weight real-width GGUF), `bench model` (prefill/decode speed),
+//! `generate` (greedy continuation) and `hotlist` (the routing campaign that ranks experts for placement).
 
 pub mod bench;
 pub mod generate;
+pub mod hotlist;
 pub mod synth;

@@ -4,6 +4,7 @@ pub mod chat;
 pub mod completions;
 pub mod health;
 pub mod models;
+pub mod placement;
 
 use axum::http::{Method, Uri};
 

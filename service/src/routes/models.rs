@@ -48,7 +48,28 @@ fn card(state: &AppState, model: &ServedModel) -> ModelCard {
         max_prefill: model.max_prefill,
         input_modalities: vec!["text"],
         output_modalities: vec!["text"],
-        profile: state.profile.clone().map(with_placement),
+        profile: state.profile.clone().map(with_placement).map(with_actual_placement(model)),
+    }
+}
+
+/// Adds `placement_report` (the `/v1/placement` URL) and `placement_actual` (experts per tier, summed over the
+/// layers, and the n-gram table's place, as built) to the profile object.
+fn with_actual_placement(model: &ServedModel) -> impl FnOnce(serde_json::Value) -> serde_json::Value + '_ {
+    move |mut profile| {
+        let report = model.engine.placement();
+        let (gpu, ram, ssd) = report.totals();
+        if let Some(map) = profile.as_object_mut() {
+            map.insert("placement_report".into(), "/v1/placement".into());
+            map.insert(
+                "placement_actual".into(),
+                serde_json::json!({
+                    "placed": report.placed, "layers": report.layers.len(),
+                    "experts": {"gpu": gpu, "ram": ram, "ssd": ssd},
+                    "ngram_table": report.ngram_table.placement,
+                }),
+            );
+        }
+        profile
     }
 }
 

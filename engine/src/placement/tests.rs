@@ -1,0 +1,211 @@
+//! Placement on the demo model (4 layers, 32 experts, top-4, a PLE layer): outputs bit-identical to the
+//! memory-mapped model for any tiers, pool size, reader and table placement; read faults fail the call and leave
+//! the model usable; placements that do not fit are refused before allocating.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::*;
+use crate::gguf::GgufFile;
+use crate::model::{LogitsFor, Qwen4Exp};
+
+fn demo_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/nebula-demo.gguf")
+}
+
+/// A prompt of ordinary tokens, with an EOS inside so the PLE rows cross a segment start.
+fn prompt() -> Vec<u32> {
+    let mut p: Vec<u32> = (0..40u32).map(|i| 1000 + (i * 7919) % 150_000).collect();
+    p[20] = 248_044;
+    p
+}
+
+/// Logits of a prefill then `steps` greedy steps, as bits.
+fn run(model: &Qwen4Exp, steps: usize) -> Result<Vec<u32>, ModelError> {
+    let p = prompt();
+    let mut st = model.new_state(p.len() + steps + 1);
+    let mut all = Vec::new();
+    let mut logits = model.forward(&mut st, &p, LogitsFor::Last)?;
+    for _ in 0..steps {
+        all.extend(logits.iter().map(|v| v.to_bits()));
+        let next = crate::sampling::argmax(&logits).unwrap_or(0) as u32;
+        logits = model.forward(&mut st, &[next], LogitsFor::Last)?;
+    }
+    all.extend(logits.iter().map(|v| v.to_bits()));
+    Ok(all)
+}
+
+/// A hotlist that ranks experts in a shuffled order, different per layer.
+fn shuffled_hotlist(model: &Qwen4Exp) -> Hotlist {
+    let (nl, ne) = (model.config.n_layer, model.config.n_expert);
+    let mut b = HotlistBuilder::new(nl, ne);
+    for l in 0..nl {
+        let routing: Vec<Routing> =
+            (0..ne).map(|e| Routing { experts: vec![(e * 13 + l * 5) % ne], weights: vec![1.0] }).collect();
+        for (i, r) in routing.iter().enumerate() {
+            // Expert order i gets i + 1 uses: later entries are hotter.
+            for _ in 0..=i {
+                b.record(l, std::slice::from_ref(r));
+            }
+        }
+    }
+    b.finish(
+        HotlistModel { name: "demo".into(), n_layer: nl, n_expert: ne, n_expert_used: model.config.n_expert_used },
+        serde_json::json!({}),
+    )
+}
+
+#[test]
+fn outputs_are_identical_whatever_the_placement() {
+    let reference = run(&Qwen4Exp::load(&demo_path()).unwrap(), 6).unwrap();
+    let hot = Arc::new(shuffled_hotlist(&Qwen4Exp::load(&demo_path()).unwrap()));
+    let cases: Vec<(&str, PlacementOptions)> = vec![
+        // Everything in RAM (read through direct I/O), table in RAM.
+        ("all ram", PlacementOptions { ngram_table: TablePlacement::Ram, ..Default::default() }),
+        // Tiny tiers: 2 GPU, 4 RAM, 28 of 32 on SSD with the smallest pool (groups of 4), table on SSD.
+        (
+            "tiny tiers",
+            PlacementOptions {
+                gpu_experts: 2,
+                ram_experts: 4,
+                ssd_pool_bytes: Some(1),
+                ngram_table: TablePlacement::Ssd,
+                io_threads: 3,
+                ..Default::default()
+            },
+        ),
+        // No RAM tier at all, a hotlist, buffered reads, no prefetch, one I/O thread.
+        (
+            "all ssd",
+            PlacementOptions {
+                ram_experts: 0,
+                hotlist: Some(hot.clone()),
+                direct_io: false,
+                prefetch_layers: 0,
+                io_threads: 1,
+                ngram_table: TablePlacement::Ssd,
+                ..Default::default()
+            },
+        ),
+        // Two layers of prefetch, a bigger pool, the hotlist's ranking.
+        (
+            "prefetch 2",
+            PlacementOptions {
+                gpu_experts: 3,
+                ram_experts: 10,
+                hotlist: Some(hot),
+                prefetch_layers: 2,
+                ssd_pool_bytes: Some(1 << 20),
+                ..Default::default()
+            },
+        ),
+    ];
+    for (name, opts) in cases {
+        let mut model = Qwen4Exp::load(&demo_path()).unwrap();
+        model.place(&opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let report = model.placement_report();
+        assert!(report.placed, "{name}");
+        let got = run(&model, 6).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(got == reference, "{name}: logits differ from the memory-mapped model's");
+        let s = model.placement_stats().snapshot();
+        let (_, _, ssd) = report.totals();
+        if ssd > 0 {
+            assert!(s.expert_hits_ssd > 0 && s.ssd_expert_bytes > 0, "{name}: no SSD reads counted: {s:?}");
+            assert!(report.ssd.as_ref().is_some_and(|r| r.pool_buffers >= 8), "{name}: {report:?}");
+        } else {
+            assert_eq!((s.expert_hits_ssd, s.ssd_expert_reads), (0, 0), "{name}");
+        }
+        if opts.ngram_table == TablePlacement::Ssd {
+            assert!(s.ngram_rows_read >= prompt().len() as u64 * 16, "{name}: n-gram rows not read: {s:?}");
+        }
+        if name == "prefetch 2" {
+            assert!(s.prefetch_issued > 0, "{name}: the prefetcher never ran: {s:?}");
+        }
+    }
+}
+
+#[test]
+fn tiers_follow_the_ranking_and_the_counts() {
+    let model = Qwen4Exp::load(&demo_path()).unwrap();
+    let hot = shuffled_hotlist(&model);
+    let plan = PlacementPlan::new(4, 32, 3, 10, Some(&hot)).unwrap();
+    for l in 0..4 {
+        let rank = hot.ranking(l);
+        assert_eq!(plan.experts(l, Tier::Gpu).len(), 3);
+        assert_eq!(plan.experts(l, Tier::Ram).len(), 7);
+        assert_eq!(plan.experts(l, Tier::Ssd).len(), 22);
+        assert!(rank[..3].iter().all(|&e| plan.tiers[l][e] == Tier::Gpu), "layer {l}: top 3 on the GPU");
+        assert!(rank[10..].iter().all(|&e| plan.tiers[l][e] == Tier::Ssd), "layer {l}: the rest on SSD");
+    }
+    let id_order = PlacementPlan::new(4, 32, 1, 2, None).unwrap();
+    assert_eq!(id_order.experts(0, Tier::Gpu), vec![0]);
+    assert_eq!(id_order.experts(3, Tier::Ram), vec![1]);
+    let e = PlacementPlan::new(4, 32, 5, 4, None).unwrap_err().to_string();
+    assert!(e.contains("fewer than the 5 GPU experts"), "{e}");
+    let e = PlacementPlan::new(4, 32, 33, 40, None).unwrap_err().to_string();
+    assert!(e.contains("33 GPU experts"), "{e}");
+    let e = PlacementPlan::new(5, 32, 0, 4, Some(&hot)).unwrap_err().to_string();
+    assert!(e.contains("4 layers x 32 experts") && e.contains("5 layers"), "{e}");
+}
+
+#[test]
+fn a_read_error_fails_the_call_and_the_model_stays_usable() {
+    let reference = run(&Qwen4Exp::load(&demo_path()).unwrap(), 2).unwrap();
+    let mut model = Qwen4Exp::load(&demo_path()).unwrap();
+    let faulty = Arc::new(FaultyReader::new(Arc::new(MemoryReader::new(model.file().clone()))));
+    let opts =
+        PlacementOptions { ram_experts: 4, prefetch_layers: 0, reader: Some(faulty.clone()), ..Default::default() };
+    model.place(&opts).unwrap();
+    faulty.fail_next(1);
+    let err = run(&model, 2).unwrap_err().to_string();
+    assert!(err.contains("SSD tier") && err.contains("nebula-demo.gguf") && err.contains("os error 5"), "{err}");
+    assert_eq!(faulty.failed(), 1);
+    // The failed expert is read again next time; the answer is the usual one.
+    assert!(run(&model, 2).unwrap() == reference, "after a failed read the model answers as before");
+    assert_eq!(model.placement_stats().snapshot().ssd_read_errors, 1);
+
+    // n-gram rows on SSD fail the same way.
+    let mut model = Qwen4Exp::load(&demo_path()).unwrap();
+    let faulty = Arc::new(FaultyReader::new(Arc::new(MemoryReader::new(model.file().clone()))));
+    let opts =
+        PlacementOptions { ngram_table: TablePlacement::Ssd, reader: Some(faulty.clone()), ..Default::default() };
+    model.place(&opts).unwrap();
+    faulty.fail_next(1);
+    let err = run(&model, 2).unwrap_err().to_string();
+    assert!(err.contains("n-gram table rows"), "{err}");
+    assert!(run(&model, 2).unwrap() == reference);
+}
+
+#[test]
+fn a_truncated_file_fails_the_call_with_the_file_and_offset() {
+    let bytes = std::fs::read(demo_path()).unwrap();
+    let dir = std::env::temp_dir().join(format!("nebula-placement-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let copy = dir.join("demo-copy.gguf");
+    std::fs::write(&copy, &bytes).unwrap();
+    // The model is parsed from memory; its SSD tier reads the copy on disk, which is then cut.
+    let mut model = Qwen4Exp::from_gguf(Arc::new(GgufFile::from_bytes("demo", bytes.clone()).unwrap())).unwrap();
+    let reader = Arc::new(FileReader::open(&[copy.as_path()], true).unwrap());
+    let opts = PlacementOptions { ram_experts: 2, prefetch_layers: 0, reader: Some(reader), ..Default::default() };
+    model.place(&opts).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&copy).unwrap().set_len(bytes.len() as u64 / 4).unwrap();
+    let err = run(&model, 1).unwrap_err().to_string();
+    assert!(err.contains("demo-copy.gguf") && err.contains("ends at byte"), "{err}");
+    // Restored, the same model answers.
+    std::fs::write(&copy, &bytes).unwrap();
+    run(&model, 1).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn placements_that_do_not_fit_are_refused_before_allocating() {
+    let mut model = Qwen4Exp::load(&demo_path()).unwrap();
+    let tiny = PlacementOptions { ram_budget: Some(1 << 20), ..Default::default() };
+    let e = model.place(&tiny).unwrap_err().to_string();
+    assert!(e.contains("does not fit") && e.contains("RAM budget is 0.00 GiB") && e.contains("RAM tier"), "{e}");
+    let vram = PlacementOptions { gpu_experts: 8, ram_experts: 8, vram_budget: Some(1000), ..Default::default() };
+    let e = model.place(&vram).unwrap_err().to_string();
+    assert!(e.contains("VRAM budget") && e.contains("8 GPU experts per layer"), "{e}");
+    assert!(!model.placement_report().placed, "a refused placement leaves the model unplaced");
+    run(&model, 1).unwrap();
+}
