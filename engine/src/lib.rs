@@ -14,6 +14,7 @@ pub mod model;
 pub mod prefix_cache;
 pub mod quant;
 pub mod sampling;
+pub mod speculative;
 pub mod synth;
 pub mod text;
 pub mod worker;

@@ -470,7 +470,9 @@ impl CudaModel {
             arena: Mutex::new(Arena { chunks: Vec::new(), used: 0, generation: 0 }),
             graphs: std::env::var("NEBULA_CUDA_GRAPHS").map_or(true, |v| v != "0")
                 && std::env::var("NEBULA_CUDA_PROFILE").is_err(),
-            profile: std::env::var("NEBULA_CUDA_PROFILE").is_ok_and(|v| v == "1").then(|| Mutex::new(PhaseTimes::default())),
+            profile: std::env::var("NEBULA_CUDA_PROFILE")
+                .is_ok_and(|v| v == "1")
+                .then(|| Mutex::new(PhaseTimes::default())),
             weight_bytes,
         })
     }
@@ -566,7 +568,10 @@ impl CudaModel {
 
     /// Per-kernel (name, total seconds, launches) when `NEBULA_CUDA_PROFILE=kernels`; then clears it.
     pub fn take_kernel_times(&self) -> Vec<(String, f64, u64)> {
-        self.dev.kernel_times.as_ref().map_or_else(Vec::new, |t| std::mem::take(&mut *t.lock().expect("kernel times lock")))
+        self.dev
+            .kernel_times
+            .as_ref()
+            .map_or_else(Vec::new, |t| std::mem::take(&mut *t.lock().expect("kernel times lock")))
     }
 
     /// Turns decode-step CUDA Graphs on or off (on by default; `NEBULA_CUDA_GRAPHS=0` turns them off).
@@ -633,8 +638,13 @@ impl CudaModel {
         while r0 < w.rows {
             let rows = rows_per.min(w.rows - r0);
             let wp = w.ptr + (r0 * w.row_bytes) as u64;
-            let args =
-                [Arg::Ptr(wp), Arg::I64(w.row_bytes as i64), Arg::I32(rows as i32), Arg::I32(w.cols as i32), Arg::Ptr(sp)];
+            let args = [
+                Arg::Ptr(wp),
+                Arg::I64(w.row_bytes as i64),
+                Arg::I32(rows as i32),
+                Arg::I32(w.cols as i32),
+                Arg::Ptr(sp),
+            ];
             if elem {
                 dev.launch_1d(&format!("dequant_elem_f32_{sfx}"), rows * w.cols, &args)?;
             } else {
@@ -684,7 +694,15 @@ impl CudaModel {
     }
 
     /// Rotates `heads` heads of `n` tokens starting at the sequence position (`pos_dev`).
-    fn rope(&self, x: u64, n: usize, heads: usize, token_stride: usize, head_stride: usize, pos_dev: u64) -> Result<(), CudaError> {
+    fn rope(
+        &self,
+        x: u64,
+        n: usize,
+        heads: usize,
+        token_stride: usize,
+        head_stride: usize,
+        pos_dev: u64,
+    ) -> Result<(), CudaError> {
         let cfg = &self.config;
         let half = cfg.rope_dim / 2;
         self.dev.launch_1d(
@@ -866,10 +884,20 @@ impl CudaModel {
 
     /// Gated attention for `n` tokens at the position in `pos_dev`; `capacity` is the state's token capacity
     /// (it sizes the QSA score rows so the launch shapes do not depend on the position).
-    fn attn(&self, at: &DevAttn, st: &DevLayerState, m: u64, n: usize, pos_dev: u64, capacity: usize) -> Result<u64, CudaError> {
+    fn attn(
+        &self,
+        at: &DevAttn,
+        st: &DevLayerState,
+        m: u64,
+        n: usize,
+        pos_dev: u64,
+        capacity: usize,
+    ) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
-        let DevLayerState::Attn { k: kc, v: vc, raw, pooled } = st else { unreachable!("state follows the layer kinds") };
+        let DevLayerState::Attn { k: kc, v: vc, raw, pooled } = st else {
+            unreachable!("state follows the layer kinds")
+        };
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
         let kvw = nkv * hd;
         let pq = self.tmp(n * nh * hd * 2)?;
@@ -893,7 +921,14 @@ impl CudaModel {
             dev.launch_1d(
                 "copy_rows_at",
                 n * kvw,
-                &[Arg::Ptr(src), Arg::Ptr(self.p(dst, 0)), Arg::I32(0), Arg::Ptr(pos_dev), Arg::I32(n as i32), Arg::I32(kvw as i32)],
+                &[
+                    Arg::Ptr(src),
+                    Arg::Ptr(self.p(dst, 0)),
+                    Arg::I32(0),
+                    Arg::Ptr(pos_dev),
+                    Arg::I32(n as i32),
+                    Arg::I32(kvw as i32),
+                ],
             )?;
         }
         let mut selection: Option<(u64, u64, usize)> = None;
@@ -909,7 +944,14 @@ impl CudaModel {
             dev.launch_1d(
                 "copy_rows_at",
                 n * ihd,
-                &[Arg::Ptr(kr), Arg::Ptr(self.p(raw, 0)), Arg::I32(0), Arg::Ptr(pos_dev), Arg::I32(n as i32), Arg::I32(ihd as i32)],
+                &[
+                    Arg::Ptr(kr),
+                    Arg::Ptr(self.p(raw, 0)),
+                    Arg::I32(0),
+                    Arg::Ptr(pos_dev),
+                    Arg::I32(n as i32),
+                    Arg::I32(ihd as i32),
+                ],
             )?;
             dev.launch(
                 "qsa_pool_new",
@@ -1076,7 +1118,16 @@ impl CudaModel {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn moe_gemv(&self, stack: &DevStack, ids: u64, slots: usize, x: u64, x_stride: usize, slots_per_x: usize, y: u64) -> Result<(), CudaError> {
+    fn moe_gemv(
+        &self,
+        stack: &DevStack,
+        ids: u64,
+        slots: usize,
+        x: u64,
+        x_stride: usize,
+        slots_per_x: usize,
+        y: u64,
+    ) -> Result<(), CudaError> {
         let sfx = type_suffix(stack.ty)?;
         let lanes = Self::lanes(stack.cols);
         let rows_per_block = 256 / lanes as usize;
@@ -1102,7 +1153,16 @@ impl CudaModel {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn moe_grouped(&self, stack: &DevStack, offsets: u64, perm: u64, x: u64, x_div: usize, x_stride: usize, y: u64) -> Result<(), CudaError> {
+    fn moe_grouped(
+        &self,
+        stack: &DevStack,
+        offsets: u64,
+        perm: u64,
+        x: u64,
+        x_div: usize,
+        x_stride: usize,
+        y: u64,
+    ) -> Result<(), CudaError> {
         let sfx = type_suffix(stack.ty)?;
         let lanes = Self::lanes(stack.cols);
         let rows_per_block = 256 / lanes as usize;
@@ -1130,7 +1190,15 @@ impl CudaModel {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn get_rows(&self, w: &DevMatrix, ids: u64, n: usize, out: u64, out_stride: usize, copies: usize) -> Result<(), CudaError> {
+    fn get_rows(
+        &self,
+        w: &DevMatrix,
+        ids: u64,
+        n: usize,
+        out: u64,
+        out_stride: usize,
+        copies: usize,
+    ) -> Result<(), CudaError> {
         let sfx = type_suffix(w.ty)?;
         let args = [
             Arg::Ptr(ptr(&w.data, self.dev.stream(), 0)),
@@ -1222,7 +1290,16 @@ impl CudaModel {
     /// `st.pos_dev`), ending with the logits of `rows` tokens from `r0` in `logits` (when `rows > 0`). Issues no
     /// host synchronisation, so the decode step can be captured as a CUDA Graph.
     #[allow(clippy::too_many_arguments)]
-    fn launch_pass(&self, st: &CudaState, n: usize, ids: u64, ple_rows: u64, r0: usize, rows: usize, logits: u64) -> Result<(), CudaError> {
+    fn launch_pass(
+        &self,
+        st: &CudaState,
+        n: usize,
+        ids: u64,
+        ple_rows: u64,
+        r0: usize,
+        rows: usize,
+        logits: u64,
+    ) -> Result<(), CudaError> {
         let cfg = &self.config;
         let dev = &self.dev;
         let (s, d) = (cfg.hc_count, cfg.hidden);
