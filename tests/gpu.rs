@@ -86,7 +86,10 @@ fn golden_checkpoints_match_the_reference_on_the_gpu() {
                 // The same f32 math on both: tight agreement with the CPU and with the reference.
                 assert!(vs_cpu <= 1e-3, "{name}: GPU vs CPU relative error {vs_cpu:.3e}");
                 assert!(differ_cpu.is_empty(), "{name}: top-1 differs from the CPU at {differ_cpu:?}");
-                assert!(vs_ref <= 1e-3 && differ_ref.is_empty(), "{name}: GPU vs reference {vs_ref:.3e}, {differ_ref:?}");
+                assert!(
+                    vs_ref <= 1e-3 && differ_ref.is_empty(),
+                    "{name}: GPU vs reference {vs_ref:.3e}, {differ_ref:?}"
+                );
             } else {
                 // Quantized weights: the CPU kernels quantize activations as ggml does (8-bit blocks), the GPU keeps
                 // them f32, so the two differ by activation rounding: top-1 agreement is the bar.
@@ -127,7 +130,10 @@ fn demo_model_greedy_matches_the_cpu_on_the_gpu() {
         g_last = gpu.forward(&mut gs, &[ct as u32], LogitsFor::Last).unwrap();
     }
     let agree = same as f64 / steps as f64;
-    println!("demo model: GPU/CPU top-1 agreement {:.1} % over {steps} decode steps after a 150-token prefill", agree * 100.0);
+    println!(
+        "demo model: GPU/CPU top-1 agreement {:.1} % over {steps} decode steps after a 150-token prefill",
+        agree * 100.0
+    );
     assert!(agree >= 0.99, "top-1 agreement {agree:.3}");
 }
 

@@ -10,9 +10,15 @@
 //! Nebula's: `nebula:prompt_tokens_cached_total` and `nebula:prompt_tokens_prefilled_total` (prompt tokens taken
 //! from the prefix cache / run through the model), `nebula:prefix_cache_entries`, `nebula:prefix_cache_bytes`,
 //! `nebula:requests_rejected_total{reason}`, `nebula:request_errors_total{kind}`, `nebula:model_loaded`, and the
-//! placement and speculative-decoding families `nebula:expert_hits_total{tier}`, `nebula:pcie_bytes_total`,
-//! `nebula:ssd_read_bytes_total`, `nebula:draft_tokens_total`, `nebula:draft_accepted_tokens_total`. The last five
-//! read 0 until expert placement and MTP land in the engine (the CPU engine has no tiers and no drafts yet).
+//! placement families `nebula:expert_hits_total{tier}`, `nebula:pcie_bytes_total`, `nebula:ssd_read_bytes_total`
+//! (0 until expert placement lands: the CPU engine has no tiers), and MTP speculative decoding:
+//! `nebula:draft_tokens_total` and `nebula:draft_accepted_tokens_total` (drafts proposed / accepted),
+//! `nebula:draft_chains_total{case}` (verified chains by SPEC §4 case `A` all accepted, `B` handed to the full
+//! target for low resident-expert coverage, `C` a draft rejected), `nebula:draft_window_chains_total{window}`
+//! (chains per draft window size 4..16), `nebula:draft_collapses_total` and `nebula:draft_recoveries_total`
+//! (drafting turned off for a request because it lost time, and back on after the cooldown),
+//! `nebula:draft_phase_seconds_total{phase}` (time in `draft`, `verify`, `save`, `restore`, `realign`, `exact`) and
+//! `nebula:mtp_enabled` (1 when the served model drafts).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -20,8 +26,11 @@ use std::sync::atomic::Ordering;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use nebula_engine::speculative::stats::PHASES;
+use nebula_engine::speculative::window::{MAX_WINDOW, MIN_WINDOW};
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 use crate::state::{AppState, LoadState};
@@ -55,6 +64,12 @@ pub struct Metrics {
     ssd_bytes: IntCounter,
     draft_tokens: IntCounter,
     draft_accepted: IntCounter,
+    draft_chains: IntCounterVec,
+    draft_windows: IntCounterVec,
+    draft_collapses: IntCounter,
+    draft_recoveries: IntCounter,
+    draft_phase_seconds: CounterVec,
+    mtp_enabled: IntGauge,
 }
 
 /// What one finished request adds to the metrics.
@@ -162,11 +177,35 @@ impl Metrics {
             ),
             pcie_bytes: plain("nebula:pcie_bytes_total", "Bytes copied over PCIe (0 until placement lands)."),
             ssd_bytes: plain("nebula:ssd_read_bytes_total", "Expert bytes read from SSD (0 until placement lands)."),
-            draft_tokens: plain("nebula:draft_tokens_total", "MTP draft tokens proposed (0 until MTP lands)."),
-            draft_accepted: plain(
-                "nebula:draft_accepted_tokens_total",
-                "MTP draft tokens accepted (0 until MTP lands).",
+            draft_tokens: plain("nebula:draft_tokens_total", "MTP draft tokens proposed."),
+            draft_accepted: plain("nebula:draft_accepted_tokens_total", "MTP draft tokens accepted."),
+            draft_chains: counter(
+                &r,
+                "nebula:draft_chains_total",
+                "Verified MTP chains by case: A all drafts accepted, B low resident-expert coverage, C a draft rejected.",
+                &["case"],
             ),
+            draft_windows: counter(&r, "nebula:draft_window_chains_total", "MTP chains by draft window size.", &[
+                "window",
+            ]),
+            draft_collapses: plain(
+                "nebula:draft_collapses_total",
+                "Requests whose drafting turned itself off because it lost time (acceptance collapse).",
+            ),
+            draft_recoveries: plain(
+                "nebula:draft_recoveries_total",
+                "Times drafting came back for a request after a collapse cooldown.",
+            ),
+            draft_phase_seconds: {
+                let c = CounterVec::new(
+                    Opts::new("nebula:draft_phase_seconds_total", "Seconds of speculative decoding by phase."),
+                    &["phase"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
+            mtp_enabled: gauge("nebula:mtp_enabled", "1 when the served model drafts with its MTP block."),
             registry: r,
         }
         .with_zero_series()
@@ -179,6 +218,15 @@ impl Metrics {
         }
         for reason in ["queue_full", "busy", "unauthorized", "timeout"] {
             self.rejected.with_label_values(&[reason]);
+        }
+        for case in ["A", "B", "C"] {
+            self.draft_chains.with_label_values(&[case]);
+        }
+        for w in MIN_WINDOW..=MAX_WINDOW {
+            self.draft_windows.with_label_values(&[&w.to_string()]);
+        }
+        for phase in PHASES {
+            self.draft_phase_seconds.with_label_values(&[phase]);
         }
         self
     }
@@ -235,8 +283,28 @@ impl Metrics {
             set(&self.prefilled_tokens, stats.prefilled_tokens.load(Ordering::Relaxed));
             self.cache_entries.set(stats.cache_entries.load(Ordering::Relaxed) as i64);
             self.cache_bytes.set(stats.cache_bytes.load(Ordering::Relaxed) as i64);
+            let spec = &stats.speculative;
+            let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as usize;
+            self.mtp_enabled.set(i64::from(engine.has_mtp()));
+            set(&self.draft_tokens, load(&spec.drafted));
+            set(&self.draft_accepted, load(&spec.accepted));
+            for (case, n) in ["A", "B", "C"].iter().zip(&spec.chains) {
+                set(&self.draft_chains.with_label_values(&[case]), load(n));
+            }
+            for w in MIN_WINDOW..=MAX_WINDOW {
+                set(&self.draft_windows.with_label_values(&[&w.to_string()]), load(&spec.windows[w]));
+            }
+            set(&self.draft_collapses, load(&spec.collapses));
+            set(&self.draft_recoveries, load(&spec.recoveries));
+            for (phase, us) in PHASES.iter().zip(&spec.phase_us) {
+                let c = self.draft_phase_seconds.with_label_values(&[phase]);
+                let v = us.load(Ordering::Relaxed) as f64 * 1e-6;
+                if v > c.get() {
+                    c.inc_by(v - c.get());
+                }
+            }
         }
-        let _ = (&self.pcie_bytes, &self.ssd_bytes, &self.draft_tokens, &self.draft_accepted);
+        let _ = (&self.pcie_bytes, &self.ssd_bytes);
         let mut out = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
             tracing::error!("encoding the metrics failed: {e}");

@@ -137,6 +137,7 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
             max_bytes: config.prefix_cache.max_mib.saturating_mul(1 << 20),
             interval: config.prefix_cache.interval.max(1),
         },
+        mtp: config.mtp.enabled,
     };
     state.load.send_replace(LoadState::Loading("reading and validating the weights"));
     let engine = match &config.model {

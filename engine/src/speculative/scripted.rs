@@ -35,8 +35,9 @@ pub struct DraftLog {
     pub right: Vec<bool>,
 }
 
-/// Row coverage to report instead of the model's, by absolute position of the row (drives case B).
-pub type CoverageFn = Box<dyn Fn(usize) -> f32 + Send + Sync>;
+/// Row coverage to report instead of the model's, given (chain number from 0, row in the chain, absolute
+/// position of the row); drives case B.
+pub type CoverageFn = Box<dyn Fn(usize, usize, usize) -> f32 + Send + Sync>;
 
 /// A model whose drafts follow a [`DraftPlan`] against a reference token sequence.
 pub struct ScriptedDrafter<'a, M> {
@@ -46,16 +47,25 @@ pub struct ScriptedDrafter<'a, M> {
     run_inner: bool,
     coverage: Option<CoverageFn>,
     log: Mutex<Vec<DraftLog>>,
+    verifies: Mutex<usize>,
 }
 
 impl<'a, M: SpeculativeModel> ScriptedDrafter<'a, M> {
     /// Wraps `inner`. `reference[j]` is the right token at position `j` (prompt and expected output together).
     /// With `run_inner`, the model's own drafter also runs (its cost is measured, its tokens are discarded).
     pub fn new(inner: &'a M, reference: Vec<u32>, plan: DraftPlan, run_inner: bool) -> Self {
-        Self { inner, reference, plan: Mutex::new(plan), run_inner, coverage: None, log: Mutex::new(Vec::new()) }
+        Self {
+            inner,
+            reference,
+            plan: Mutex::new(plan),
+            run_inner,
+            coverage: None,
+            log: Mutex::new(Vec::new()),
+            verifies: Mutex::new(0),
+        }
     }
 
-    /// Reports `f(position)` as each verify row's resident-expert coverage.
+    /// Reports `f(chain, row, position)` as each verify row's resident-expert coverage.
     pub fn with_coverage(mut self, f: CoverageFn) -> Self {
         self.coverage = Some(f);
         self
@@ -131,9 +141,13 @@ impl<M: SpeculativeModel> SpeculativeModel for ScriptedDrafter<'_, M> {
     fn verify(&self, state: &mut M::State, chain: &[u32]) -> Result<Verified<M::Record>, ModelError> {
         let pos0 = self.inner.position(state);
         let mut v = self.inner.verify(state, chain)?;
-        if let Some(f) = &self.coverage {
+        let k = self.verifies.lock().map(|mut n| {
+            *n += 1;
+            *n - 1
+        });
+        if let (Some(f), Ok(k)) = (&self.coverage, k) {
             for (i, c) in v.coverage.iter_mut().enumerate() {
-                *c = f(pos0 + i);
+                *c = f(k, i, pos0 + i);
             }
         }
         Ok(v)

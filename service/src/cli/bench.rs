@@ -119,7 +119,12 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             let total: f64 = kt.iter().map(|k| k.1).sum();
             println!("kernels by time (NEBULA_CUDA_PROFILE=kernels, synchronised around each launch, all runs):");
             for (name, secs, count) in kt.iter().take(20) {
-                println!("  {name:<24} {:>9.2} ms {:>5.1} %  {count:>6} launches, {:>8.1} us each", secs * 1e3, secs / total * 100.0, secs * 1e6 / *count as f64);
+                println!(
+                    "  {name:<24} {:>9.2} ms {:>5.1} %  {count:>6} launches, {:>8.1} us each",
+                    secs * 1e3,
+                    secs / total * 100.0,
+                    secs * 1e6 / *count as f64
+                );
             }
         }
     }

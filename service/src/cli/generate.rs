@@ -29,7 +29,8 @@ pub struct GenerateArgs {
 
 /// Runs `nebula generate`: prints the prompt ids, the generated ids and the generated text.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    let file = std::sync::Arc::new(GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?);
+    let file =
+        std::sync::Arc::new(GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?);
     let vocab = GgufVocab::from_gguf(&file)?.context("the model has no tokenizer")?;
     let tok = TextTokenizer::from_gguf_vocab(&vocab)?;
     let model = Qwen4Exp::from_gguf(file)?;
