@@ -10,12 +10,14 @@
 //!   grammar, events, stop conditions), with the chain cases A, B and C.
 //! - [`scripted`]: a test drafter that proposes chosen right or wrong tokens (tests, `nebula bench mtp`).
 //! - [`stats`]: server-wide counters for the metrics.
+//! - [`bench`]: `nebula bench mtp`.
 //!
 //! Chain layout: the target has consumed `pos` tokens and the last emitted token `c` is pending (not consumed).
 //! The drafter proposes `d_1..d_N`; the verify pass consumes `[c, d_1, ..., d_N]` at positions `pos..pos+N`, so
 //! row `i`'s logits judge `d_{i+1}` and row `N`'s give the bonus token. With `m` drafts accepted the state keeps
 //! rows `0..=m` (`pos + m + 1` tokens) and the row-`m` token (bonus or replacement) is the next pending token.
 
+pub mod bench;
 pub mod decoder;
 pub mod scripted;
 pub mod stats;
