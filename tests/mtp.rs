@@ -394,3 +394,115 @@ fn demo_model_with_mtp_decodes_exactly_as_without() {
     let (_, _, usage) = run_engine(&off, GenerateRequest::new(vec![248045, 846, 198], 8));
     assert_eq!(usage.draft_tokens, 0);
 }
+
+/// A drafter that always proposes the target's second most likely token (computed by plain steps on a copy of
+/// the state), so relaxed levels have near-greedy drafts to accept.
+struct SecondBest<'a>(&'a Qwen4Exp);
+
+impl SpeculativeModel for SecondBest<'_> {
+    type State = SequenceState;
+    type Record = nebula_engine::model::ChainRecord;
+    fn vocab(&self) -> usize {
+        self.0.config.vocab
+    }
+    fn position(&self, s: &SequenceState) -> usize {
+        s.pos
+    }
+    fn step(&self, s: &mut SequenceState, t: u32) -> Result<Vec<f32>, nebula_engine::model::ModelError> {
+        self.0.step(s, t)
+    }
+    fn can_draft(&self, _s: &SequenceState) -> bool {
+        true
+    }
+    fn draft(
+        &self,
+        s: &mut SequenceState,
+        pending: u32,
+        n: usize,
+    ) -> Result<Vec<u32>, nebula_engine::model::ModelError> {
+        let mut copy = s.clone();
+        let mut tok = pending;
+        let mut out = Vec::new();
+        for _ in 0..n.min(copy.max_len - copy.pos) {
+            let l = self.0.forward(&mut copy, &[tok], LogitsFor::Last)?;
+            let mut order: Vec<usize> = (0..l.len()).collect();
+            order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+            tok = order[1] as u32;
+            out.push(tok);
+        }
+        Ok(out)
+    }
+    fn verify(
+        &self,
+        s: &mut SequenceState,
+        chain: &[u32],
+    ) -> Result<nebula_engine::speculative::Verified<Self::Record>, nebula_engine::model::ModelError> {
+        self.0.verify(s, chain)
+    }
+    fn rollback(
+        &self,
+        s: &mut SequenceState,
+        r: &Self::Record,
+        keep: usize,
+    ) -> Result<(), nebula_engine::model::ModelError> {
+        self.0.rollback(s, r, keep)
+    }
+}
+
+/// Checks every emitted token against the level's rule on the row's own logits.
+struct RuleSink {
+    out: Vec<u32>,
+    max: usize,
+    rule: nebula_engine::speculative::verify::RelaxedRule,
+    non_greedy: usize,
+}
+
+impl TokenSink<SequenceState> for RuleSink {
+    fn mask(&mut self, _logits: &mut [f32]) -> Result<(), String> {
+        Ok(())
+    }
+    fn commit(&mut self, token: u32, logits: &[f32], room: bool) -> Result<Flow, String> {
+        let top = argmax(logits).unwrap();
+        if token as usize != top {
+            let l = logits[token as usize];
+            let rank = logits.iter().enumerate().filter(|&(j, &v)| v > l || (v == l && j < token as usize)).count();
+            let ratio = (l - logits[top]).exp();
+            assert!(rank < self.rule.top_k && ratio >= self.rule.min_ratio, "token rank {rank} ratio {ratio}");
+            self.non_greedy += 1;
+        }
+        self.out.push(token);
+        Ok(if self.out.len() >= self.max || !room { Flow::Finish(FinishReason::Length) } else { Flow::Continue })
+    }
+    fn remaining(&self) -> usize {
+        self.max - self.out.len()
+    }
+}
+
+/// Levels 2 and 1 end to end: every output token is the target's greedy one or satisfies the level's rule, and
+/// no chain accepts more non-greedy drafts than the level allows.
+#[test]
+fn relaxed_levels_accept_only_what_their_rules_allow() {
+    use nebula_engine::speculative::AccuracyLevel;
+    let tmp = tempfile::tempdir().unwrap();
+    let model = golden_with_random_mtp("ple_eos", tmp.path());
+    let prompt = &ids(&json(&root().join("tests/fixtures/golden/ple_eos/golden.json"))["token_ids"])[..16];
+    for level in [AccuracyLevel::Balanced, AccuracyLevel::Relaxed] {
+        let rule = level.relaxed_rule().unwrap();
+        let n = 120;
+        let mut s = model.new_state(prompt.len() + n + 1);
+        let logits = model.forward(&mut s, prompt, LogitsFor::Last).unwrap();
+        let mut sink = RuleSink { out: Vec::new(), max: n, rule, non_greedy: 0 };
+        let mut sampler = Sampler::new(SamplingParams::GREEDY);
+        let drafter = SecondBest(&model);
+        let opts = SpeculativeOptions { level, ..Default::default() };
+        let mut dec = SpeculativeDecoder::new(&drafter, opts, None);
+        let limit = s.max_len;
+        dec.run(&mut s, logits, &mut sampler, &mut sink, limit).unwrap();
+        let chains = dec.report.total_chains();
+        println!("{level:?}: {} non-greedy tokens over {chains} chains", sink.non_greedy);
+        assert_eq!(sink.out.len(), n);
+        assert!(sink.non_greedy > 0, "{level:?}: some second-best drafts qualified");
+        assert!(sink.non_greedy <= rule.max_per_chain * chains, "{level:?}: over the per-chain budget");
+        assert!(dec.report.accepted >= sink.non_greedy);
+    }
+}

@@ -263,7 +263,7 @@ impl Sampler {
     /// Draws a token from `(token, weight)` pairs (weights need not sum to 1); `None` when every weight is 0.
     pub fn draw(&mut self, weights: &[(u32, f64)]) -> Option<u32> {
         let mass: f64 = weights.iter().map(|w| w.1.max(0.0)).sum();
-        if !(mass > 0.0) {
+        if mass.is_nan() || mass <= 0.0 {
             return None;
         }
         let mut r = self.uniform() * mass;

@@ -242,7 +242,7 @@ impl ModelConfig {
                 ));
             }
         }
-        if nextn_compress_ratio > 0 && indexer.token_budget % nextn_compress_ratio != 0 {
+        if nextn_compress_ratio > 0 && !indexer.token_budget.is_multiple_of(nextn_compress_ratio) {
             return Err(m.bad(
                 "qwen4exp.attention.compress_ratios",
                 format!(

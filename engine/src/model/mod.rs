@@ -537,7 +537,7 @@ impl Qwen4Exp {
         let mut bank = ms.last_bank.clone();
         let mut tok = pending;
         for i in 0..n {
-            let step = block.forward(&self.embed_tokens, &self.rope, &mut ms.attn, &bank, &[tok], pos - 1 + i, 0..1)?;
+            let step = block.forward(&self.embed_tokens, &mut ms.attn, &bank, &[tok], pos - 1 + i, 0..1)?;
             let logits = self.head(&step.hidden, 1);
             let Some(d) = crate::sampling::argmax(&logits) else { break };
             out.tokens.push(d as u32);
@@ -691,7 +691,7 @@ impl Qwen4Exp {
                 }
                 next.push(tokens[j + 1 - pos0]);
             }
-            if block.forward(&self.embed_tokens, &self.rope, &mut ms.attn, &banks, &next, rows, 0..0).is_err() {
+            if block.forward(&self.embed_tokens, &mut ms.attn, &banks, &next, rows, 0..0).is_err() {
                 return;
             }
         }

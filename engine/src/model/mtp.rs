@@ -60,6 +60,7 @@ pub struct MtpBlock {
     pub(crate) mlp: SparseMoe,
     /// The block's own final mixer (`nextn.hc_head_*`, mix only).
     pub(crate) hyper_connection_mixer: GatedResidual,
+    pub(crate) rope: Rope,
     pub(crate) streams: usize,
     pub(crate) hidden: usize,
     pub(crate) eps: f32,
@@ -91,6 +92,7 @@ impl MtpBlock {
             mlp_hyper_connection: GatedResidual::load(w, &format!("{p}.hc_ffn"), s, d, r, true, eps)?,
             mlp: SparseMoe::load(w, cfg, layer)?,
             hyper_connection_mixer: GatedResidual::load(w, &format!("{p}.nextn.hc_head"), s, d, r, false, eps)?,
+            rope: Rope::new(cfg.rope_dim, cfg.rope_theta, cfg.rope_sections),
             streams: s,
             hidden: d,
             eps,
@@ -115,14 +117,14 @@ impl MtpBlock {
 
     /// Runs `n = tokens.len()` MTP rows at positions `pos0..pos0+n`, appending to the block's cache `state` (which
     /// must hold exactly `pos0` rows). `banks` (`[n, S*d]`) are the hidden inputs (a target bank or a previous
-    /// row's `G`), `tokens` the next token of each row; `embed` is the target's embedding table. The mixer output
+    /// row's `G`), `tokens` the next token of each row; `embed` is the target's embedding table (RoPE as the
+    /// trunk's attention). The mixer output
     /// is computed for the rows in `hidden_rows` (a range of `0..n`).
     ///
     /// Errors: [`ModelError::BadSnapshot`] when the cache is not at `pos0`.
     pub fn forward(
         &self,
         embed: &Matrix,
-        rope: &Rope,
         state: &mut AttnState,
         banks: &[f32],
         tokens: &[u32],
@@ -158,7 +160,7 @@ impl MtpBlock {
         self.eh_proj.matmul(&input, n * s, &mut x);
 
         let mixed = self.attn_hyper_connection.mix(&x, n);
-        let y = self.self_attn.forward(&mixed.mixed, n, pos0, state, rope);
+        let y = self.self_attn.forward(&mixed.mixed, n, pos0, state, &self.rope);
         self.attn_hyper_connection.inject(&mut x, &y, &mixed.inject);
         let mixed = self.mlp_hyper_connection.mix(&x, n);
         let y = self.mlp.forward(&mixed.mixed, n);

@@ -20,11 +20,11 @@ use crate::model::{LogitsFor, ModelError, Qwen4Exp, SequenceState};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::worker::FinishReason;
 
+use super::SpeculativeModel;
 use super::decoder::{Flow, SpeculativeDecoder, SpeculativeOptions, TokenSink};
 use super::scripted::{DraftPlan, ScriptedDrafter};
 use super::stats::DecodeReport;
 use super::verify::AccuracyLevel;
-use super::SpeculativeModel;
 
 /// Settings of the benchmark.
 #[derive(Debug, Clone)]

@@ -191,7 +191,10 @@ pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
         nebula_engine::synth::append_random_mtp(&source, &with, 1)
             .with_context(|| format!("appending a random MTP block to {}", source.display()))?;
         model = Qwen4Exp::load(&with)?;
-        println!("note: {} has no MTP block; a random one was appended (its own acceptance is meaningless)", source.display());
+        println!(
+            "note: {} has no MTP block; a random one was appended (its own acceptance is meaningless)",
+            source.display()
+        );
     }
     let cfg = &model.config;
     println!(
@@ -205,8 +208,19 @@ pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
     );
     println!(
         "{:<16} {:>8} {:>7} {:>7} {:>7} {:>11} {:>6} {:>7} {:>7} {:>8} {:>7} {:>7} {:>7}",
-        "run", "tok/s", "speedup", "accept", "mean len", "chains A/B/C", "coll.", "draft%", "verify%", "rollbk%", "align%",
-        "exact%", "plain%"
+        "run",
+        "tok/s",
+        "speedup",
+        "accept",
+        "mean len",
+        "chains A/B/C",
+        "coll.",
+        "draft%",
+        "verify%",
+        "rollbk%",
+        "align%",
+        "exact%",
+        "plain%"
     );
     let opts = MtpBenchOptions {
         prompt_tokens: args.prompt,
