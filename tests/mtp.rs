@@ -393,6 +393,24 @@ fn demo_model_with_mtp_decodes_exactly_as_without() {
     assert!(!off.has_mtp());
     let (_, _, usage) = run_engine(&off, GenerateRequest::new(vec![248045, 846, 198], 8));
     assert_eq!(usage.draft_tokens, 0);
+
+    // The prefix cache carries the MTP cache: a follow-up that resumes from a cached answer drafts at once and
+    // still decodes exactly as without MTP.
+    let first: Vec<u32> = vec![248045, 846, 198, 9707, 0, 248046, 198, 248045, 77091, 198];
+    let mut a = GenerateRequest::new(first.clone(), 48);
+    a.ignore_eos = true;
+    let (out_a, _, _) = run_engine(&engine, a);
+    let mut follow = first.clone();
+    follow.extend_from_slice(&out_a);
+    follow.extend_from_slice(&[248046, 198, 248045, 846, 198]);
+    let mut b = GenerateRequest::new(follow, 64);
+    b.ignore_eos = true;
+    let (out_b, _, usage_b) = run_engine(&engine, b.clone());
+    assert!(usage_b.cached_tokens > first.len(), "resumed from the cached answer: {usage_b:?}");
+    assert!(usage_b.draft_tokens > 0, "drafting works on a resumed state");
+    b.use_prefix_cache = false;
+    let (want_b, _, _) = run_engine(&off, b);
+    assert_eq!(out_b, want_b, "a resumed request with MTP decodes as plain decoding");
 }
 
 /// A drafter that always proposes the target's second most likely token (computed by plain steps on a copy of
