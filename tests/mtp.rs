@@ -168,10 +168,16 @@ fn chain_rollback_equals_decoding_only_the_kept_tokens() {
                 "{name}: rollback to {keep} of {} rows differs from plain decoding",
                 chain.len()
             );
-            // And decoding goes on identically from there.
+            // And decoding goes on identically from there, and as from a fresh prefill of the same tokens (one
+            // forward with the chunked Gated DeltaNet: equal up to rounding).
             if keep < chain.len() {
                 let a = model.forward(&mut s, &chain[keep..keep + 1], LogitsFor::Last).unwrap();
                 assert!(a == step_logits[keep], "{name}: the step after rollback {keep} differs");
+                let mut fresh = model.new_state(64);
+                let b = model.forward(&mut fresh, &toks[..p + keep + 1], LogitsFor::Last).unwrap();
+                let (rel, differ) = compare(&a, &b, vocab);
+                assert!(rel < 1e-4 && differ.is_empty(), "{name}: vs a fresh prefill after rollback {keep}: {rel:.2e}");
+                assert_eq!(fresh.pos, s.pos);
             }
         }
         // A chain that is not the state's last cannot be rolled back.

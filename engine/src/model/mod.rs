@@ -382,12 +382,7 @@ impl Qwen4Exp {
         }
         let mtp = match (&source.mtp, &snap.mtp_bank, &self.mtp) {
             (Some(ms), Some(bank), Some(block)) => {
-                let mut attn = ms.attn.clone();
-                let rows = snap.pos.saturating_sub(1);
-                if block.rows(&attn) < rows {
-                    return Err(bad());
-                }
-                block.truncate(&mut attn, rows);
+                let attn = block.prefix(&ms.attn, snap.pos.saturating_sub(1)).ok_or_else(bad)?;
                 Some(MtpState { attn, last_bank: bank.clone(), drafted_with: None })
             }
             (None, _, _) => None,

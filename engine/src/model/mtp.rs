@@ -109,6 +109,19 @@ impl MtpBlock {
         state.len(self.self_attn.kv_width())
     }
 
+    /// A copy of the first `rows` rows of `state` (`None` when it holds fewer).
+    pub fn prefix(&self, state: &AttnState, rows: usize) -> Option<AttnState> {
+        let (idim, ratio) = self.self_attn.index_shape();
+        let kv = rows * self.self_attn.kv_width();
+        let blocks = rows.checked_div(ratio).unwrap_or(0);
+        Some(AttnState {
+            k: state.k.get(..kv)?.to_vec(),
+            v: state.v.get(..kv)?.to_vec(),
+            index_k: state.index_k.get(..rows * idim)?.to_vec(),
+            pooled: state.pooled.get(..blocks * idim)?.to_vec(),
+        })
+    }
+
     /// Drops every row of `state` from `rows` on.
     pub fn truncate(&self, state: &mut AttnState, rows: usize) {
         let (idim, ratio) = self.self_attn.index_shape();

@@ -150,7 +150,8 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
             let remaining = sink.remaining();
             let window = if self.opts.enabled { self.controller.window() } else { None };
             let n = window.unwrap_or(0).min(limit.saturating_sub(pos + 1)).min(remaining.saturating_sub(1));
-            let flow = if n > 0 && self.model.can_draft(state) {
+            let probe = self.controller.wants_plain_probe();
+            let flow = if n > 0 && !probe && self.model.can_draft(state) {
                 self.chain(state, pending, n, sampler, sink, limit)?
             } else {
                 self.plain(state, pending, sampler, sink, limit)?

@@ -15,8 +15,8 @@
 //! basic rule's `N`, the proposal moves there.
 //!
 //! **Collapse.** After at least 8 chains since drafting (re)started, if the last 8 chains together produced
-//! fewer tokens per second than plain decoding does (its measured step time; before any plain step, the fitted
-//! verify cost of one row), drafting turns off for the request: the next `cooldown` tokens are decoded plainly
+//! fewer tokens per second than plain decoding does (its measured step time: when no plain step was measured yet,
+//! the controller asks the decoder for one first), drafting turns off for the request: the next `cooldown` tokens are decoded plainly
 //! (32 at first, doubled at each further collapse up to 1024, back to 32 after 64 chains without a collapse).
 //! Then drafting comes back at `N = 4` with a fresh acceptance history (the cost measurements are kept).
 
@@ -142,6 +142,7 @@ pub struct WindowController {
     collapses: usize,
     recoveries: usize,
     timing: bool,
+    probe: bool,
 }
 
 impl Default for WindowController {
@@ -166,7 +167,14 @@ impl WindowController {
             collapses: 0,
             recoveries: 0,
             timing: true,
+            probe: false,
         }
+    }
+
+    /// Whether the controller wants one plain step measured before it judges the chains (the collapse check
+    /// needs the cost of a plain step and none was seen yet): the decoder then runs the next step plainly.
+    pub fn wants_plain_probe(&self) -> bool {
+        self.probe
     }
 
     /// A controller that follows the basic rule only (no timing model, no collapse).
@@ -192,6 +200,7 @@ impl WindowController {
     /// Records a plain (non-speculative) decode step of `seconds`; counts down a collapse cooldown. Returns true
     /// when this step ended the cooldown (drafting is back).
     pub fn on_plain_step(&mut self, seconds: f64) -> bool {
+        self.probe = false;
         if seconds.is_finite() && seconds > 0.0 {
             self.plain.push_back(seconds);
             if self.plain.len() > 16 {
@@ -263,7 +272,10 @@ impl WindowController {
                 self.n = best.0;
                 ev.timing_moved = true;
             }
-            if self.collapsed(&model) {
+            if self.plain.is_empty() {
+                // Judge against a measured plain step, not an extrapolation of the verify cost.
+                self.probe = true;
+            } else if self.collapsed(&model) {
                 ev.collapsed = true;
                 self.collapses += 1;
                 self.chains_since_collapse = 0;
@@ -274,7 +286,8 @@ impl WindowController {
         ev
     }
 
-    /// Whether the last [`HISTORY`] chains produced fewer tokens per second than plain decoding.
+    /// Whether the last [`HISTORY`] chains produced fewer tokens per second than plain decoding (the mean of the
+    /// measured plain steps; `model`'s one-row verify cost if there were none).
     fn collapsed(&self, model: &TimingModel) -> bool {
         let recent: Vec<&ChainSample> = self.history.iter().rev().take(HISTORY).collect();
         let tokens: usize = recent.iter().map(|s| s.tokens).sum();
@@ -407,6 +420,15 @@ mod tests {
 
     #[test]
     fn collapse_turns_drafting_off_and_it_comes_back() {
+        let mut c = WindowController::new();
+        // Without a plain step measured, the eighth chain asks for one instead of judging.
+        for _ in 0..HISTORY {
+            let n = c.window().unwrap();
+            assert!(!c.on_chain(chain(n, 0, ChainCase::C)).collapsed);
+        }
+        assert!(c.wants_plain_probe());
+        c.on_plain_step(0.010);
+        assert!(!c.wants_plain_probe());
         let mut c = WindowController::new();
         c.on_plain_step(0.010);
         let mut collapsed_at = None;
