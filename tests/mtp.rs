@@ -468,7 +468,7 @@ impl SpeculativeModel for SecondBest<'_> {
         s: &mut SequenceState,
         r: &Self::Record,
         keep: usize,
-    ) -> Result<(), nebula_engine::model::ModelError> {
+    ) -> Result<nebula_engine::speculative::Rollback, nebula_engine::model::ModelError> {
         self.0.rollback(s, r, keep)
     }
 }

@@ -128,8 +128,9 @@ pub struct ChainRecord {
     ple: Option<PleRecord>,
     /// The pre-mixer bank of every row, `[n, S*d]`.
     bank: Vec<f32>,
+    /// The chain's tokens.
+    tokens: Vec<u32>,
     save_s: f64,
-    realign_s: f64,
 }
 
 impl ChainRecord {
@@ -148,10 +149,6 @@ impl ChainRecord {
     /// Seconds spent saving the state before the chain.
     pub fn save_s(&self) -> f64 {
         self.save_s
-    }
-    /// Seconds spent keeping the MTP cache aligned during the chain's forward.
-    pub fn realign_s(&self) -> f64 {
-        self.realign_s
     }
 }
 
@@ -414,7 +411,8 @@ impl Qwen4Exp {
     /// Runs a speculative chain (the pending token and the drafts after it) in one forward that returns the
     /// logits of every row and keeps what [`Qwen4Exp::rollback_chain`] needs to cut the chain back to any prefix.
     /// Gated DeltaNet runs token by token, so every row's logits are bit for bit those of decoding the rows one
-    /// at a time (level 3 relies on this).
+    /// at a time (level 3 relies on this). The MTP cache is left as it was: [`Qwen4Exp::rollback_chain`], which
+    /// must follow (with `keep` = every row to keep them all), runs its rows for the kept prefix only.
     ///
     /// Errors: as [`Qwen4Exp::forward`]; the state is unchanged on error.
     pub fn forward_chain(&self, state: &mut SequenceState, tokens: &[u32]) -> Result<ChainOutput, ModelError> {
@@ -428,8 +426,8 @@ impl Qwen4Exp {
             gdn: Vec::new(),
             ple: None,
             bank: Vec::new(),
+            tokens: tokens.to_vec(),
             save_s,
-            realign_s: 0.0,
         };
         let opts = ForwardOptions { gdn: GdnAlgorithm::Recurrent };
         let logits = self.forward_inner(state, tokens, LogitsFor::All, opts, Some(&mut record))?;
@@ -439,8 +437,9 @@ impl Qwen4Exp {
     /// Cuts a chain run by [`Qwen4Exp::forward_chain`] back to its first `keep` rows: attention caches and
     /// indexer keys are truncated, Gated DeltaNet and PLE states are rebuilt from the state before the chain by
     /// replaying only their recurrences over the kept rows (no projection, router, MoE or head work is redone),
-    /// and the MTP cache is realigned to the new length. The result equals, bit for bit, the state a forward of
-    /// only the kept rows would have left.
+    /// and the MTP cache is realigned: its rows for the kept prefix run in one batch from the chain's banks (rows
+    /// of rejected drafts are never run). The result equals, bit for bit, the state a forward of only the kept
+    /// rows would have left. Returns the seconds spent realigning the MTP cache.
     ///
     /// Errors: [`ModelError::BadSnapshot`] when `state` is not the state the chain left or `keep` exceeds it.
     pub fn rollback_chain(
@@ -448,15 +447,28 @@ impl Qwen4Exp {
         state: &mut SequenceState,
         record: &ChainRecord,
         keep: usize,
-    ) -> Result<(), ModelError> {
+    ) -> Result<f64, ModelError> {
         let bad = || ModelError::BadSnapshot { snapshot: record.pos0 + keep, current: state.pos };
         if keep > record.n || state.pos != record.pos0 + record.n || record.before.recurrent.len() != self.layers.len()
         {
             return Err(bad());
         }
-        if keep == record.n {
-            return Ok(());
+        if keep < record.n {
+            self.cut_chain(state, record, keep)?;
         }
+        state.pos = record.pos0 + keep;
+        let t = std::time::Instant::now();
+        if keep > 0
+            && let (Some(ms), Some(block)) = (state.mtp.as_mut(), &self.mtp)
+        {
+            let dim = self.config.hc_dim();
+            self.extend_mtp(block, ms, &record.bank[..keep * dim], &record.tokens[..keep], record.pos0);
+        }
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// The trunk part of [`Qwen4Exp::rollback_chain`] (`keep` below the chain's length).
+    fn cut_chain(&self, state: &mut SequenceState, record: &ChainRecord, keep: usize) -> Result<(), ModelError> {
         let new_pos = record.pos0 + keep;
         for (i, (ls, layer)) in state.layers.iter_mut().zip(&self.layers).enumerate() {
             match (ls, &layer.mixer, &record.before.recurrent[i], record.gdn.get(i)) {
@@ -480,17 +492,6 @@ impl Qwen4Exp {
                 _ => return Err(ModelError::BadSnapshot { snapshot: new_pos, current: record.pos0 + record.n }),
             }
         }
-        if let (Some(ms), Some(block)) = (state.mtp.as_mut(), &self.mtp) {
-            block.truncate(&mut ms.attn, new_pos.saturating_sub(1));
-            let dim = self.config.hc_dim();
-            ms.last_bank = if keep > 0 {
-                record.bank[(keep - 1) * dim..keep * dim].to_vec()
-            } else {
-                record.before.mtp_bank.clone().unwrap_or_default()
-            };
-            ms.drafted_with = None;
-        }
-        state.pos = new_pos;
         Ok(())
     }
 
@@ -635,15 +636,14 @@ impl Qwen4Exp {
             layer.mlp_hyper_connection.inject(&mut x, &y, &mixed.inject);
         }
         state.pos = needed;
-        if let (Some(block), Some(ms)) = (&self.mtp, state.mtp.as_mut()) {
-            let t = std::time::Instant::now();
-            self.extend_mtp(block, ms, &x, tokens, pos0);
-            if let Some(r) = record.as_deref_mut() {
-                r.realign_s = t.elapsed().as_secs_f64();
+        match record {
+            // A chain's MTP rows wait for its rollback, which knows which rows are kept.
+            Some(r) => r.bank = x.clone(),
+            None => {
+                if let (Some(block), Some(ms)) = (&self.mtp, state.mtp.as_mut()) {
+                    self.extend_mtp(block, ms, &x, tokens, pos0);
+                }
             }
-        }
-        if let Some(r) = record {
-            r.bank = x.clone();
         }
         let rows: Range<usize> = match want {
             LogitsFor::None => return Ok(Vec::new()),

@@ -236,8 +236,9 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         let rows = self.judge_rows(&chain, &v.logits, &v.coverage, vocab, pos0, limit, sampler, sink)?;
 
         let t = Instant::now();
-        self.model.rollback(state, &v.record, rows.keep).map_err(|e| e.to_string())?;
-        let restore_s = if rows.keep < n + 1 { t.elapsed().as_secs_f64() } else { 0.0 };
+        let rb = self.model.rollback(state, &v.record, rows.keep).map_err(|e| e.to_string())?;
+        let rollback_s = (t.elapsed().as_secs_f64() - rb.realign_s).max(0.0);
+        let restore_s = if rows.keep < n + 1 { rollback_s } else { 0.0 };
 
         let mut next = rows.next;
         let mut finish = rows.finish;
@@ -265,7 +266,7 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
             verify_s: (verify_total - v.save_s - v.realign_s).max(0.0),
             save_s: v.save_s,
             restore_s,
-            realign_s: v.realign_s,
+            realign_s: v.realign_s + rb.realign_s,
             exact_s,
         };
         self.report.add_chain(&sample);

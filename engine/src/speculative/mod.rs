@@ -47,7 +47,15 @@ pub struct Verified<R> {
     pub record: R,
     /// Seconds spent saving the state before the pass.
     pub save_s: f64,
-    /// Seconds spent realigning the MTP cache inside the pass.
+    /// Seconds spent realigning the MTP cache inside the pass (backends that do it there; the CPU model does it
+    /// in the rollback).
+    pub realign_s: f64,
+}
+
+/// What a rollback reports.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Rollback {
+    /// Seconds of it spent realigning the MTP cache to the kept rows.
     pub realign_s: f64,
 }
 
@@ -88,10 +96,11 @@ pub trait SpeculativeModel {
     /// Errors: bad token, context overflow (state unchanged).
     fn verify(&self, state: &mut Self::State, chain: &[u32]) -> Result<Verified<Self::Record>, ModelError>;
 
-    /// Cuts the chain of `record` back to its first `keep` rows.
+    /// Cuts the chain of `record` back to its first `keep` rows and realigns the drafter's cache to them. Called
+    /// after every verify, with `keep` = all rows when everything is kept.
     ///
     /// Errors: `record` is not the state's last chain, or `keep` exceeds it.
-    fn rollback(&self, state: &mut Self::State, record: &Self::Record, keep: usize) -> Result<(), ModelError>;
+    fn rollback(&self, state: &mut Self::State, record: &Self::Record, keep: usize) -> Result<Rollback, ModelError>;
 }
 
 impl SpeculativeModel for Qwen4Exp {
@@ -128,11 +137,11 @@ impl SpeculativeModel for Qwen4Exp {
 
     fn verify(&self, state: &mut SequenceState, chain: &[u32]) -> Result<Verified<ChainRecord>, ModelError> {
         let out = self.forward_chain(state, chain)?;
-        let (save_s, realign_s) = (out.record.save_s(), out.record.realign_s());
-        Ok(Verified { logits: out.logits, coverage: out.coverage, record: out.record, save_s, realign_s })
+        let save_s = out.record.save_s();
+        Ok(Verified { logits: out.logits, coverage: out.coverage, record: out.record, save_s, realign_s: 0.0 })
     }
 
-    fn rollback(&self, state: &mut SequenceState, record: &ChainRecord, keep: usize) -> Result<(), ModelError> {
-        self.rollback_chain(state, record, keep)
+    fn rollback(&self, state: &mut SequenceState, record: &ChainRecord, keep: usize) -> Result<Rollback, ModelError> {
+        Ok(Rollback { realign_s: self.rollback_chain(state, record, keep)? })
     }
 }

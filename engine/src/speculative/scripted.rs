@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use crate::model::ModelError;
 
-use super::{SpeculativeModel, Verified};
+use super::{Rollback, SpeculativeModel, Verified};
 
 /// Which drafts are right.
 #[derive(Debug, Clone)]
@@ -153,7 +153,7 @@ impl<M: SpeculativeModel> SpeculativeModel for ScriptedDrafter<'_, M> {
         Ok(v)
     }
 
-    fn rollback(&self, state: &mut M::State, record: &M::Record, keep: usize) -> Result<(), ModelError> {
+    fn rollback(&self, state: &mut M::State, record: &M::Record, keep: usize) -> Result<Rollback, ModelError> {
         self.inner.rollback(state, record, keep)
     }
 }
