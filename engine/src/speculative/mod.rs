@@ -16,6 +16,17 @@
 //! The drafter proposes `d_1..d_N`; the verify pass consumes `[c, d_1, ..., d_N]` at positions `pos..pos+N`, so
 //! row `i`'s logits judge `d_{i+1}` and row `N`'s give the bonus token. With `m` drafts accepted the state keeps
 //! rows `0..=m` (`pos + m + 1` tokens) and the row-`m` token (bonus or replacement) is the next pending token.
+//!
+//! What another backend provides to plug in (the GPU/hybrid path of SPEC §3):
+//! - `verify`: one batched pass over the chain with the GPU-resident experts only, returning every row's logits
+//!   and, per row, the smallest share over the layers of its normalised router weight that resident experts
+//!   covered (SPEC §3.3); rows under [`COVERAGE_THRESHOLD`] are not trusted (case B). Before the pass it saves
+//!   what a rollback needs (the CPU model snapshots the Gated DeltaNet and PLE states and records the
+//!   projections their updates read; per-token state slots are the other exact option, `shared/design/mtp.md`
+//!   §4) and reports the save time.
+//! - `step`: the exact target for one token, with the CPU handoff of low-coverage experts (case B's token).
+//! - `rollback`: exact, without recomputing kept rows, and it realigns the MTP cache to the kept prefix.
+//! - `draft`: the MTP chain; it may leave its first (target-aligned) row in the MTP cache.
 
 pub mod bench;
 pub mod decoder;
