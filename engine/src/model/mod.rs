@@ -449,7 +449,10 @@ impl Qwen4Exp {
         keep: usize,
     ) -> Result<f64, ModelError> {
         let bad = || ModelError::BadSnapshot { snapshot: record.pos0 + keep, current: state.pos };
-        if keep > record.n || state.pos != record.pos0 + record.n || record.before.recurrent.len() != self.layers.len()
+        if keep > record.n
+            || state.pos != record.pos0 + record.n
+            || record.before.recurrent.len() != self.layers.len()
+            || record.bank.len() != record.n * self.config.hc_dim()
         {
             return Err(bad());
         }

@@ -233,6 +233,9 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         let v = self.model.verify(state, &chain).map_err(|e| e.to_string())?;
         let verify_total = t.elapsed().as_secs_f64();
         let vocab = self.model.vocab();
+        if v.logits.len() != (n + 1) * vocab {
+            return Err(format!("the verify pass returned {} logits for {} rows of {vocab}", v.logits.len(), n + 1));
+        }
         let rows = self.judge_rows(&chain, &v.logits, &v.coverage, vocab, pos0, limit, sampler, sink)?;
 
         let t = Instant::now();
