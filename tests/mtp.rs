@@ -188,12 +188,53 @@ fn chain_rollback_equals_decoding_only_the_kept_tokens() {
     }
 }
 
+/// Largest difference between two states' numbers (every cache and recurrent state, MTP included), relative to
+/// the largest magnitude; `None` when their shapes differ.
+fn state_distance(a: &SequenceState, b: &SequenceState) -> Option<f32> {
+    use nebula_engine::model::state::LayerState;
+    let mut pairs: Vec<(&[f32], &[f32])> = Vec::new();
+    for (x, y) in a.layers.iter().zip(&b.layers) {
+        match (x, y) {
+            (LayerState::LinearAttention(p), LayerState::LinearAttention(q)) => {
+                pairs.push((&p.conv, &q.conv));
+                pairs.push((&p.recurrent, &q.recurrent));
+            }
+            (LayerState::Attention(p), LayerState::Attention(q)) => {
+                pairs.extend([(&p.k[..], &q.k[..]), (&p.v, &q.v), (&p.index_k, &q.index_k), (&p.pooled, &q.pooled)]);
+            }
+            _ => return None,
+        }
+    }
+    match (&a.ple, &b.ple) {
+        (Some(p), Some(q)) if p.context == q.context => pairs.push((&p.conv, &q.conv)),
+        (None, None) => {}
+        _ => return None,
+    }
+    match (&a.mtp, &b.mtp) {
+        (Some(p), Some(q)) => {
+            pairs.extend([(&p.attn.k[..], &q.attn.k[..]), (&p.attn.v, &q.attn.v), (&p.last_bank, &q.last_bank)]);
+        }
+        (None, None) => {}
+        _ => return None,
+    }
+    let mut worst = 0f32;
+    for (x, y) in pairs {
+        if x.len() != y.len() {
+            return None;
+        }
+        let scale = y.iter().fold(1f32, |m, v| m.max(v.abs()));
+        worst = worst.max(x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / scale);
+    }
+    (a.pos == b.pos).then_some(worst)
+}
+
 /// A sink that collects greedy output and, when given plain-decoding states, checks the state after every step or
-/// chain against them.
+/// chain against them (bit for bit) and against a fresh prefill of the same tokens (up to rounding).
 struct Collect<'a> {
     out: Vec<u32>,
     max: usize,
     states: Option<(&'a [SequenceState], usize)>,
+    fresh: Option<(&'a Qwen4Exp, &'a [u32])>,
     checked: usize,
 }
 
@@ -214,6 +255,12 @@ impl TokenSink<SequenceState> for Collect<'_> {
             assert!(state == want, "state at position {} differs from plain decoding", state.pos);
             self.checked += 1;
         }
+        if let Some((model, tokens)) = self.fresh {
+            let mut fresh = model.new_state(state.max_len);
+            model.forward(&mut fresh, &tokens[..state.pos], LogitsFor::None).unwrap();
+            let d = state_distance(state, &fresh).expect("same shapes");
+            assert!(d < 1e-4, "state at {} vs a fresh prefill: {d:.2e}", state.pos);
+        }
     }
 }
 
@@ -225,11 +272,12 @@ fn greedy<M: SpeculativeModel<State = SequenceState>>(
     n: usize,
     opts: SpeculativeOptions,
     states: Option<(&[SequenceState], usize)>,
+    fresh: Option<(&Qwen4Exp, &[u32])>,
 ) -> (Vec<u32>, nebula_engine::speculative::stats::DecodeReport, usize) {
     let mut state = state;
     let limit = state.max_len;
     let mut sampler = Sampler::new(SamplingParams::GREEDY);
-    let mut sink = Collect { out: Vec::new(), max: n, states, checked: 0 };
+    let mut sink = Collect { out: Vec::new(), max: n, states, fresh, checked: 0 };
     let mut dec = SpeculativeDecoder::new(model, opts, None);
     dec.run(&mut state, logits, &mut sampler, &mut sink, limit).unwrap();
     (sink.out, dec.report, sink.checked)
@@ -254,8 +302,8 @@ fn level_3_with_mtp_equals_plain_greedy_on_every_golden_checkpoint() {
         let mut s = model.new_state(prompt.len() + n + 1);
         let logits = model.forward(&mut s, prompt, LogitsFor::Last).unwrap();
         let off = SpeculativeOptions { enabled: false, ..Default::default() };
-        let (plain, _, _) = greedy(model, s.clone(), logits.clone(), n, off, None);
-        let (spec, report, _) = greedy(model, s, logits, n, SpeculativeOptions::default(), None);
+        let (plain, _, _) = greedy(model, s.clone(), logits.clone(), n, off, None, None);
+        let (spec, report, _) = greedy(model, s, logits, n, SpeculativeOptions::default(), None, None);
         println!(
             "{name}: {} tokens, {} drafts, {} accepted, chains A/B/C {:?}, {} plain steps, collapses {}",
             spec.len(),
@@ -283,7 +331,7 @@ fn scripted_drafter_drives_every_case_with_exact_states() {
     let mut s0 = model.new_state(p + n + 1);
     let logits0 = model.forward(&mut s0, &prompt, LogitsFor::Last).unwrap();
     let off = SpeculativeOptions { enabled: false, ..Default::default() };
-    let (truth, _, _) = greedy(&model, s0.clone(), logits0.clone(), n, off, None);
+    let (truth, _, _) = greedy(&model, s0.clone(), logits0.clone(), n, off, None, None);
     let mut reference = prompt.clone();
     reference.extend_from_slice(&truth);
     let (states, _) = plain_states(&model, &reference, p, p + n + 1);
@@ -315,7 +363,7 @@ fn scripted_drafter_drives_every_case_with_exact_states() {
         realign: 0.0002,
     };
     let opts = SpeculativeOptions { fixed_costs: Some(costs), ..Default::default() };
-    let (out, report, checked) = greedy(&drafter, s0, logits0, n, opts, Some((&states, p)));
+    let (out, report, checked) = greedy(&drafter, s0, logits0, n, opts, Some((&states, p)), Some((&model, &reference)));
     let log = drafter.log();
     let windows: Vec<usize> = log.iter().map(|c| c.tokens.len()).collect();
     println!("windows {windows:?}");
