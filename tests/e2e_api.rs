@@ -359,6 +359,7 @@ async fn metrics_openapi_and_models() {
         "nebula:draft_recoveries_total",
         "nebula:draft_phase_seconds_total{phase=\"verify\"}",
         "nebula:mtp_enabled",
+        "nebula:draft_acceptance_ratio",
     ] {
         assert!(text.lines().any(|l| l.starts_with(name)), "{name} missing:\n{text}");
     }

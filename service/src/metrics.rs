@@ -17,8 +17,9 @@
 //! target for low resident-expert coverage, `C` a draft rejected), `nebula:draft_window_chains_total{window}`
 //! (chains per draft window size 4..16), `nebula:draft_collapses_total` and `nebula:draft_recoveries_total`
 //! (drafting turned off for a request because it lost time, and back on after the cooldown),
-//! `nebula:draft_phase_seconds_total{phase}` (time in `draft`, `verify`, `save`, `restore`, `realign`, `exact`) and
-//! `nebula:mtp_enabled` (1 when the served model drafts).
+//! `nebula:draft_phase_seconds_total{phase}` (time in `draft`, `verify`, `save`, `restore`, `realign`, `exact`),
+//! `nebula:draft_acceptance_ratio` (recent acceptance, exponentially averaged over chains) and `nebula:mtp_enabled`
+//! (1 when the served model drafts).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -29,8 +30,8 @@ use axum::response::{IntoResponse, Response};
 use nebula_engine::speculative::stats::PHASES;
 use nebula_engine::speculative::window::{MAX_WINDOW, MIN_WINDOW};
 use prometheus::{
-    CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    CounterVec, Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::state::{AppState, LoadState};
@@ -69,6 +70,7 @@ pub struct Metrics {
     draft_collapses: IntCounter,
     draft_recoveries: IntCounter,
     draft_phase_seconds: CounterVec,
+    draft_acceptance: Gauge,
     mtp_enabled: IntGauge,
 }
 
@@ -205,6 +207,15 @@ impl Metrics {
                 r.register(Box::new(c.clone())).expect("unique metric");
                 c
             },
+            draft_acceptance: {
+                let g = Gauge::new(
+                    "nebula:draft_acceptance_ratio",
+                    "Recent MTP acceptance: accepted / proposed drafts per chain, exponentially averaged.",
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
             mtp_enabled: gauge("nebula:mtp_enabled", "1 when the served model drafts with its MTP block."),
             registry: r,
         }
@@ -286,6 +297,7 @@ impl Metrics {
             let spec = &stats.speculative;
             let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as usize;
             self.mtp_enabled.set(i64::from(engine.has_mtp()));
+            self.draft_acceptance.set(spec.recent_acceptance());
             set(&self.draft_tokens, load(&spec.drafted));
             set(&self.draft_accepted, load(&spec.accepted));
             for (case, n) in ["A", "B", "C"].iter().zip(&spec.chains) {

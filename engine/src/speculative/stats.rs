@@ -133,6 +133,16 @@ pub struct SpecStats {
     pub recoveries: AtomicU64,
     /// Microseconds per phase: `[draft, verify, save, restore, realign, exact]`.
     pub phase_us: [AtomicU64; 6],
+    /// Recent acceptance (accepted / proposed drafts per chain, exponentially averaged with weight 0.05 per
+    /// chain), as `f64` bits; read with [`SpecStats::recent_acceptance`].
+    recent_acceptance: AtomicU64,
+}
+
+impl SpecStats {
+    /// Recent acceptance in [0, 1] (0 before any chain).
+    pub fn recent_acceptance(&self) -> f64 {
+        f64::from_bits(self.recent_acceptance.load(Ordering::Relaxed))
+    }
 }
 
 /// Names of [`SpecStats::phase_us`] entries, in order.
@@ -147,6 +157,15 @@ impl SpecStats {
         self.chains[case_index(s.case)].fetch_add(1, r);
         if let Some(w) = self.windows.get(s.window) {
             w.fetch_add(1, r);
+        }
+        if s.window > 0 {
+            let a = s.accepted as f64 / s.window as f64;
+            let _ = self.recent_acceptance.fetch_update(r, r, |bits| {
+                let old = f64::from_bits(bits);
+                // Bits 0 (0.0) mean "no chain yet": the first chain sets the value.
+                let new = if bits == 0 { a } else { 0.95 * old + 0.05 * a };
+                Some(if new == 0.0 { f64::MIN_POSITIVE.to_bits() } else { new.to_bits() })
+            });
         }
         let us = |x: f64| (x * 1e6).max(0.0) as u64;
         for (slot, v) in
