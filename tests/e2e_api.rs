@@ -423,6 +423,13 @@ async fn metrics_openapi_and_models() {
         "nebula:expert_prefetch_total",
         "nebula:draft_tokens_total",
         "nebula:draft_accepted_tokens_total",
+        "nebula:draft_chains_total{case=\"A\"}",
+        "nebula:draft_window_chains_total{window=\"16\"}",
+        "nebula:draft_collapses_total",
+        "nebula:draft_recoveries_total",
+        "nebula:draft_phase_seconds_total{phase=\"verify\"}",
+        "nebula:mtp_enabled",
+        "nebula:draft_acceptance_ratio",
     ] {
         assert!(text.lines().any(|l| l.starts_with(name)), "{name} missing:\n{text}");
     }

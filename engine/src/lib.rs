@@ -16,6 +16,7 @@ pub mod placement;
 pub mod prefix_cache;
 pub mod quant;
 pub mod sampling;
+pub mod speculative;
 pub mod synth;
 pub mod text;
 pub mod worker;

@@ -175,11 +175,12 @@ mod tests {
             max_len: 1 << 20,
             layers: vec![LayerState::LinearAttention(gdn.clone())],
             ple: None,
+            mtp: None,
         };
         let checkpoints = at
             .iter()
             .map(|&pos| Checkpoint {
-                snapshot: Snapshot { pos, recurrent: vec![Some(gdn.clone())], ple: None },
+                snapshot: Snapshot { pos, recurrent: vec![Some(gdn.clone())], ple: None, mtp_bank: None },
                 logits: None,
             })
             .collect();

@@ -212,6 +212,71 @@ impl Sampler {
         &self.params
     }
 
+    /// The distribution [`Sampler::sample`] draws from for `logits` (after top-k, temperature, top-p and min-p),
+    /// as `(token, probability)` pairs summing to 1, most likely first; a greedy sampler gives its one token with
+    /// probability 1. Empty only if no token is possible. Speculative sampling accepts drafts against it.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        let p = self.params;
+        if p.is_greedy() {
+            return argmax(logits).map(|i| vec![(i as u32, 1.0)]).unwrap_or_default();
+        }
+        let mut cand: Vec<(u32, f32)> =
+            logits.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v)).collect();
+        if cand.is_empty() {
+            return Vec::new();
+        }
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.select_nth_unstable_by(p.top_k - 1, by_logit);
+            cand.truncate(p.top_k);
+        }
+        cand.sort_unstable_by(by_logit);
+        let max = cand[0].1 as f64;
+        let t = p.temperature as f64;
+        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= total);
+        let mut keep = probs.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (i, &q) in probs.iter().enumerate() {
+                acc += q;
+                if acc >= p.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let floor = probs[0] * p.min_p as f64;
+            keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+        }
+        let mass: f64 = probs[..keep].iter().sum();
+        cand[..keep].iter().zip(&probs[..keep]).map(|(c, &q)| (c.0, q / mass)).collect()
+    }
+
+    /// A uniform draw in `[0, 1)` from the request's random stream.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+
+    /// Draws a token from `(token, weight)` pairs (weights need not sum to 1); `None` when every weight is 0.
+    pub fn draw(&mut self, weights: &[(u32, f64)]) -> Option<u32> {
+        let mass: f64 = weights.iter().map(|w| w.1.max(0.0)).sum();
+        if mass.is_nan() || mass <= 0.0 {
+            return None;
+        }
+        let mut r = self.uniform() * mass;
+        for &(t, w) in weights {
+            let w = w.max(0.0);
+            if r < w {
+                return Some(t);
+            }
+            r -= w;
+        }
+        weights.iter().rev().find(|w| w.1 > 0.0).map(|w| w.0)
+    }
+
     /// Chooses a token id from `logits` (one row, `vocab` values). `None` only if no token is possible.
     pub fn sample(&mut self, logits: &[f32]) -> Option<u32> {
         let p = self.params;

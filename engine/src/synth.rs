@@ -64,6 +64,8 @@ pub struct SynthOptions {
     pub vocab: usize,
     /// Trained context written to the metadata.
     pub context_length: usize,
+    /// Also write the MTP block (`blk.{layers}.nextn.*` + a dense attention block), as `nebula convert` does.
+    pub mtp: bool,
 }
 
 impl Default for SynthOptions {
@@ -77,6 +79,7 @@ impl Default for SynthOptions {
             experts: 512,
             vocab: 248_320,
             context_length: 262_144,
+            mtp: true,
         }
     }
 }
@@ -381,6 +384,44 @@ fn plan(opts: &SynthOptions, router: Init) -> Vec<Spec> {
             push(format!("{b}.ple_conv1d.weight"), vec![4, dd], GgmlType::F32, Init::Noise { mean: 0.0, std: 0.3 });
         }
     }
+    if opts.mtp {
+        let b = format!("blk.{}", opts.layers);
+        push(format!("{b}.nextn.eh_proj.weight"), vec![2 * D, D], mat(2 * D), noise(2 * D));
+        push(format!("{b}.nextn.enorm.weight"), vec![D], GgmlType::F32, ones);
+        push(format!("{b}.nextn.hnorm.weight"), vec![dd], GgmlType::F32, ones);
+        push(format!("{b}.nextn.hc_head_norm.weight"), vec![dd], GgmlType::F32, ones);
+        push(format!("{b}.nextn.hc_head_down.weight"), vec![dd, RANK], mat(dd), noise(dd));
+        push(format!("{b}.nextn.hc_head_up.weight"), vec![RANK, dd], nl(RANK), noise(RANK));
+        for gg in ["hc_attn", "hc_ffn"] {
+            push(format!("{b}.{gg}_norm.weight"), vec![dd], GgmlType::F32, ones);
+            push(format!("{b}.{gg}_down.weight"), vec![dd, RANK], mat(dd), noise(dd));
+            push(format!("{b}.{gg}_up.weight"), vec![RANK, dd], nl(RANK), noise(RANK));
+            push(format!("{b}.{gg}_inject.weight"), vec![dd, HC], mat(dd), noise(dd));
+        }
+        push(format!("{b}.attn_q.weight"), vec![D, HEADS * HEAD_DIM * 2], mat(D), noise(D));
+        push(format!("{b}.attn_k.weight"), vec![D, KV_HEADS * HEAD_DIM], mat(D), noise(D));
+        push(format!("{b}.attn_v.weight"), vec![D, KV_HEADS * HEAD_DIM], mat(D), noise(D));
+        push(
+            format!("{b}.attn_output.weight"),
+            vec![HEADS * HEAD_DIM, D],
+            mat(HEADS * HEAD_DIM),
+            resid(HEADS * HEAD_DIM),
+        );
+        push(format!("{b}.attn_q_norm.weight"), vec![HEAD_DIM], GgmlType::F32, ones);
+        push(format!("{b}.attn_k_norm.weight"), vec![HEAD_DIM], GgmlType::F32, ones);
+        push(format!("{b}.indexer.q_proj.weight"), vec![D, IDX_HEADS * IDX_DIM], idx_ty, noise(D));
+        push(format!("{b}.indexer.k_proj.weight"), vec![D, IDX_DIM], idx_ty, noise(D));
+        push(format!("{b}.indexer.q_norm.weight"), vec![IDX_DIM], GgmlType::F32, ones);
+        push(format!("{b}.indexer.k_norm.weight"), vec![IDX_DIM], GgmlType::F32, ones);
+        push(format!("{b}.ffn_gate_inp.weight"), vec![D, e], GgmlType::F32, router);
+        push(format!("{b}.ffn_gate_exps.weight"), vec![D, FF, e], mat(D), noise(D));
+        push(format!("{b}.ffn_up_exps.weight"), vec![D, FF, e], mat(D), noise(D));
+        push(format!("{b}.ffn_down_exps.weight"), vec![FF, D, e], nl(FF), resid(FF));
+        push(format!("{b}.ffn_gate_shexp.weight"), vec![D, FF], mat(D), noise(D));
+        push(format!("{b}.ffn_up_shexp.weight"), vec![D, FF], mat(D), noise(D));
+        push(format!("{b}.ffn_down_shexp.weight"), vec![FF, D], nl(FF), resid(FF));
+        push(format!("{b}.ffn_gate_inp_shexp.weight"), vec![D], GgmlType::F32, noise(D));
+    }
     let table_rows = head_sizes(opts.ngram_rows_per_head, 16).iter().sum::<u64>().div_ceil(128) * 128;
     push(
         "per_layer_token_embd.weight".into(),
@@ -426,7 +467,10 @@ pub fn synth(out: &Path, opts: &SynthOptions, tokenizer_from: &GgufFile) -> Resu
     let u = |x: usize| x as u32;
     w.add_kv("general.architecture", a)?;
     w.add_kv("general.name", format!("nebula-synth-{}l", opts.layers).as_str())?;
-    w.add_kv(format!("{a}.block_count"), u(opts.layers))?;
+    w.add_kv(format!("{a}.block_count"), u(opts.layers + usize::from(opts.mtp)))?;
+    if opts.mtp {
+        w.add_kv(format!("{a}.nextn_predict_layers"), 1u32)?;
+    }
     w.add_kv(format!("{a}.context_length"), u(opts.context_length))?;
     w.add_kv(format!("{a}.embedding_length"), u(D))?;
     w.add_kv(format!("{a}.attention.head_count"), u(HEADS))?;
@@ -452,7 +496,10 @@ pub fn synth(out: &Path, opts: &SynthOptions, tokenizer_from: &GgufFile) -> Resu
     w.add_kv(format!("{a}.attention.indexer.head_count"), u(IDX_HEADS))?;
     w.add_kv(format!("{a}.attention.indexer.key_length"), u(IDX_DIM))?;
     w.add_kv(format!("{a}.attention.indexer.top_k"), 2048u32)?;
-    let ratios: Vec<i32> = (0..opts.layers).map(|i| if (i + 1) % 4 == 0 { 4 } else { 0 }).collect();
+    let mut ratios: Vec<i32> = (0..opts.layers).map(|i| if (i + 1) % 4 == 0 { 4 } else { 0 }).collect();
+    if opts.mtp {
+        ratios.push(0);
+    }
     w.add_kv(format!("{a}.attention.compress_ratios"), ratios)?;
     w.add_kv(format!("{a}.ple.layers"), vec![1i32])?;
     w.add_kv(format!("{a}.ple.ngram_size"), 3u32)?;
@@ -531,6 +578,116 @@ pub fn synth(out: &Path, opts: &SynthOptions, tokenizer_from: &GgufFile) -> Resu
     let files = data.finish()?;
     let _ = MetadataValue::U32(0);
     Ok(SynthReport { files, data_bytes: bytes, fitted_shares: fitted })
+}
+
+/// Copies the `qwen4exp` GGUF `input` to `output` (every key and tensor byte for byte) and appends a random-weight
+/// MTP block at the model's own widths (F32, `blk.{n_layer}.nextn.*` plus a dense attention block, as `nebula
+/// convert` writes it): a model without MTP can then exercise the speculative machinery. Random weights draft
+/// badly; only the machinery and its exactness are meaningful.
+///
+/// Errors: the input is not a readable `qwen4exp` file, already has an MTP block, or the output cannot be
+/// written.
+pub fn append_random_mtp(input: &Path, output: &Path, seed: u64) -> Result<PathBuf, crate::model::ModelError> {
+    use crate::model::{ModelConfig, ModelError};
+    let file = GgufFile::open(input)?;
+    let cfg = ModelConfig::from_gguf(&file)?;
+    let bad = |problem: &str| ModelError::Metadata {
+        file: input.display().to_string(),
+        key: "qwen4exp.nextn_predict_layers".into(),
+        problem: problem.into(),
+    };
+    if cfg.n_nextn > 0 {
+        return Err(bad("the model already has an MTP block"));
+    }
+    let a = "qwen4exp";
+    let (d, s, r) = (cfg.hidden, cfg.hc_count, cfg.hc_lowrank);
+    let dd = s * d;
+    let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
+    let (e, ff, sff) = (cfg.n_expert, cfg.expert_ff, cfg.shared_ff);
+    let b = format!("blk.{}", cfg.n_layer);
+    let noise = |cols: usize| Init::Noise { mean: 0.0, std: 1.0 / (cols as f32).sqrt() };
+    let resid = |cols: usize| Init::Noise { mean: 0.0, std: 0.3 / (cols as f32).sqrt() };
+    let ones = Init::Noise { mean: 1.0, std: 0.1 };
+    let mut specs: Vec<Spec> = Vec::new();
+    let mut push = |name: String, dims: Vec<usize>, init: Init| {
+        specs.push(Spec { name, dims: dims.into_iter().map(|x| x as u64).collect(), ty: GgmlType::F32, init })
+    };
+    push(format!("{b}.nextn.eh_proj.weight"), vec![2 * d, d], noise(2 * d));
+    push(format!("{b}.nextn.enorm.weight"), vec![d], ones);
+    push(format!("{b}.nextn.hnorm.weight"), vec![dd], ones);
+    push(format!("{b}.nextn.hc_head_norm.weight"), vec![dd], ones);
+    push(format!("{b}.nextn.hc_head_down.weight"), vec![dd, r], noise(dd));
+    push(format!("{b}.nextn.hc_head_up.weight"), vec![r, dd], noise(r));
+    for gg in ["hc_attn", "hc_ffn"] {
+        push(format!("{b}.{gg}_norm.weight"), vec![dd], ones);
+        push(format!("{b}.{gg}_down.weight"), vec![dd, r], noise(dd));
+        push(format!("{b}.{gg}_up.weight"), vec![r, dd], noise(r));
+        push(format!("{b}.{gg}_inject.weight"), vec![dd, s], noise(dd));
+    }
+    push(format!("{b}.attn_q.weight"), vec![d, nh * hd * 2], noise(d));
+    push(format!("{b}.attn_k.weight"), vec![d, nkv * hd], noise(d));
+    push(format!("{b}.attn_v.weight"), vec![d, nkv * hd], noise(d));
+    push(format!("{b}.attn_output.weight"), vec![nh * hd, d], resid(nh * hd));
+    push(format!("{b}.attn_q_norm.weight"), vec![hd], ones);
+    push(format!("{b}.attn_k_norm.weight"), vec![hd], ones);
+    push(format!("{b}.ffn_gate_inp.weight"), vec![d, e], noise(d));
+    push(format!("{b}.ffn_gate_exps.weight"), vec![d, ff, e], noise(d));
+    push(format!("{b}.ffn_up_exps.weight"), vec![d, ff, e], noise(d));
+    push(format!("{b}.ffn_down_exps.weight"), vec![ff, d, e], resid(ff));
+    push(format!("{b}.ffn_gate_shexp.weight"), vec![d, sff], noise(d));
+    push(format!("{b}.ffn_up_shexp.weight"), vec![d, sff], noise(d));
+    push(format!("{b}.ffn_down_shexp.weight"), vec![sff, d], resid(sff));
+    push(format!("{b}.ffn_gate_inp_shexp.weight"), vec![d], noise(d));
+
+    let mut w = GgufWriter::create(output, file.alignment() as u32)?;
+    for (k, v) in file.metadata().entries() {
+        let value = match k.as_str() {
+            "general.alignment" => continue,
+            k if k.starts_with("split.") => continue,
+            k if k == format!("{a}.block_count") => MetadataValue::U32(cfg.n_layer as u32 + 1),
+            k if k == format!("{a}.attention.compress_ratios") => {
+                let mut r: Vec<i32> = (0..cfg.n_layer)
+                    .map(|i| match cfg.layer_kinds[i] {
+                        crate::model::LayerKind::IndexedAttention { compress_ratio } => compress_ratio as i32,
+                        crate::model::LayerKind::LinearAttention => 0,
+                    })
+                    .collect();
+                r.push(0);
+                r.into()
+            }
+            k if k == format!("{a}.attention.recurrent_layers") => {
+                let mut r: Vec<MetadataValue> = cfg
+                    .layer_kinds
+                    .iter()
+                    .map(|k| MetadataValue::Bool(*k == crate::model::LayerKind::LinearAttention))
+                    .collect();
+                r.push(MetadataValue::Bool(false));
+                MetadataValue::Array(crate::gguf::MetadataArray::new(crate::gguf::ValueType::Bool, r))
+            }
+            _ => v.clone(),
+        };
+        w.add_kv(k.clone(), value)?;
+    }
+    w.add_kv(format!("{a}.nextn_predict_layers"), 1u32)?;
+    for t in file.tensors() {
+        w.add_tensor(t.name.clone(), &t.dims, t.ggml_type)?;
+    }
+    for sp in &specs {
+        w.add_tensor(sp.name.clone(), &sp.dims, sp.ty)?;
+    }
+    let mut data = w.begin_data()?;
+    for t in file.tensors() {
+        data.write_tensor(&t.name, file.tensor_data(t))?;
+    }
+    for (i, sp) in specs.iter().enumerate() {
+        let cols = sp.dims[0] as usize;
+        let rows: usize = sp.dims[1..].iter().product::<u64>().max(1) as usize;
+        let mut rng = Rng::new(seed ^ ((i as u64 + 1) << 32));
+        let mut out = Vec::with_capacity(rows * cols * 4);
+        fill_rows(sp.ty, cols, 0, rows, sp.init, &mut rng, &mut out);
+        data.write_tensor(&sp.name, &out)?;
+    }
+    Ok(data.finish()?.into_iter().next().unwrap_or_else(|| output.to_path_buf()))
 }
 
 #[cfg(test)]

@@ -11,6 +11,10 @@
 //! prompt and prefills only the rest; its own state and checkpoints are cached when it ends. A request may carry
 //! a [`TokenConstraint`] (a grammar) that masks the logits before each draw, and ask for log-probabilities.
 //! A repetition guard ends output that loops on one short pattern ([`FinishReason::Repetition`]).
+//!
+//! Decoding runs through [`SpeculativeDecoder`]: with an MTP block loaded (and the server's switch on) the
+//! model drafts chains that the target verifies in one pass (`crate::speculative`), at the request's
+//! [`AccuracyLevel`]; otherwise, and whenever drafting does not pay, it decodes one token per step.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -20,10 +24,12 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 use crate::gguf::GgufFile;
-use crate::model::{LogitsFor, ModelConfig, ModelError, Qwen4Exp, SequenceState};
+use crate::model::{LoadOptions, LogitsFor, ModelConfig, ModelError, Qwen4Exp, SequenceState};
 use crate::placement::{PlacementOptions, PlacementReport, PlacementStats};
 use crate::prefix_cache::{CacheEntry, Checkpoint, PrefixCache, PrefixCacheOptions};
 use crate::sampling::{Sampler, SamplingParams, TokenConstraint, TokenLogprobs, logprobs_of};
+use crate::speculative::decoder::{Flow, SpeculativeDecoder, SpeculativeOptions, TokenSink};
+use crate::speculative::{AccuracyLevel, SpecStats};
 use crate::text::chat_template::{ChatTemplate, TemplateError};
 use crate::text::tokenizer::{GgufVocab, TextTokenizer, TokenizerError};
 
@@ -100,6 +106,10 @@ pub struct Usage {
     pub prefill_ms: f64,
     /// Decode time after the first token, ms.
     pub decode_ms: f64,
+    /// MTP draft tokens proposed for this request.
+    pub draft_tokens: usize,
+    /// Of those, accepted.
+    pub accepted_draft_tokens: usize,
 }
 
 /// What the worker reports for a request, in order: [`GenerationEvent::Started`], any number of
@@ -195,6 +205,10 @@ pub struct GenerateRequest {
     pub repetition_guard: Option<RepetitionGuard>,
     /// Use and fill the prefix cache.
     pub use_prefix_cache: bool,
+    /// How strictly MTP drafts are verified (greedy requests; sampling uses speculative sampling).
+    pub accuracy_level: AccuracyLevel,
+    /// Allow MTP drafting for this request (when the model and server have it).
+    pub speculative: bool,
 }
 
 impl GenerateRequest {
@@ -212,6 +226,8 @@ impl GenerateRequest {
             prefill_chunk: None,
             repetition_guard: None,
             use_prefix_cache: true,
+            accuracy_level: AccuracyLevel::Strict,
+            speculative: true,
         }
     }
 }
@@ -227,11 +243,20 @@ pub struct EngineOptions {
     pub prefix_cache: PrefixCacheOptions,
     /// Where the experts and the n-gram table go (`None`: everything read through the memory map).
     pub placement: Option<PlacementOptions>,
+    /// MTP speculative decoding (server switch): load the model's MTP block and draft with it. Off, the block is
+    /// not loaded at all.
+    pub mtp: bool,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { max_context: None, queue_capacity: 64, prefix_cache: PrefixCacheOptions::default(), placement: None }
+        Self {
+            max_context: None,
+            queue_capacity: 64,
+            prefix_cache: PrefixCacheOptions::default(),
+            placement: None,
+            mtp: true,
+        }
     }
 }
 
@@ -248,6 +273,8 @@ pub struct EngineStats {
     pub cache_entries: AtomicUsize,
     /// Bytes the prefix cache holds now.
     pub cache_bytes: AtomicUsize,
+    /// MTP speculative decoding.
+    pub speculative: SpecStats,
 }
 
 struct Job {
@@ -271,6 +298,7 @@ pub struct Engine {
     name: String,
     placement: Arc<PlacementReport>,
     placement_stats: Arc<PlacementStats>,
+    mtp: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -324,13 +352,14 @@ impl Engine {
             .flatten()
             .map(str::to_string)
             .unwrap_or_else(|| path.file_stem().map_or("model".into(), |s| s.to_string_lossy().into_owned()));
-        let mut model = Qwen4Exp::from_gguf(file)?;
+        let mut model = Qwen4Exp::from_gguf_with(file, LoadOptions { mtp: opts.mtp })?;
         if let Some(p) = &opts.placement {
             model.place(p).map_err(ModelError::from)?;
         }
         let placement = Arc::new(model.placement_report());
         let placement_stats = model.placement_stats();
         let config = model.config.clone();
+        let mtp = model.mtp().is_some();
         // End of turn: <|im_end|> and <|endoftext|> by name, plus the file's EOS id.
         let mut stop_tokens: Vec<u32> =
             ["<|im_end|>", "<|endoftext|>"].iter().filter_map(|t| tokenizer.token_to_id(t)).collect();
@@ -372,6 +401,7 @@ impl Engine {
             name,
             placement,
             placement_stats,
+            mtp,
         })
     }
 
@@ -444,6 +474,83 @@ impl Engine {
     /// The placement's counters (expert uses by tier, SSD reads), live.
     pub fn placement_stats(&self) -> &Arc<PlacementStats> {
         &self.placement_stats
+    }
+    /// Whether the model drafts with its MTP block (the file has one and the server switch is on).
+    pub fn has_mtp(&self) -> bool {
+        self.mtp
+    }
+}
+
+/// The worker's per-token rules for one request (grammar, events, stop rules, checkpoints), driven by the
+/// decode loop.
+struct RequestSink<'a> {
+    req: &'a GenerateRequest,
+    events: &'a mpsc::UnboundedSender<GenerationEvent>,
+    stop_tokens: &'a [u32],
+    output: Vec<u32>,
+    completion_tokens: usize,
+    checkpoints: &'a mut Vec<Checkpoint>,
+    use_cache: bool,
+    prompt_len: usize,
+    interval: usize,
+    next_checkpoint: usize,
+}
+
+impl RequestSink<'_> {
+    fn constraint<T>(
+        &self,
+        f: impl FnOnce(&mut Box<dyn TokenConstraint>) -> Result<T, String>,
+    ) -> Result<Option<T>, String> {
+        match &self.req.constraint {
+            None => Ok(None),
+            Some(c) => {
+                let mut guard =
+                    c.0.lock().map_err(|_| "constrained decoding: the constraint's lock is poisoned".to_owned())?;
+                f(&mut guard).map(Some).map_err(|e| format!("constrained decoding: {e}"))
+            }
+        }
+    }
+}
+
+impl TokenSink<SequenceState> for RequestSink<'_> {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        self.constraint(|c| c.mask(logits)).map(|_| ())
+    }
+
+    fn commit(&mut self, token: u32, logits: &[f32], room: bool) -> Result<Flow, String> {
+        let req = self.req;
+        if (!req.ignore_eos && self.stop_tokens.contains(&token)) || req.stop_tokens.contains(&token) {
+            return Ok(Flow::Finish(FinishReason::Stop));
+        }
+        self.constraint(|c| c.commit(token))?;
+        let lp = req.logprobs.map(|n| logprobs_of(logits, token, n));
+        self.completion_tokens += 1;
+        self.output.push(token);
+        if self.events.send(GenerationEvent::Token { id: token, logprobs: lp }).is_err() {
+            return Ok(Flow::Finish(FinishReason::Cancelled));
+        }
+        if self.completion_tokens >= req.max_tokens || !room {
+            return Ok(Flow::Finish(FinishReason::Length));
+        }
+        if req.repetition_guard.is_some_and(|g| g.trips(&self.output)) {
+            return Ok(Flow::Finish(FinishReason::Repetition));
+        }
+        if req.cancel.load(Ordering::Relaxed) || self.events.is_closed() {
+            return Ok(Flow::Finish(FinishReason::Cancelled));
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn remaining(&self) -> usize {
+        self.req.max_tokens.saturating_sub(self.completion_tokens)
+    }
+
+    fn consumed(&mut self, state: &SequenceState) {
+        if self.use_cache && state.pos >= self.next_checkpoint {
+            self.checkpoints.push(Checkpoint { snapshot: state.snapshot(), logits: None });
+            let done = (state.pos - self.prompt_len) / self.interval;
+            self.next_checkpoint = self.prompt_len + (done + 1) * self.interval;
+        }
     }
 }
 
@@ -542,6 +649,8 @@ impl Worker {
             queue_ms,
             prefill_ms: 0.0,
             decode_ms: 0.0,
+            draft_tokens: 0,
+            accepted_draft_tokens: 0,
         };
         let finish = |reason: FinishReason, usage: Usage| {
             let _ = events.send(GenerationEvent::Finished { reason, usage });
@@ -581,59 +690,29 @@ impl Worker {
 
         let t1 = Instant::now();
         let interval = self.cache.options().interval.max(1);
-        let mut output: Vec<u32> = Vec::new();
-        let reason = loop {
-            if usage.completion_tokens >= req.max_tokens {
-                break FinishReason::Length;
-            }
-            sampler.apply_penalties(&mut logits);
-            if let Some(c) = &req.constraint {
-                let masked =
-                    c.0.lock()
-                        .map_err(|_| "the constraint's lock is poisoned".to_owned())
-                        .and_then(|mut c| c.mask(&mut logits));
-                if let Err(e) = masked {
-                    return fail(format!("constrained decoding: {e}"));
-                }
-            }
-            let Some(next) = sampler.sample(&logits) else {
-                return fail("every token has probability 0".into());
-            };
-            if (!req.ignore_eos && self.stop_tokens.contains(&next)) || req.stop_tokens.contains(&next) {
-                break FinishReason::Stop;
-            }
-            if let Some(c) = &req.constraint {
-                let committed =
-                    c.0.lock()
-                        .map_err(|_| "the constraint's lock is poisoned".to_owned())
-                        .and_then(|mut c| c.commit(next));
-                if let Err(e) = committed {
-                    return fail(format!("constrained decoding: {e}"));
-                }
-            }
-            let lp = req.logprobs.map(|n| logprobs_of(&logits, next, n));
-            sampler.accept(next);
-            usage.completion_tokens += 1;
-            output.push(next);
-            if events.send(GenerationEvent::Token { id: next, logprobs: lp }).is_err() {
-                break FinishReason::Cancelled;
-            }
-            if usage.completion_tokens >= req.max_tokens || state.pos + 1 > limit {
-                break FinishReason::Length;
-            }
-            if req.repetition_guard.is_some_and(|g| g.trips(&output)) {
-                break FinishReason::Repetition;
-            }
-            if cancelled() {
-                break FinishReason::Cancelled;
-            }
-            match self.model.forward(&mut state, &[next], LogitsFor::Last) {
-                Ok(l) => logits = l,
-                Err(e) => return fail(e.to_string()),
-            }
-            if use_cache && (state.pos - prompt.len()) % interval == 0 {
-                checkpoints.push(Checkpoint { snapshot: state.snapshot(), logits: None });
-            }
+        let opts =
+            SpeculativeOptions { enabled: req.speculative, level: req.accuracy_level, ..SpeculativeOptions::default() };
+        let mut decoder = SpeculativeDecoder::new(&self.model, opts, Some(&self.stats.speculative));
+        let mut sink = RequestSink {
+            req: &req,
+            events: &events,
+            stop_tokens: &self.stop_tokens,
+            output: Vec::new(),
+            completion_tokens: 0,
+            checkpoints: &mut checkpoints,
+            use_cache,
+            prompt_len: prompt.len(),
+            interval,
+            next_checkpoint: prompt.len() + interval,
+        };
+        let outcome = decoder.run(&mut state, logits, &mut sampler, &mut sink, limit);
+        let output = std::mem::take(&mut sink.output);
+        usage.completion_tokens = sink.completion_tokens;
+        usage.draft_tokens = decoder.report.drafted;
+        usage.accepted_draft_tokens = decoder.report.accepted;
+        let reason = match outcome {
+            Ok(o) => o.reason,
+            Err(e) => return fail(e),
         };
         usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
         finish(reason, usage);

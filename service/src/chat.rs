@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use nebula_engine::sampling::SamplingParams;
+use nebula_engine::speculative::AccuracyLevel;
 use nebula_engine::text::chat_template::{RenderRequest, TemplateError};
 use nebula_engine::text::output::{ParseOptions, prompt_ends_in_reasoning};
 use nebula_engine::worker::{GenerateRequest, RepetitionGuard};
@@ -243,6 +244,9 @@ pub fn prepare(
     request.logprobs = logprobs;
     request.prefill_chunk = Some(prefill_chunk);
     request.repetition_guard = repetition_guard(defaults, ignore_eos);
+    if let Some(level) = req.accuracy_level.and_then(AccuracyLevel::from_number) {
+        request.accuracy_level = level;
+    }
     Ok(PreparedChat {
         generation: Generation { request, parse, stop, constraint, model: model.clone() },
         n,

@@ -196,6 +196,21 @@ impl Default for PrefixCacheConfig {
     }
 }
 
+/// MTP speculative decoding (`[mtp]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MtpConfig {
+    /// Draft with the model's MTP block when it has one (greedy requests are verified at their
+    /// `accuracy_level`, sampled ones by speculative sampling). Off: the block is not even loaded.
+    pub enabled: bool,
+}
+
+impl Default for MtpConfig {
+    fn default() -> Self {
+        Self { enabled: true }
+    }
+}
+
 /// Everything the server runs with. Keys as in `nebula.toml`; see `docs/config.md`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -247,6 +262,8 @@ pub struct ServerConfig {
     pub prefix_cache: PrefixCacheConfig,
     /// Expert placement (defaults from the profile).
     pub placement: crate::placement::PlacementConfig,
+    /// MTP speculative decoding.
+    pub mtp: MtpConfig,
 }
 
 impl Default for ServerConfig {
@@ -275,6 +292,7 @@ impl Default for ServerConfig {
             defaults: GenerationDefaults::default(),
             prefix_cache: PrefixCacheConfig::default(),
             placement: crate::placement::PlacementConfig::default(),
+            mtp: MtpConfig::default(),
         }
     }
 }

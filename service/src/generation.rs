@@ -375,7 +375,8 @@ fn with_timings(mut pieces: Vec<Piece>, cached_tokens: usize, usage: Option<&wor
             usage.map_or(0.0, |x| x.prefill_ms),
             u.completion_tokens,
             usage.map_or(0.0, |x| x.decode_ms),
-        );
+        )
+        .with_drafts(usage.map_or(0, |x| x.draft_tokens), usage.map_or(0, |x| x.accepted_draft_tokens));
     }
     pieces
 }

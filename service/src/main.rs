@@ -79,6 +79,9 @@ enum BenchCommand {
     Model(nebula_service::cli::bench::BenchModelArgs),
     /// CPU kernels: memory read bandwidth and expert matrix-vector throughput of each weight type.
     Kernels(bench::KernelBenchArgs),
+    /// MTP speculative decoding: tok/s off and on per accuracy level, acceptance, time split, and the machinery's
+    /// cost at fixed acceptance rates (CPU).
+    Mtp(nebula_service::cli::bench::BenchMtpArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -98,6 +101,7 @@ fn main() -> anyhow::Result<()> {
         Command::Hotlist(args) => nebula_service::cli::hotlist::run(args),
         Command::Bench(BenchCommand::Model(args)) => nebula_service::cli::bench::run_model(args),
         Command::Bench(BenchCommand::Kernels(args)) => bench::run_kernels(&args),
+        Command::Bench(BenchCommand::Mtp(args)) => nebula_service::cli::bench::run_mtp(args),
         Command::Convert { input, output, outtype, no_mtp, split_max_gib, name, recipe, recipe_from } => {
             let recipe = match (recipe, recipe_from) {
                 (Some(r), _) => Some(QuantRecipe::Named(r)),

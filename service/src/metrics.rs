@@ -13,8 +13,16 @@
 //! placement families `nebula:expert_hits_total{tier}` (routed expert uses, token x expert, by the tier that held
 //! the expert: `gpu`, `ram`, `ssd`; without a placement every use counts as `ram`), `nebula:ssd_read_bytes_total`
 //! (expert and n-gram bytes read from SSD), `nebula:ssd_read_errors_total`, `nebula:expert_prefetch_total{outcome}`
-//! (`issued`, `used`), and `nebula:pcie_bytes_total`, `nebula:draft_tokens_total`,
-//! `nebula:draft_accepted_tokens_total`, which read 0 until the GPU expert cache and MTP land in the engine.
+//! (`issued`, `used`), `nebula:pcie_bytes_total`
+//! (0 until the GPU expert cache lands), and MTP speculative decoding:
+//! `nebula:draft_tokens_total` and `nebula:draft_accepted_tokens_total` (drafts proposed / accepted),
+//! `nebula:draft_chains_total{case}` (verified chains by SPEC §4 case `A` all accepted, `B` handed to the full
+//! target for low resident-expert coverage, `C` a draft rejected), `nebula:draft_window_chains_total{window}`
+//! (chains per draft window size 4..16), `nebula:draft_collapses_total` and `nebula:draft_recoveries_total`
+//! (drafting turned off for a request because it lost time, and back on after the cooldown),
+//! `nebula:draft_phase_seconds_total{phase}` (time in `draft`, `verify`, `save`, `restore`, `realign`, `exact`),
+//! `nebula:draft_acceptance_ratio` (recent acceptance, exponentially averaged over chains) and `nebula:mtp_enabled`
+//! (1 when the served model drafts).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -22,8 +30,11 @@ use std::sync::atomic::Ordering;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use nebula_engine::speculative::stats::PHASES;
+use nebula_engine::speculative::window::{MAX_WINDOW, MIN_WINDOW};
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    CounterVec, Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::state::{AppState, LoadState};
@@ -59,6 +70,13 @@ pub struct Metrics {
     prefetch: IntCounterVec,
     draft_tokens: IntCounter,
     draft_accepted: IntCounter,
+    draft_chains: IntCounterVec,
+    draft_windows: IntCounterVec,
+    draft_collapses: IntCounter,
+    draft_recoveries: IntCounter,
+    draft_phase_seconds: CounterVec,
+    draft_acceptance: Gauge,
+    mtp_enabled: IntGauge,
 }
 
 /// What one finished request adds to the metrics.
@@ -176,11 +194,44 @@ impl Metrics {
                 "SSD expert reads started by the prefetcher (issued) and prefetched experts then used (used).",
                 &["outcome"],
             ),
-            draft_tokens: plain("nebula:draft_tokens_total", "MTP draft tokens proposed (0 until MTP lands)."),
-            draft_accepted: plain(
-                "nebula:draft_accepted_tokens_total",
-                "MTP draft tokens accepted (0 until MTP lands).",
+            draft_tokens: plain("nebula:draft_tokens_total", "MTP draft tokens proposed."),
+            draft_accepted: plain("nebula:draft_accepted_tokens_total", "MTP draft tokens accepted."),
+            draft_chains: counter(
+                &r,
+                "nebula:draft_chains_total",
+                "Verified MTP chains by case: A all drafts accepted, B low resident-expert coverage, C a draft rejected.",
+                &["case"],
             ),
+            draft_windows: counter(&r, "nebula:draft_window_chains_total", "MTP chains by draft window size.", &[
+                "window",
+            ]),
+            draft_collapses: plain(
+                "nebula:draft_collapses_total",
+                "Requests whose drafting turned itself off because it lost time (acceptance collapse).",
+            ),
+            draft_recoveries: plain(
+                "nebula:draft_recoveries_total",
+                "Times drafting came back for a request after a collapse cooldown.",
+            ),
+            draft_phase_seconds: {
+                let c = CounterVec::new(
+                    Opts::new("nebula:draft_phase_seconds_total", "Seconds of speculative decoding by phase."),
+                    &["phase"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
+            draft_acceptance: {
+                let g = Gauge::new(
+                    "nebula:draft_acceptance_ratio",
+                    "Recent MTP acceptance: accepted / proposed drafts per chain, exponentially averaged.",
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            mtp_enabled: gauge("nebula:mtp_enabled", "1 when the served model drafts with its MTP block."),
             registry: r,
         }
         .with_zero_series()
@@ -196,6 +247,15 @@ impl Metrics {
         }
         for reason in ["queue_full", "busy", "unauthorized", "timeout"] {
             self.rejected.with_label_values(&[reason]);
+        }
+        for case in ["A", "B", "C"] {
+            self.draft_chains.with_label_values(&[case]);
+        }
+        for w in MIN_WINDOW..=MAX_WINDOW {
+            self.draft_windows.with_label_values(&[&w.to_string()]);
+        }
+        for phase in PHASES {
+            self.draft_phase_seconds.with_label_values(&[phase]);
         }
         self
     }
@@ -265,8 +325,29 @@ impl Metrics {
             set64(&self.ssd_errors, p.ssd_read_errors);
             set64(&self.prefetch.with_label_values(&["issued"]), p.prefetch_issued);
             set64(&self.prefetch.with_label_values(&["used"]), p.prefetch_hits);
+            let spec = &stats.speculative;
+            let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as usize;
+            self.mtp_enabled.set(i64::from(engine.has_mtp()));
+            self.draft_acceptance.set(spec.recent_acceptance());
+            set(&self.draft_tokens, load(&spec.drafted));
+            set(&self.draft_accepted, load(&spec.accepted));
+            for (case, n) in ["A", "B", "C"].iter().zip(&spec.chains) {
+                set(&self.draft_chains.with_label_values(&[case]), load(n));
+            }
+            for w in MIN_WINDOW..=MAX_WINDOW {
+                set(&self.draft_windows.with_label_values(&[&w.to_string()]), load(&spec.windows[w]));
+            }
+            set(&self.draft_collapses, load(&spec.collapses));
+            set(&self.draft_recoveries, load(&spec.recoveries));
+            for (phase, us) in PHASES.iter().zip(&spec.phase_us) {
+                let c = self.draft_phase_seconds.with_label_values(&[phase]);
+                let v = us.load(Ordering::Relaxed) as f64 * 1e-6;
+                if v > c.get() {
+                    c.inc_by(v - c.get());
+                }
+            }
         }
-        let _ = (&self.pcie_bytes, &self.draft_tokens, &self.draft_accepted);
+        let _ = &self.pcie_bytes;
         let mut out = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
             tracing::error!("encoding the metrics failed: {e}");

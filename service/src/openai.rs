@@ -299,6 +299,10 @@ pub struct Timings {
     pub predicted_per_token_ms: f64,
     /// Generated tokens per second.
     pub predicted_per_second: f64,
+    /// MTP draft tokens proposed (llama-server's speculative-decoding field).
+    pub draft_n: usize,
+    /// Of those, accepted.
+    pub draft_n_accepted: usize,
 }
 
 impl Timings {
@@ -316,7 +320,16 @@ impl Timings {
             predicted_ms,
             predicted_per_token_ms: per(predicted_ms, predicted_n),
             predicted_per_second: rate(predicted_ms, predicted_n),
+            draft_n: 0,
+            draft_n_accepted: 0,
         }
+    }
+
+    /// With the request's MTP draft counts.
+    pub fn with_drafts(mut self, draft_n: usize, draft_n_accepted: usize) -> Self {
+        self.draft_n = draft_n;
+        self.draft_n_accepted = draft_n_accepted;
+        self
     }
 }
 

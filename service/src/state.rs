@@ -149,6 +149,7 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
             interval: config.prefix_cache.interval.max(1),
         },
         placement,
+        mtp: config.mtp.enabled,
     };
     state.load.send_replace(LoadState::Loading(if opts.placement.is_some() {
         "reading and validating the weights, placing the experts"

@@ -133,6 +133,9 @@ pub struct ModelConfig {
     pub indexer: IndexerConfig,
     /// One entry per trunk layer.
     pub layer_kinds: Vec<LayerKind>,
+    /// Compress ratio of the MTP block's attention (the `compress_ratios` entry after the trunk's; 0 = dense, as
+    /// llama.cpp's converter writes it).
+    pub nextn_compress_ratio: usize,
     /// PLE, if the model has it.
     pub ple: Option<PleConfig>,
 }
@@ -221,6 +224,8 @@ impl ModelConfig {
             });
         }
 
+        let nextn_compress_ratio =
+            if n_nextn > 0 { ratios.as_ref().and_then(|r| r.get(n_layer).copied()).unwrap_or(0) } else { 0 };
         let indexer = IndexerConfig {
             n_heads: m.usize("qwen4exp.attention.indexer.head_count")?,
             head_dim: m.usize("qwen4exp.attention.indexer.key_length")?,
@@ -236,6 +241,15 @@ impl ModelConfig {
                     format!("budget {} is not a multiple of the compress ratio {compress_ratio}", indexer.token_budget),
                 ));
             }
+        }
+        if nextn_compress_ratio > 0 && !indexer.token_budget.is_multiple_of(nextn_compress_ratio) {
+            return Err(m.bad(
+                "qwen4exp.attention.compress_ratios",
+                format!(
+                    "the MTP block's ratio {nextn_compress_ratio} does not divide the budget {}",
+                    indexer.token_budget
+                ),
+            ));
         }
         if rope_dim > indexer.head_dim {
             return Err(m.bad(
@@ -354,6 +368,7 @@ impl ModelConfig {
             hc_lowrank: m.usize("qwen4exp.hyper_connection.low_rank")?,
             indexer,
             layer_kinds,
+            nextn_compress_ratio,
             ple,
         })
     }

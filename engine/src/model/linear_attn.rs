@@ -43,6 +43,18 @@ pub struct GdnState {
     pub recurrent: Vec<f32>,
 }
 
+/// The projections a recorded forward kept for [`GatedDeltaNet::replay`]: `qkv` `[n, conv_dim]` (before the
+/// conv), `b` and `a` `[n, v_heads]` (before the gates).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GdnRecord {
+    /// `W_qkv x` per token.
+    pub qkv: Vec<f32>,
+    /// `W_b x` per token.
+    pub b: Vec<f32>,
+    /// `W_a x` per token.
+    pub a: Vec<f32>,
+}
+
 /// One Gated DeltaNet token mixer.
 #[derive(Debug, Clone)]
 pub struct GatedDeltaNet {
@@ -106,11 +118,22 @@ impl GatedDeltaNet {
 
     /// Runs `n` tokens `x` (`[n, d]`) through the layer, updating `state`; returns `[n, d]`.
     pub fn forward(&self, x: &[f32], n: usize, state: &mut GdnState, algo: GdnAlgorithm) -> Vec<f32> {
-        let cd = self.conv_dim();
-        let (dk, nk, nv) = (self.head_dim, self.k_heads, self.v_heads);
-        let kd = nk * dk;
+        self.forward_recorded(x, n, state, algo, None)
+    }
+
+    /// [`GatedDeltaNet::forward`] that also keeps, in `record`, the projections the state update reads, so that
+    /// [`GatedDeltaNet::replay`] can later rebuild the state after any prefix of these tokens.
+    pub fn forward_recorded(
+        &self,
+        x: &[f32],
+        n: usize,
+        state: &mut GdnState,
+        algo: GdnAlgorithm,
+        record: Option<&mut GdnRecord>,
+    ) -> Vec<f32> {
+        let (dk, nv) = (self.head_dim, self.v_heads);
         let vd = nv * dk;
-        let mut qkv = vec![0f32; n * cd];
+        let mut qkv = vec![0f32; n * self.conv_dim()];
         self.in_proj_qkv.matmul(x, n, &mut qkv);
         let mut z = vec![0f32; n * vd];
         self.in_proj_z.matmul(x, n, &mut z);
@@ -118,12 +141,51 @@ impl GatedDeltaNet {
         self.in_proj_b.matmul(x, n, &mut b);
         let mut a = vec![0f32; n * nv];
         self.in_proj_a.matmul(x, n, &mut a);
+        let per_head = self.update_state(&qkv, &b, &a, n, state, algo);
+        if let Some(r) = record {
+            *r = GdnRecord { qkv, b, a };
+        }
+        self.output(&per_head, &z, n)
+    }
+
+    /// Rebuilds `state` after the first `keep` tokens recorded by [`GatedDeltaNet::forward_recorded`], starting
+    /// from the state those tokens started from. The token-by-token rule runs again on the recorded projections
+    /// (no projection, MoE or head work), so the result is bit for bit the state a recurrent forward of only
+    /// those `keep` tokens leaves.
+    pub fn replay(&self, state: &mut GdnState, record: &GdnRecord, keep: usize) {
+        let (cd, nv) = (self.conv_dim(), self.v_heads);
+        let keep = keep.min(record.b.len() / nv.max(1));
+        self.update_state(
+            &record.qkv[..keep * cd],
+            &record.b[..keep * nv],
+            &record.a[..keep * nv],
+            keep,
+            state,
+            GdnAlgorithm::Recurrent,
+        );
+    }
+
+    /// Conv, gates and the delta rule for `n` tokens' projections; updates `state` and returns each value
+    /// head's outputs `[n, dk]`.
+    fn update_state(
+        &self,
+        qkv: &[f32],
+        b: &[f32],
+        a: &[f32],
+        n: usize,
+        state: &mut GdnState,
+        algo: GdnAlgorithm,
+    ) -> Vec<Vec<f32>> {
+        let cd = self.conv_dim();
+        let (dk, nk, nv) = (self.head_dim, self.k_heads, self.v_heads);
+        let kd = nk * dk;
+        let vd = nv * dk;
 
         // Causal depthwise conv with the kept history, then SiLU.
         let hist = self.kernel - 1;
         let mut seq = Vec::with_capacity((hist + n) * cd);
         seq.extend_from_slice(&state.conv);
-        seq.extend_from_slice(&qkv);
+        seq.extend_from_slice(qkv);
         let mut conv = vec![0f32; n * cd];
         for t in 0..n {
             for c in 0..cd {
@@ -171,7 +233,7 @@ impl GatedDeltaNet {
             GdnAlgorithm::Recurrent => false,
         };
         // Per value head, in parallel: gather its inputs, run the rule, scatter its outputs.
-        let per_head: Vec<Vec<f32>> = state
+        state
             .recurrent
             .par_chunks_mut(dk * dk)
             .enumerate()
@@ -193,9 +255,13 @@ impl GatedDeltaNet {
                     recurrent_rule(s, &qh, &kh_, &vh, &bh, &gh, dk)
                 }
             })
-            .collect();
+            .collect()
+    }
 
-        // Gated RMS norm per head, then the output projection.
+    /// Gated RMS norm of each head's outputs with `act(z)`, then `out_proj`: `[n, d]`.
+    fn output(&self, per_head: &[Vec<f32>], z: &[f32], n: usize) -> Vec<f32> {
+        let (dk, nv) = (self.head_dim, self.v_heads);
+        let vd = nv * dk;
         let mut o = vec![0f32; n * vd];
         for (j, out) in per_head.iter().enumerate() {
             for t in 0..n {

@@ -11,6 +11,7 @@ pub mod error;
 pub mod hyper_connection;
 pub mod linear_attn;
 pub mod moe;
+pub mod mtp;
 pub mod norm;
 pub mod ple;
 pub mod rope;
@@ -30,13 +31,14 @@ use crate::quant::Matrix;
 pub use config::{GateActivation, LayerKind, ModelConfig};
 pub use error::ModelError;
 pub use linear_attn::GdnAlgorithm;
+pub use mtp::{MtpBlock, MtpState};
 pub use state::{SequenceState, Snapshot};
 
 use config::Meta;
 use hyper_connection::GatedResidual;
-use linear_attn::GatedDeltaNet;
+use linear_attn::{GatedDeltaNet, GdnRecord};
 use moe::SparseMoe;
-use ple::PleLayer;
+use ple::{PleLayer, PleRecord};
 use rope::Rope;
 use self_attn::Attention;
 use state::LayerState;
@@ -90,6 +92,77 @@ impl Default for ForwardOptions {
     }
 }
 
+/// What to load besides the trunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Load the MTP block when the file has one (`qwen4exp.nextn_predict_layers = 1`); without it the model
+    /// cannot draft, and its states carry no MTP cache.
+    pub mtp: bool,
+}
+
+impl Default for LoadOptions {
+    /// Everything the file has.
+    fn default() -> Self {
+        Self { mtp: true }
+    }
+}
+
+/// The output of [`Qwen4Exp::forward_chain`]: a speculative chain verified in one forward.
+#[derive(Debug)]
+pub struct ChainOutput {
+    /// Logits of every row, `[n, vocab]` (masked ids at `-inf`).
+    pub logits: Vec<f32>,
+    /// Per row, the smallest share of the normalised router weight that resident experts covered in any layer
+    /// (SPEC §3.3, §4 case B). On the CPU every expert is resident, so every value is 1.
+    pub coverage: Vec<f32>,
+    /// What [`Qwen4Exp::rollback_chain`] needs to cut the chain back to any prefix.
+    pub record: ChainRecord,
+}
+
+/// Everything needed to roll a verified chain back to a prefix of its rows without recomputing them: the
+/// recurrent state before the chain and, per layer, the projections its state update read.
+#[derive(Debug)]
+pub struct ChainRecord {
+    pos0: usize,
+    n: usize,
+    before: Snapshot,
+    gdn: Vec<Option<GdnRecord>>,
+    ple: Option<PleRecord>,
+    /// The pre-mixer bank of every row, `[n, S*d]`.
+    bank: Vec<f32>,
+    /// The chain's tokens.
+    tokens: Vec<u32>,
+    save_s: f64,
+}
+
+impl ChainRecord {
+    /// Position of the chain's first row.
+    pub fn pos0(&self) -> usize {
+        self.pos0
+    }
+    /// Rows in the chain.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+    /// Whether the chain had no rows.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+    /// Seconds spent saving the state before the chain.
+    pub fn save_s(&self) -> f64 {
+        self.save_s
+    }
+}
+
+/// Tokens proposed by [`Qwen4Exp::draft`].
+#[derive(Debug, Clone, Default)]
+pub struct DraftChain {
+    /// The drafts, greedy over the MTP logits, in order.
+    pub tokens: Vec<u32>,
+    /// The MTP logits of each draft step, `[tokens.len(), vocab]`, when asked for (empty otherwise).
+    pub logits: Vec<f32>,
+}
+
 /// A loaded `qwen4exp` model.
 pub struct Qwen4Exp {
     /// Shapes and hyper-parameters.
@@ -100,6 +173,7 @@ pub struct Qwen4Exp {
     pub(crate) lm_head: Matrix,
     pub(crate) rope: Rope,
     pub(crate) masked: Vec<Range<usize>>,
+    pub(crate) mtp: Option<MtpBlock>,
     pub(crate) file: Arc<GgufFile>,
     /// Where the experts and the n-gram table live; `None`: everything read through the memory map.
     pub(crate) placement: Option<Box<Placement>>,
@@ -119,8 +193,14 @@ impl Qwen4Exp {
         Self::from_gguf(Arc::new(GgufFile::open(path)?))
     }
 
-    /// Builds the model from an opened GGUF file, validating every tensor's presence, shape and type.
+    /// Builds the model from an opened GGUF file, validating every tensor's presence, shape and type; loads the
+    /// MTP block when the file has one.
     pub fn from_gguf(file: Arc<GgufFile>) -> Result<Self, ModelError> {
+        Self::from_gguf_with(file, LoadOptions::default())
+    }
+
+    /// [`Qwen4Exp::from_gguf`] with explicit options.
+    pub fn from_gguf_with(file: Arc<GgufFile>, opts: LoadOptions) -> Result<Self, ModelError> {
         let mut config = ModelConfig::from_gguf(&file)?;
         let w = TensorLoader::new(file.clone());
         let d = config.hidden;
@@ -166,7 +246,13 @@ impl Qwen4Exp {
             });
         }
         let masked = unassigned_token_ranges(&file, vocab)?;
+        let mtp = if opts.mtp && config.n_nextn > 0 {
+            Some(MtpBlock::load(&w, &config, config.n_layer, config.nextn_compress_ratio)?)
+        } else {
+            None
+        };
         Ok(Self {
+            mtp,
             embed_tokens: w.matrix("token_embd.weight", vocab, d)?,
             lm_head: w.matrix("output.weight", vocab, d)?,
             hyper_connection_mixer: GatedResidual::load(&w, "output_hc", s, d, r, false, eps)?,
@@ -231,6 +317,11 @@ impl Qwen4Exp {
         (total.saturating_sub(experts + table + embed), experts, table)
     }
 
+    /// The MTP block, when loaded.
+    pub fn mtp(&self) -> Option<&MtpBlock> {
+        self.mtp.as_ref()
+    }
+
     /// Token ids whose logits are always `-inf` (vocabulary rows no token has, e.g. 248077..248320).
     pub fn masked_tokens(&self) -> &[Range<usize>] {
         &self.masked
@@ -250,6 +341,7 @@ impl Qwen4Exp {
                 })
                 .collect(),
             ple: self.layers.iter().find_map(|l| l.ple.as_ref().map(|p| p.new_state())),
+            mtp: self.mtp.as_ref().map(MtpBlock::new_state),
         }
     }
 
@@ -267,6 +359,15 @@ impl Qwen4Exp {
                 }
                 _ => return Err(ModelError::BadSnapshot { snapshot: snap.pos, current: state.pos }),
             }
+        }
+        match (state.mtp.as_mut(), &snap.mtp_bank, &self.mtp) {
+            (Some(ms), Some(bank), Some(block)) => {
+                block.truncate(&mut ms.attn, snap.pos.saturating_sub(1));
+                ms.last_bank.clone_from(bank);
+                ms.drafted_with = None;
+            }
+            (None, _, _) => {}
+            _ => return Err(ModelError::BadSnapshot { snapshot: snap.pos, current: state.pos }),
         }
         state.ple.clone_from(&snap.ple);
         state.pos = snap.pos;
@@ -309,7 +410,15 @@ impl Qwen4Exp {
                 _ => return Err(bad()),
             });
         }
-        Ok(SequenceState { pos: snap.pos, max_len, layers, ple: snap.ple.clone() })
+        let mtp = match (&source.mtp, &snap.mtp_bank, &self.mtp) {
+            (Some(ms), Some(bank), Some(block)) => {
+                let attn = block.prefix(&ms.attn, snap.pos.saturating_sub(1)).ok_or_else(bad)?;
+                Some(MtpState { attn, last_bank: bank.clone(), drafted_with: None })
+            }
+            (None, _, _) => None,
+            _ => return Err(bad()),
+        };
+        Ok(SequenceState { pos: snap.pos, max_len, layers, ple: snap.ple.clone(), mtp })
     }
 
     /// Runs `tokens` through the model, continuing `state`, and returns the logits asked for (`[rows, vocab]`,
@@ -331,7 +440,7 @@ impl Qwen4Exp {
         want: LogitsFor,
         opts: ForwardOptions,
     ) -> Result<Vec<f32>, ModelError> {
-        self.forward_inner(state, tokens, want, opts, None)
+        self.forward_inner(state, tokens, want, opts, None, None)
     }
 
     /// [`Qwen4Exp::forward`] that also records each layer's routing decisions into `campaign` (the hotlist
@@ -343,11 +452,171 @@ impl Qwen4Exp {
         want: LogitsFor,
         campaign: &mut HotlistBuilder,
     ) -> Result<Vec<f32>, ModelError> {
-        self.forward_inner(state, tokens, want, ForwardOptions::default(), Some(campaign))
+        self.forward_inner(state, tokens, want, ForwardOptions::default(), Some(campaign), None)
+    }
+
+    /// Runs a speculative chain (the pending token and the drafts after it) in one forward that returns the
+    /// logits of every row and keeps what [`Qwen4Exp::rollback_chain`] needs to cut the chain back to any prefix.
+    /// Gated DeltaNet runs token by token, so every row's logits are bit for bit those of decoding the rows one
+    /// at a time (level 3 relies on this). The MTP cache is left as it was: [`Qwen4Exp::rollback_chain`], which
+    /// must follow (with `keep` = every row to keep them all), runs its rows for the kept prefix only.
+    ///
+    /// Errors: as [`Qwen4Exp::forward`]; the state is unchanged on error.
+    pub fn forward_chain(&self, state: &mut SequenceState, tokens: &[u32]) -> Result<ChainOutput, ModelError> {
+        let t = std::time::Instant::now();
+        let before = state.snapshot();
+        let save_s = t.elapsed().as_secs_f64();
+        let mut record = ChainRecord {
+            pos0: state.pos,
+            n: tokens.len(),
+            before,
+            gdn: Vec::new(),
+            ple: None,
+            bank: Vec::new(),
+            tokens: tokens.to_vec(),
+            save_s,
+        };
+        let opts = ForwardOptions { gdn: GdnAlgorithm::Recurrent };
+        let logits = self.forward_inner(state, tokens, LogitsFor::All, opts, None, Some(&mut record))?;
+        Ok(ChainOutput { logits, coverage: vec![1.0; tokens.len()], record })
+    }
+
+    /// Cuts a chain run by [`Qwen4Exp::forward_chain`] back to its first `keep` rows: attention caches and
+    /// indexer keys are truncated, Gated DeltaNet and PLE states are rebuilt from the state before the chain by
+    /// replaying only their recurrences over the kept rows (no projection, router, MoE or head work is redone),
+    /// and the MTP cache is realigned: its rows for the kept prefix run in one batch from the chain's banks (rows
+    /// of rejected drafts are never run). The result equals, bit for bit, the state a forward of only the kept
+    /// rows would have left. Returns the seconds spent realigning the MTP cache.
+    ///
+    /// Errors: [`ModelError::BadSnapshot`] when `state` is not the state the chain left or `keep` exceeds it.
+    pub fn rollback_chain(
+        &self,
+        state: &mut SequenceState,
+        record: &ChainRecord,
+        keep: usize,
+    ) -> Result<f64, ModelError> {
+        let bad = || ModelError::BadSnapshot { snapshot: record.pos0 + keep, current: state.pos };
+        if keep > record.n
+            || state.pos != record.pos0 + record.n
+            || record.before.recurrent.len() != self.layers.len()
+            || record.bank.len() != record.n * self.config.hc_dim()
+        {
+            return Err(bad());
+        }
+        if keep < record.n {
+            self.cut_chain(state, record, keep)?;
+        }
+        state.pos = record.pos0 + keep;
+        let t = std::time::Instant::now();
+        if keep > 0
+            && let (Some(ms), Some(block)) = (state.mtp.as_mut(), &self.mtp)
+        {
+            let dim = self.config.hc_dim();
+            self.extend_mtp(block, ms, &record.bank[..keep * dim], &record.tokens[..keep], record.pos0);
+        }
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// The trunk part of [`Qwen4Exp::rollback_chain`] (`keep` below the chain's length).
+    fn cut_chain(&self, state: &mut SequenceState, record: &ChainRecord, keep: usize) -> Result<(), ModelError> {
+        let new_pos = record.pos0 + keep;
+        for (i, (ls, layer)) in state.layers.iter_mut().zip(&self.layers).enumerate() {
+            match (ls, &layer.mixer, &record.before.recurrent[i], record.gdn.get(i)) {
+                (LayerState::LinearAttention(g), TokenMixer::LinearAttention(net), Some(before), Some(Some(rec))) => {
+                    g.clone_from(before);
+                    net.replay(g, rec, keep);
+                }
+                (LayerState::Attention(a), TokenMixer::SelfAttention(att), None, _) => {
+                    let (idim, ratio) = att.index_shape();
+                    a.truncate(new_pos, att.kv_width(), idim, ratio);
+                }
+                _ => return Err(ModelError::BadSnapshot { snapshot: new_pos, current: record.pos0 + record.n }),
+            }
+        }
+        if let Some(ple_layer) = self.layers.iter().find_map(|l| l.ple.as_ref()) {
+            match (state.ple.as_mut(), &record.before.ple, &record.ple) {
+                (Some(ps), Some(before), Some(rec)) => {
+                    ps.clone_from(before);
+                    ple_layer.replay(ps, rec, keep);
+                }
+                _ => return Err(ModelError::BadSnapshot { snapshot: new_pos, current: record.pos0 + record.n }),
+            }
+        }
+        Ok(())
+    }
+
+    /// Proposes `n` draft tokens after `pending` (the token the target will consume next) with the MTP block,
+    /// greedily: the first step reads the target's bank at `pos - 1` (kept in the state) and `pending` at rope
+    /// position `pos - 1`; each further step reads the previous step's own bank and draft one position later.
+    /// The chained rows are dropped from the MTP cache afterwards; the first row, which is what the target-aligned
+    /// row for `pending` will be, stays (the next forward of `pending` does not redo it). `keep_logits` also
+    /// returns each step's MTP logits.
+    ///
+    /// Errors: [`ModelError::MtpUnavailable`] when the model has no MTP block loaded, the sequence is empty, or
+    /// the MTP cache is not aligned with it; [`ModelError::TokenOutOfRange`] for a bad `pending`.
+    pub fn draft(
+        &self,
+        state: &mut SequenceState,
+        pending: u32,
+        n: usize,
+        keep_logits: bool,
+    ) -> Result<DraftChain, ModelError> {
+        let cfg = &self.config;
+        if pending as usize >= cfg.vocab {
+            return Err(ModelError::TokenOutOfRange { token: pending, vocab: cfg.vocab });
+        }
+        let unavailable = |reason: String| ModelError::MtpUnavailable { reason };
+        let block = self.mtp.as_ref().ok_or_else(|| unavailable("the model has no MTP block loaded".into()))?;
+        let pos = state.pos;
+        let ms = state.mtp.as_mut().ok_or_else(|| unavailable("the sequence state has no MTP cache".into()))?;
+        let dim = cfg.hc_dim();
+        if pos == 0 || ms.last_bank.len() != dim {
+            return Err(unavailable("no target hidden state yet (empty sequence)".into()));
+        }
+        let rows = block.rows(&ms.attn);
+        if rows == pos {
+            block.truncate(&mut ms.attn, pos - 1);
+        } else if rows + 1 != pos {
+            return Err(unavailable(format!("the MTP cache holds {rows} rows for a sequence of {pos} tokens")));
+        }
+        let mut out = DraftChain::default();
+        let mut bank = ms.last_bank.clone();
+        let mut tok = pending;
+        for i in 0..n {
+            let step = block.forward(&self.embed_tokens, &mut ms.attn, &bank, &[tok], pos - 1 + i, 0..1)?;
+            let logits = self.head(&step.hidden, 1);
+            let Some(d) = crate::sampling::argmax(&logits) else { break };
+            out.tokens.push(d as u32);
+            if keep_logits {
+                out.logits.extend_from_slice(&logits);
+            }
+            bank = step.bank;
+            tok = d as u32;
+        }
+        if n == 0 {
+            return Ok(out);
+        }
+        block.truncate(&mut ms.attn, pos);
+        ms.drafted_with = Some(pending);
+        Ok(out)
+    }
+
+    /// `lm_head` over `m` hidden rows (`[m, d]`), masked ids at `-inf`: `[m, vocab]`.
+    fn head(&self, h: &[f32], m: usize) -> Vec<f32> {
+        let vocab = self.config.vocab;
+        let mut logits = vec![0f32; m * vocab];
+        self.lm_head.matmul(h, m, &mut logits);
+        for row in logits.chunks_exact_mut(vocab) {
+            for r in &self.masked {
+                row[r.clone()].fill(f32::NEG_INFINITY);
+            }
+        }
+        logits
     }
 
     /// The forward pass. Errors as [`Qwen4Exp::forward`], plus [`ModelError::WeightRead`] when a placed weight
     /// cannot be read (SSD tier, n-gram rows on SSD): the state is then left part-way and must be discarded.
+    /// With `campaign`, records each layer's routing; with `record`, keeps what a chain rollback needs.
     fn forward_inner(
         &self,
         state: &mut SequenceState,
@@ -355,6 +624,7 @@ impl Qwen4Exp {
         want: LogitsFor,
         opts: ForwardOptions,
         mut campaign: Option<&mut HotlistBuilder>,
+        mut record: Option<&mut ChainRecord>,
     ) -> Result<Vec<f32>, ModelError> {
         let cfg = &self.config;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
@@ -390,9 +660,13 @@ impl Qwen4Exp {
             }
         }
         let pos0 = state.pos;
+        if let Some(r) = record.as_deref_mut() {
+            r.gdn = Vec::with_capacity(self.layers.len());
+        }
         for (li, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             if let Some(ple) = &layer.ple {
                 let ps = state.ple.as_mut().expect("a model with a PLE layer always has PLE state");
+                let mut rec = record.as_ref().map(|_| PleRecord::default());
                 let delta = match (placed_table, table_rows.take()) {
                     (Some((_, table)), Some((rows, fetch))) => {
                         let mut emb = vec![0f32; n * ple.cfg.embed_dim()];
@@ -400,10 +674,13 @@ impl Qwen4Exp {
                             what: "n-gram table rows".into(),
                             detail: e.to_string(),
                         })?;
-                        ple.forward_gathered(&x, tokens, ps, &emb)
+                        ple.forward_gathered(&x, tokens, ps, &emb, rec.as_mut())
                     }
-                    _ => ple.forward(&x, tokens, ps),
+                    _ => ple.forward_recorded(&x, tokens, ps, rec.as_mut()),
                 };
+                if let Some(r) = record.as_deref_mut() {
+                    r.ple = rec;
+                }
                 for (a, b) in x.iter_mut().zip(&delta) {
                     *a += b;
                 }
@@ -411,9 +688,17 @@ impl Qwen4Exp {
             let mixed = layer.attn_hyper_connection.mix(&x, n);
             let y = match (&layer.mixer, ls) {
                 (TokenMixer::LinearAttention(g), LayerState::LinearAttention(st)) => {
-                    g.forward(&mixed.mixed, n, st, opts.gdn)
+                    let mut rec = record.as_ref().map(|_| GdnRecord::default());
+                    let y = g.forward_recorded(&mixed.mixed, n, st, opts.gdn, rec.as_mut());
+                    if let Some(r) = record.as_deref_mut() {
+                        r.gdn.push(rec);
+                    }
+                    y
                 }
                 (TokenMixer::SelfAttention(a), LayerState::Attention(st)) => {
+                    if let Some(r) = record.as_deref_mut() {
+                        r.gdn.push(None);
+                    }
                     a.forward(&mixed.mixed, n, pos0, st, &self.rope)
                 }
                 _ => unreachable!("state layout always follows the model's layers"),
@@ -439,6 +724,15 @@ impl Qwen4Exp {
             layer.mlp_hyper_connection.inject(&mut x, &y, &mixed.inject);
         }
         state.pos = needed;
+        match record {
+            // A chain's MTP rows wait for its rollback, which knows which rows are kept.
+            Some(r) => r.bank = x.clone(),
+            None => {
+                if let (Some(block), Some(ms)) = (&self.mtp, state.mtp.as_mut()) {
+                    self.extend_mtp(block, ms, &x, tokens, pos0);
+                }
+            }
+        }
         let rows: Range<usize> = match want {
             LogitsFor::None => return Ok(Vec::new()),
             LogitsFor::Last => n - 1..n,
@@ -446,14 +740,45 @@ impl Qwen4Exp {
         };
         let m = rows.len();
         let h = self.hyper_connection_mixer.mix(&x[rows.start * dim..rows.end * dim], m).mixed;
-        let mut logits = vec![0f32; m * cfg.vocab];
-        self.lm_head.matmul(&h, m, &mut logits);
-        for row in logits.chunks_exact_mut(cfg.vocab) {
-            for r in &self.masked {
-                row[r.clone()].fill(f32::NEG_INFINITY);
+        Ok(self.head(&h, m))
+    }
+
+    /// Keeps the MTP cache aligned with the target after the target consumed `tokens` from `pos0` (their banks are
+    /// `x`, `[n, S*d]`): runs every MTP row whose next token is now known (row `j` reads the target's bank at `j`
+    /// and token `j + 1`) in one batch, and keeps the last row's bank for the next one. A cache that is not
+    /// aligned (cannot happen through this API) is left as it is, and drafting then refuses.
+    fn extend_mtp(&self, block: &MtpBlock, ms: &mut MtpState, x: &[f32], tokens: &[u32], pos0: usize) {
+        let dim = self.config.hc_dim();
+        let n = tokens.len();
+        let mut rows = block.rows(&ms.attn);
+        if pos0 > 0 && rows == pos0 && ms.drafted_with != Some(tokens[0]) {
+            // A draft ran the row for another pending token: redo it.
+            block.truncate(&mut ms.attn, pos0 - 1);
+            rows = pos0 - 1;
+        }
+        ms.drafted_with = None;
+        let aligned = if pos0 == 0 { rows == 0 } else { rows + 1 == pos0 || rows == pos0 };
+        let has_bank = pos0 == 0 || rows == pos0 || ms.last_bank.len() == dim;
+        if !aligned || !has_bank {
+            return;
+        }
+        let end = pos0 + n - 1; // rows [rows, end) now have their next token
+        if rows < end {
+            let mut banks = Vec::with_capacity((end - rows) * dim);
+            let mut next = Vec::with_capacity(end - rows);
+            for j in rows..end {
+                if j + 1 == pos0 {
+                    banks.extend_from_slice(&ms.last_bank);
+                } else {
+                    banks.extend_from_slice(&x[(j - pos0) * dim..(j - pos0 + 1) * dim]);
+                }
+                next.push(tokens[j + 1 - pos0]);
+            }
+            if block.forward(&self.embed_tokens, &mut ms.attn, &banks, &next, rows, 0..0).is_err() {
+                return;
             }
         }
-        Ok(logits)
+        ms.last_bank = x[(n - 1) * dim..n * dim].to_vec();
     }
 }
 

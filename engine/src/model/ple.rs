@@ -67,6 +67,16 @@ pub fn ngram_rows(cfg: &PleConfig, context: &[u32], tokens: &[u32]) -> Vec<u64> 
     rows
 }
 
+/// What a recorded PLE forward kept for [`PleLayer::replay`]: the tokens and their normalised conv inputs
+/// (`[n, S*d]`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PleRecord {
+    /// The tokens run.
+    pub tokens: Vec<u32>,
+    /// `G_conv(U)` per token, the rows the dilated conv's history keeps.
+    pub normed: Vec<f32>,
+}
+
 /// The PLE block of one layer.
 #[derive(Debug, Clone)]
 pub struct PleLayer {
@@ -125,13 +135,25 @@ impl PleLayer {
 
     /// The residual update `U + C` for `tokens` (`[n, S*d]`), given the bundle `x` entering the layer.
     pub fn forward(&self, x: &[f32], tokens: &[u32], state: &mut PleState) -> Vec<f32> {
+        self.forward_recorded(x, tokens, state, None)
+    }
+
+    /// [`PleLayer::forward`] that also keeps, in `record`, what the state update reads, so that
+    /// [`PleLayer::replay`] can rebuild the state after any prefix of these tokens.
+    pub fn forward_recorded(
+        &self,
+        x: &[f32],
+        tokens: &[u32],
+        state: &mut PleState,
+        record: Option<&mut PleRecord>,
+    ) -> Vec<f32> {
         // E: gather the hashed rows.
         let rows = self.rows(tokens, state);
         let mut emb = vec![0f32; tokens.len() * self.cfg.embed_dim()];
         for (r, out) in rows.iter().zip(emb.chunks_exact_mut(self.cfg.head_dim)) {
             self.ngram_embedding.dequantize_row(*r as usize, out);
         }
-        self.forward_gathered(x, tokens, state, &emb)
+        self.forward_gathered(x, tokens, state, &emb, record)
     }
 
     /// The table rows `tokens` read, given the context in `state` (`[n, n_heads]`, see [`ngram_rows`]).
@@ -139,9 +161,16 @@ impl PleLayer {
         ngram_rows(&self.cfg, &state.context, tokens)
     }
 
-    /// [`PleLayer::forward`] with the n-gram embedding `emb` (`[n, n_heads * head_dim]`, the decoded table rows
-    /// of [`PleLayer::rows`]) already gathered, wherever the table lives.
-    pub fn forward_gathered(&self, x: &[f32], tokens: &[u32], state: &mut PleState, emb: &[f32]) -> Vec<f32> {
+    /// [`PleLayer::forward_recorded`] with the n-gram embedding `emb` (`[n, n_heads * head_dim]`, the decoded
+    /// table rows of [`PleLayer::rows`]) already gathered, wherever the table lives.
+    pub fn forward_gathered(
+        &self,
+        x: &[f32],
+        tokens: &[u32],
+        state: &mut PleState,
+        emb: &[f32],
+        record: Option<&mut PleRecord>,
+    ) -> Vec<f32> {
         let n = tokens.len();
         let (s, d) = (self.streams, self.hidden);
         let dim = s * d;
@@ -196,12 +225,35 @@ impl PleLayer {
                 out[t * dim + ch] += silu(acc);
             }
         }
-        state.conv.copy_from_slice(&seq[n * dim..]);
+        let normed = &seq[hist_len * dim..];
+        Self::commit(state, normed, tokens, dim);
+        if let Some(r) = record {
+            *r = PleRecord { tokens: tokens.to_vec(), normed: normed.to_vec() };
+        }
+        out
+    }
+
+    /// Rebuilds `state` after the first `keep` tokens recorded by [`PleLayer::forward_recorded`], starting from the
+    /// state those tokens started from: the conv history and the n-gram context shift in the recorded rows and
+    /// tokens exactly as the forward did.
+    pub fn replay(&self, state: &mut PleState, record: &PleRecord, keep: usize) {
+        let dim = self.streams * self.hidden;
+        let keep = keep.min(record.tokens.len());
+        Self::commit(state, &record.normed[..keep * dim], &record.tokens[..keep], dim);
+    }
+
+    /// Shifts the normalised conv inputs `normed` (`[n, dim]`) and their tokens into the state.
+    fn commit(state: &mut PleState, normed: &[f32], tokens: &[u32], dim: usize) {
+        let hist_len = state.conv.len();
+        let mut seq = Vec::with_capacity(hist_len + normed.len());
+        seq.extend_from_slice(&state.conv);
+        seq.extend_from_slice(normed);
+        state.conv.copy_from_slice(&seq[seq.len() - hist_len..]);
+        debug_assert_eq!(normed.len(), tokens.len() * dim);
         let ctx = state.context.len();
         let mut hist = state.context.clone();
         hist.extend_from_slice(tokens);
         state.context.copy_from_slice(&hist[hist.len() - ctx..]);
-        out
     }
 }
 

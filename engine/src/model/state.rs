@@ -3,9 +3,11 @@
 //! Attention layers keep a KV cache and raw indexer keys that only grow, so a snapshot records their length and
 //! a restore truncates them. Recurrent parts (Gated DeltaNet conv + `S`, PLE context + conv history) are
 //! overwritten in place by every token, so a snapshot copies them. Used for speculative rollback and prefix
-//! caching.
+//! caching. A model with an MTP block keeps the block's own KV cache here too ([`MtpState`]), so rollback and the
+//! prefix cache carry it along.
 
 use super::linear_attn::GdnState;
+use super::mtp::MtpState;
 use super::ple::PleState;
 use super::self_attn::AttnState;
 
@@ -29,6 +31,8 @@ pub struct SequenceState {
     pub layers: Vec<LayerState>,
     /// PLE context, if the model has PLE.
     pub ple: Option<PleState>,
+    /// The MTP block's cache, if the model has an MTP block loaded.
+    pub mtp: Option<MtpState>,
 }
 
 /// A restorable copy of a [`SequenceState`] at some position.
@@ -37,6 +41,8 @@ pub struct Snapshot {
     pub(crate) pos: usize,
     pub(crate) recurrent: Vec<Option<GdnState>>,
     pub(crate) ple: Option<PleState>,
+    /// The MTP block's pending hidden input ([`MtpState::last_bank`]) at `pos` (its cache is cut by length).
+    pub(crate) mtp_bank: Option<Vec<f32>>,
 }
 
 impl Snapshot {
@@ -49,7 +55,8 @@ impl Snapshot {
     pub fn bytes(&self) -> usize {
         let rec: usize = self.recurrent.iter().flatten().map(|g| g.conv.len() + g.recurrent.len()).sum();
         let ple = self.ple.as_ref().map_or(0, |p| p.conv.len() + p.context.len());
-        4 * (rec + ple)
+        let mtp = self.mtp_bank.as_ref().map_or(0, Vec::len);
+        4 * (rec + ple + mtp)
     }
 }
 
@@ -67,6 +74,7 @@ impl SequenceState {
                 })
                 .collect(),
             ple: self.ple.clone(),
+            mtp_bank: self.mtp.as_ref().map(|m| m.last_bank.clone()),
         }
     }
 
@@ -81,6 +89,9 @@ impl SequenceState {
             })
             .sum();
         let ple = self.ple.as_ref().map_or(0, |p| p.conv.len());
-        4 * (layers + ple)
+        let mtp = self.mtp.as_ref().map_or(0, |m| {
+            m.attn.k.len() + m.attn.v.len() + m.attn.index_k.len() + m.attn.pooled.len() + m.last_bank.len()
+        });
+        4 * (layers + ple + mtp)
     }
 }

@@ -1,4 +1,4 @@
-//! `nebula bench model`.
+//! `nebula bench model` and `nebula bench mtp`.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -204,4 +204,132 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// Arguments of `nebula bench mtp`.
+#[derive(clap::Args, Debug)]
+pub struct BenchMtpArgs {
+    /// GGUF model (default: the embedded demo model). A model without an MTP block gets a random one appended
+    /// (in a temporary file): the MTP's own acceptance is then meaningless, the `rate` rows are not.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Random prompt tokens prefilled before each run.
+    #[arg(long, default_value_t = 256)]
+    pub prompt: usize,
+    /// Tokens decoded per run.
+    #[arg(long, default_value_t = 128)]
+    pub tokens: usize,
+    /// Accuracy levels run with the model's own drafts, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "3,2,1")]
+    pub levels: Vec<i64>,
+    /// Acceptance rates of the scripted test drafter, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "0.5,0.7,0.9")]
+    pub rates: Vec<f64>,
+    /// Write the rows as CSV here.
+    #[arg(long)]
+    pub csv: Option<PathBuf>,
+}
+
+/// Runs `nebula bench mtp`.
+pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
+    use nebula_engine::speculative::AccuracyLevel;
+    use nebula_engine::speculative::bench::{MtpBenchOptions, MtpBenchRow, run_mtp_bench};
+    let levels = args
+        .levels
+        .iter()
+        .map(|&l| AccuracyLevel::from_number(l).with_context(|| format!("accuracy level {l} is not 1, 2 or 3")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if let Some(r) = args.rates.iter().find(|r| !(0.0..=1.0).contains(*r)) {
+        anyhow::bail!("acceptance rate {r} is not within [0, 1]");
+    }
+    let tmp = tempfile_dir()?;
+    let source = match &args.model {
+        Some(p) => p.clone(),
+        None => {
+            let p = tmp.join("nebula-demo.gguf");
+            std::fs::write(&p, crate::config::EMBEDDED_DEMO_MODEL).context("writing the embedded demo model")?;
+            p
+        }
+    };
+    let t = std::time::Instant::now();
+    let mut model = Qwen4Exp::load(&source).with_context(|| format!("loading {}", source.display()))?;
+    if model.mtp().is_none() {
+        let with = tmp.join("with-mtp.gguf");
+        nebula_engine::synth::append_random_mtp(&source, &with, 1)
+            .with_context(|| format!("appending a random MTP block to {}", source.display()))?;
+        model = Qwen4Exp::load(&with)?;
+        println!(
+            "note: {} has no MTP block; a random one was appended (its own acceptance is meaningless)",
+            source.display()
+        );
+    }
+    let cfg = &model.config;
+    println!(
+        "model: {} layers + MTP, vocab {}, loaded in {:.1} s; CPU, {} threads; prompt {} tokens, {} decoded per run",
+        cfg.n_layer,
+        cfg.vocab,
+        t.elapsed().as_secs_f64(),
+        rayon::current_num_threads(),
+        args.prompt,
+        args.tokens
+    );
+    println!(
+        "{:<16} {:>8} {:>7} {:>7} {:>7} {:>11} {:>6} {:>7} {:>7} {:>8} {:>7} {:>7} {:>7}",
+        "run",
+        "tok/s",
+        "speedup",
+        "accept",
+        "mean len",
+        "chains A/B/C",
+        "coll.",
+        "draft%",
+        "verify%",
+        "rollbk%",
+        "align%",
+        "exact%",
+        "plain%"
+    );
+    let opts = MtpBenchOptions {
+        prompt_tokens: args.prompt,
+        decode_tokens: args.tokens,
+        levels,
+        rates: args.rates.clone(),
+        ..Default::default()
+    };
+    let rows = run_mtp_bench(&model, &opts, |r: &MtpBenchRow| {
+        let p = &r.report;
+        let pct = |x: f64| x / r.decode_s.max(1e-12) * 100.0;
+        println!(
+            "{:<16} {:>8.1} {:>6.2}x {:>6.1}% {:>8.2} {:>11} {:>6} {:>6.1}% {:>6.1}% {:>7.1}% {:>6.1}% {:>6.1}% {:>6.1}%",
+            r.label,
+            r.tok_s,
+            r.speedup,
+            p.acceptance_rate() * 100.0,
+            p.mean_accepted_length(),
+            format!("{}/{}/{}", p.chains[0], p.chains[1], p.chains[2]),
+            p.collapses,
+            pct(p.draft_s),
+            pct(p.verify_s),
+            pct(p.save_s + p.restore_s),
+            pct(p.realign_s),
+            pct(p.exact_s),
+            pct(p.plain_s)
+        );
+    })?;
+    if let Some(path) = &args.csv {
+        let mut f = std::fs::File::create(path)?;
+        writeln!(f, "{}", MtpBenchRow::CSV_HEADER)?;
+        for r in &rows {
+            writeln!(f, "{}", r.csv())?;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    Ok(())
+}
+
+/// A private temporary folder.
+fn tempfile_dir() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("nebula-bench-mtp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
 }

@@ -30,6 +30,9 @@ pub struct SynthArgs {
     /// Random seed.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// Leave out the MTP block (written by default, as `nebula convert` writes a checkpoint's).
+    #[arg(long)]
+    pub no_mtp: bool,
     /// GGUF whose tokenizer and chat template are copied (default: the embedded demo model).
     #[arg(long)]
     pub tokenizer_from: Option<PathBuf>,
@@ -49,6 +52,7 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         seed: args.seed,
         routing_skew: !args.no_skew,
         experts: args.experts,
+        mtp: !args.no_mtp,
         ..Default::default()
     };
     let t = std::time::Instant::now();

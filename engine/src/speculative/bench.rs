@@ -1,0 +1,225 @@
+//! `nebula bench mtp`: decode speed with MTP off and on, per accuracy level, and the machinery's own cost at fixed
+//! acceptance rates (the scripted test drafter), measured in one run on the CPU model.
+//!
+//! Every run prefills the same random prompt and decodes the same number of tokens (no stop tokens), timing the
+//! decode only. Rows:
+//! - `off`: plain greedy decoding (its output is the reference of the scripted rows);
+//! - `mtp L3` / `L2` / `L1`: the model's MTP block drafting, greedy verification at that level;
+//! - `mtp T=0.7`: sampling with speculative-sampling acceptance;
+//! - `rate R +mtp`: the scripted drafter proposes the reference token with probability `R` (else a wrong one)
+//!   after running the real MTP draft (its cost is paid, its tokens discarded), verified at level 3;
+//! - `rate R free`: the same without running the MTP (drafting costs nothing: the verify/rollback machinery
+//!   alone, the ceiling of the speed-up at that acceptance).
+//!
+//! On random weights (synthetic models, or the demo model with a random MTP block appended) the MTP's own
+//! acceptance is meaningless; the `rate` rows are the speed-up curve that matters there.
+
+use std::time::Instant;
+
+use crate::model::{LogitsFor, ModelError, Qwen4Exp, SequenceState};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::worker::FinishReason;
+
+use super::SpeculativeModel;
+use super::decoder::{Flow, SpeculativeDecoder, SpeculativeOptions, TokenSink};
+use super::scripted::{DraftPlan, ScriptedDrafter};
+use super::stats::DecodeReport;
+use super::verify::AccuracyLevel;
+
+/// Settings of the benchmark.
+#[derive(Debug, Clone)]
+pub struct MtpBenchOptions {
+    /// Random prompt tokens prefilled before each run.
+    pub prompt_tokens: usize,
+    /// Tokens decoded per run.
+    pub decode_tokens: usize,
+    /// Levels run with the model's MTP drafting.
+    pub levels: Vec<AccuracyLevel>,
+    /// Acceptance rates of the scripted drafter.
+    pub rates: Vec<f64>,
+    /// Seed of the prompt and the scripted drafter.
+    pub seed: u64,
+}
+
+impl Default for MtpBenchOptions {
+    fn default() -> Self {
+        Self {
+            prompt_tokens: 256,
+            decode_tokens: 128,
+            levels: vec![AccuracyLevel::Strict, AccuracyLevel::Balanced, AccuracyLevel::Relaxed],
+            rates: vec![0.5, 0.7, 0.9],
+            seed: 7,
+        }
+    }
+}
+
+/// One run's figures.
+#[derive(Debug, Clone)]
+pub struct MtpBenchRow {
+    /// What ran.
+    pub label: String,
+    /// Decoded tokens per second.
+    pub tok_s: f64,
+    /// Against the `off` row.
+    pub speedup: f64,
+    /// Decode seconds.
+    pub decode_s: f64,
+    /// Tokens decoded.
+    pub tokens: usize,
+    /// The speculative counters of the run.
+    pub report: DecodeReport,
+}
+
+impl MtpBenchRow {
+    /// CSV header.
+    pub const CSV_HEADER: &'static str = "run,tok_s,speedup,acceptance,mean_accepted_length,chains_a,chains_b,chains_c,\
+                                          collapses,draft_s,verify_s,rollback_s,realign_s,exact_s,plain_s,decode_s";
+    /// One CSV line.
+    pub fn csv(&self) -> String {
+        let r = &self.report;
+        format!(
+            "{},{:.2},{:.3},{:.3},{:.3},{},{},{},{},{:.4},{:.4},{:.4},{:.4},{:.4},{:.4},{:.4}",
+            self.label,
+            self.tok_s,
+            self.speedup,
+            r.acceptance_rate(),
+            r.mean_accepted_length(),
+            r.chains[0],
+            r.chains[1],
+            r.chains[2],
+            r.collapses,
+            r.draft_s,
+            r.verify_s,
+            r.save_s + r.restore_s,
+            r.realign_s,
+            r.exact_s,
+            r.plain_s,
+            self.decode_s
+        )
+    }
+}
+
+/// Collects `max` tokens, no stop tokens.
+struct Collect {
+    out: Vec<u32>,
+    max: usize,
+}
+
+impl TokenSink<SequenceState> for Collect {
+    fn mask(&mut self, _logits: &mut [f32]) -> Result<(), String> {
+        Ok(())
+    }
+    fn commit(&mut self, token: u32, _logits: &[f32], room: bool) -> Result<Flow, String> {
+        self.out.push(token);
+        Ok(if self.out.len() >= self.max || !room { Flow::Finish(FinishReason::Length) } else { Flow::Continue })
+    }
+    fn remaining(&self) -> usize {
+        self.max.saturating_sub(self.out.len())
+    }
+}
+
+/// The random prompt of the benchmark (ordinary tokens below the special range of Qwen's vocabulary).
+fn prompt(vocab: usize, n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed | 1;
+    let limit = (vocab as u64).min(248_000);
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % limit) as u32
+        })
+        .collect()
+}
+
+/// Prefills `tokens` in chunks of 512; returns the state and the last logits.
+fn prefill(model: &Qwen4Exp, tokens: &[u32], cap: usize) -> Result<(SequenceState, Vec<f32>), ModelError> {
+    let mut s = model.new_state(cap);
+    let mut logits = Vec::new();
+    let chunks: Vec<&[u32]> = tokens.chunks(512).collect();
+    for (i, c) in chunks.iter().enumerate() {
+        let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
+        logits = model.forward(&mut s, c, want)?;
+    }
+    Ok((s, logits))
+}
+
+/// One decode run of `model` from a fresh prefill.
+fn decode_run<M: SpeculativeModel<State = SequenceState>>(
+    target: &Qwen4Exp,
+    model: &M,
+    prompt: &[u32],
+    n: usize,
+    params: SamplingParams,
+    opts: SpeculativeOptions,
+) -> Result<(Vec<u32>, f64, DecodeReport), ModelError> {
+    let (mut state, logits) = prefill(target, prompt, prompt.len() + n + 1)?;
+    let mut sampler = Sampler::new(params);
+    let mut sink = Collect { out: Vec::with_capacity(n), max: n };
+    let mut dec = SpeculativeDecoder::new(model, opts, None);
+    let limit = state.max_len;
+    let t = Instant::now();
+    dec.run(&mut state, logits, &mut sampler, &mut sink, limit)
+        .map_err(|reason| ModelError::MtpUnavailable { reason })?;
+    Ok((sink.out, t.elapsed().as_secs_f64(), dec.report))
+}
+
+/// Runs the benchmark (see the module doc). `progress` is called with each row as it finishes.
+///
+/// Errors: a model error (bad prompt length for the model's context, no MTP block loaded).
+pub fn run_mtp_bench(
+    model: &Qwen4Exp,
+    opts: &MtpBenchOptions,
+    mut progress: impl FnMut(&MtpBenchRow),
+) -> Result<Vec<MtpBenchRow>, ModelError> {
+    if model.mtp().is_none() {
+        return Err(ModelError::MtpUnavailable { reason: "the model has no MTP block loaded".into() });
+    }
+    let n = opts.decode_tokens.max(1);
+    let p = prompt(model.config.vocab, opts.prompt_tokens.max(1), opts.seed);
+    let greedy = SamplingParams::GREEDY;
+    let mut rows = Vec::new();
+    let mut push = |label: String, out: &[u32], secs: f64, report: DecodeReport, base: Option<f64>| {
+        let tok_s = out.len() as f64 / secs.max(1e-12);
+        let row = MtpBenchRow {
+            label,
+            tok_s,
+            speedup: base.map_or(1.0, |b| tok_s / b),
+            decode_s: secs,
+            tokens: out.len(),
+            report,
+        };
+        progress(&row);
+        rows.push(row);
+        tok_s
+    };
+    let off = SpeculativeOptions { enabled: false, ..Default::default() };
+    let (reference_out, secs, report) = decode_run(model, model, &p, n, greedy, off)?;
+    let base = push("off".into(), &reference_out, secs, report, None);
+    for &level in &opts.levels {
+        let o = SpeculativeOptions { level, ..Default::default() };
+        let (out, secs, report) = decode_run(model, model, &p, n, greedy, o)?;
+        if level == AccuracyLevel::Strict && out != reference_out {
+            return Err(ModelError::MtpUnavailable { reason: "level 3 output differs from plain decoding".into() });
+        }
+        push(format!("mtp L{}", level.number()), &out, secs, report, Some(base));
+    }
+    let sampled = SamplingParams { temperature: 0.7, seed: Some(opts.seed), ..SamplingParams::GREEDY };
+    let (out, secs, report) = decode_run(model, model, &p, n, sampled, SpeculativeOptions::default())?;
+    push("mtp T=0.7".into(), &out, secs, report, Some(base));
+    let mut reference = p.clone();
+    reference.extend_from_slice(&reference_out);
+    for &rate in &opts.rates {
+        for run_inner in [true, false] {
+            let plan = DraftPlan::Rate { rate, seed: opts.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1 };
+            let drafter = ScriptedDrafter::new(model, reference.clone(), plan, run_inner);
+            let (out, secs, report) = decode_run(model, &drafter, &p, n, greedy, SpeculativeOptions::default())?;
+            if out != reference_out {
+                return Err(ModelError::MtpUnavailable { reason: "scripted run differs from plain decoding".into() });
+            }
+            let what = if run_inner { "+mtp" } else { "free" };
+            push(format!("rate {rate:.2} {what}"), &out, secs, report, Some(base));
+        }
+    }
+    Ok(rows)
+}

@@ -1,0 +1,159 @@
+//! A test drafter: wraps a model and proposes chosen right or wrong tokens instead of (or after) its MTP
+//! drafts, so tests can drive every chain case and benchmarks can measure the machinery at a fixed acceptance
+//! rate. "Right" means the token of a known reference sequence (the target's own greedy output) at that position.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use crate::model::ModelError;
+
+use super::{Rollback, SpeculativeModel, Verified};
+
+/// Which drafts are right.
+#[derive(Debug, Clone)]
+pub enum DraftPlan {
+    /// One pattern per chain, in order (`true` = the right token); a chain longer than its pattern proposes only
+    /// the pattern's length, and once the patterns run out every draft is right.
+    Script(VecDeque<Vec<bool>>),
+    /// Each draft right with probability `rate`, from a seeded stream.
+    Rate {
+        /// Probability that a draft is right.
+        rate: f64,
+        /// Random state (xorshift).
+        seed: u64,
+    },
+}
+
+/// One chain as the drafter proposed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraftLog {
+    /// Position of the pending token (tokens the state had consumed).
+    pub pos: usize,
+    /// The proposals.
+    pub tokens: Vec<u32>,
+    /// Which were right.
+    pub right: Vec<bool>,
+}
+
+/// Row coverage to report instead of the model's, given (chain number from 0, row in the chain, absolute
+/// position of the row); drives case B.
+pub type CoverageFn = Box<dyn Fn(usize, usize, usize) -> f32 + Send + Sync>;
+
+/// A model whose drafts follow a [`DraftPlan`] against a reference token sequence.
+pub struct ScriptedDrafter<'a, M> {
+    inner: &'a M,
+    reference: Vec<u32>,
+    plan: Mutex<DraftPlan>,
+    run_inner: bool,
+    coverage: Option<CoverageFn>,
+    log: Mutex<Vec<DraftLog>>,
+    verifies: Mutex<usize>,
+}
+
+impl<'a, M: SpeculativeModel> ScriptedDrafter<'a, M> {
+    /// Wraps `inner`. `reference[j]` is the right token at position `j` (prompt and expected output together).
+    /// With `run_inner`, the model's own drafter also runs (its cost is measured, its tokens are discarded).
+    pub fn new(inner: &'a M, reference: Vec<u32>, plan: DraftPlan, run_inner: bool) -> Self {
+        Self {
+            inner,
+            reference,
+            plan: Mutex::new(plan),
+            run_inner,
+            coverage: None,
+            log: Mutex::new(Vec::new()),
+            verifies: Mutex::new(0),
+        }
+    }
+
+    /// Reports `f(chain, row, position)` as each verify row's resident-expert coverage.
+    pub fn with_coverage(mut self, f: CoverageFn) -> Self {
+        self.coverage = Some(f);
+        self
+    }
+
+    /// The chains proposed so far.
+    pub fn log(&self) -> Vec<DraftLog> {
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// A wrong token for position `j`: the reference's neighbour id (never the reference token).
+    fn wrong(&self, j: usize) -> u32 {
+        let vocab = self.inner.vocab() as u32;
+        let right = self.reference.get(j).copied().unwrap_or(0);
+        (right + 1) % vocab.max(2)
+    }
+}
+
+impl<M: SpeculativeModel> SpeculativeModel for ScriptedDrafter<'_, M> {
+    type State = M::State;
+    type Record = M::Record;
+
+    fn vocab(&self) -> usize {
+        self.inner.vocab()
+    }
+
+    fn position(&self, state: &M::State) -> usize {
+        self.inner.position(state)
+    }
+
+    fn step(&self, state: &mut M::State, token: u32) -> Result<Vec<f32>, ModelError> {
+        self.inner.step(state, token)
+    }
+
+    fn can_draft(&self, state: &M::State) -> bool {
+        !self.run_inner || self.inner.can_draft(state)
+    }
+
+    fn draft(&self, state: &mut M::State, pending: u32, n: usize) -> Result<Vec<u32>, ModelError> {
+        if self.run_inner {
+            self.inner.draft(state, pending, n)?;
+        }
+        let pos = self.inner.position(state);
+        let mut plan = self.plan.lock().map_err(|_| ModelError::MtpUnavailable { reason: "poisoned plan".into() })?;
+        let pattern: Vec<bool> = match &mut *plan {
+            DraftPlan::Script(chains) => match chains.pop_front() {
+                Some(p) => p.into_iter().take(n).collect(),
+                None => vec![true; n],
+            },
+            DraftPlan::Rate { rate, seed } => (0..n)
+                .map(|_| {
+                    *seed ^= *seed << 13;
+                    *seed ^= *seed >> 7;
+                    *seed ^= *seed << 17;
+                    ((*seed >> 11) as f64 / (1u64 << 53) as f64) < *rate
+                })
+                .collect(),
+        };
+        let mut tokens = Vec::with_capacity(pattern.len());
+        let mut right = Vec::with_capacity(pattern.len());
+        for (i, &ok) in pattern.iter().enumerate() {
+            let j = pos + 1 + i;
+            let Some(&truth) = self.reference.get(j) else { break };
+            tokens.push(if ok { truth } else { self.wrong(j) });
+            right.push(ok);
+        }
+        if let Ok(mut log) = self.log.lock() {
+            log.push(DraftLog { pos, tokens: tokens.clone(), right });
+        }
+        Ok(tokens)
+    }
+
+    fn verify(&self, state: &mut M::State, chain: &[u32]) -> Result<Verified<M::Record>, ModelError> {
+        let pos0 = self.inner.position(state);
+        let mut v = self.inner.verify(state, chain)?;
+        let k = self.verifies.lock().map(|mut n| {
+            *n += 1;
+            *n - 1
+        });
+        if let (Some(f), Ok(k)) = (&self.coverage, k) {
+            for (i, c) in v.coverage.iter_mut().enumerate() {
+                *c = f(k, i, pos0 + i);
+            }
+        }
+        Ok(v)
+    }
+
+    fn rollback(&self, state: &mut M::State, record: &M::Record, keep: usize) -> Result<Rollback, ModelError> {
+        self.inner.rollback(state, record, keep)
+    }
+}
