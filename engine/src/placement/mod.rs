@@ -421,47 +421,57 @@ impl PlacementReport {
 
     /// A few lines for the startup log.
     pub fn summary(&self) -> String {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let (g, r, s) = self.totals();
         let n = self.layers.len().max(1);
         let mut out = format!(
             "placement from {}: ranking {}; per layer (mean of {n}) {:.1} GPU + {:.1} RAM + {:.1} SSD experts of {} \
-             ({:.2} MiB each)",
+             ({} each)",
             self.source,
             self.hotlist,
             g as f64 / n as f64,
             r as f64 / n as f64,
             s as f64 / n as f64,
             self.experts_per_layer,
-            self.expert_bytes as f64 / (1u64 << 20) as f64
+            human(self.expert_bytes)
         );
         let m = &self.memory;
         out.push_str(&format!(
-            "\n  VRAM planned {:.2} GiB (GPU experts {:.2} + dense {:.2}){}; RAM tier {:.2} GiB, SSD pool {:.2} GiB, \
-             n-gram table {} ({:.2} GiB){}; memory {}{}",
-            gib(m.vram_planned_bytes),
-            gib(m.gpu_expert_bytes),
-            gib(m.dense_bytes),
-            m.vram_budget_bytes.map_or(String::new(), |b| format!(" of a {:.2} GiB budget", gib(b))),
-            gib(m.ram_tier_bytes),
-            gib(m.ssd_pool_bytes),
+            "\n  VRAM planned {} (GPU experts {} + dense {}){}; RAM tier {}, SSD pool {}, n-gram table {} ({}){}; \
+             memory {}{}",
+            human(m.vram_planned_bytes),
+            human(m.gpu_expert_bytes),
+            human(m.dense_bytes),
+            m.vram_budget_bytes.map_or(String::new(), |b| format!(" of a {} budget", human(b))),
+            human(m.ram_tier_bytes),
+            human(m.ssd_pool_bytes),
             self.ngram_table.placement,
-            gib(self.ngram_table.bytes),
-            m.ram_budget_bytes.map_or(String::new(), |b| format!("; RAM budget {:.2} GiB", gib(b))),
+            human(self.ngram_table.bytes),
+            m.ram_budget_bytes.map_or(String::new(), |b| format!("; RAM budget {}", human(b))),
             m.lock,
-            m.mem_available_bytes.map_or(String::new(), |b| format!(", {:.1} GiB available at start", gib(b)))
+            m.mem_available_bytes.map_or(String::new(), |b| format!(", {} available at start", human(b)))
         ));
         if let Some(s) = &self.ssd {
             out.push_str(&format!(
-                "\n  SSD: {}, {} I/O threads, pool of {} buffers x {:.2} MiB, prefetch {} layer(s) ahead",
+                "\n  SSD: {}, {} I/O threads, pool of {} buffers x {}, prefetch {} layer(s) ahead",
                 s.reader,
                 s.io_threads,
                 s.pool_buffers,
-                s.buffer_bytes as f64 / (1u64 << 20) as f64,
+                human(s.buffer_bytes as u64),
                 s.prefetch_layers
             ));
         }
         out
+    }
+}
+
+/// `1.5 GiB`, `2.6 MiB`, `3.2 KiB`, `512 B`.
+fn human(bytes: u64) -> String {
+    let b = bytes as f64;
+    match bytes {
+        0..1024 => format!("{bytes} B"),
+        1024..1_048_576 => format!("{:.1} KiB", b / 1024.0),
+        1_048_576..1_073_741_824 => format!("{:.1} MiB", b / 1_048_576.0),
+        _ => format!("{:.2} GiB", b / 1_073_741_824.0),
     }
 }
 
