@@ -3,7 +3,8 @@
 //! Data flows one way: [`gguf`] reads the file, [`quant`] turns its blocks into numbers, [`model`] runs the
 //! forward pass of the reference (`transformers` `modeling_qwen4_exp.py`), [`sampling`] picks the next token, and
 //! [`text`] turns text into token ids and back (tokenizer, chat template, output parsing). [`worker`] runs
-//! generation on a worker thread fed by a queue, resuming prompts from the [`prefix_cache`]; the HTTP service never
+//! generation on a worker thread fed by a queue, resuming prompts from the [`prefix_cache`] and decoding through
+//! [`speculative`] (MTP drafts verified in batched passes when the model has an MTP block); the HTTP service never
 //! touches tensors.
 
 pub mod backend;
