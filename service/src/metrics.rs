@@ -15,8 +15,9 @@
 //! `nebula:draft_tokens_total` and `nebula:draft_accepted_tokens_total` (drafts proposed / accepted),
 //! `nebula:draft_chains_total{case}` (verified chains by SPEC §4 case `A` all accepted, `B` handed to the full
 //! target for low resident-expert coverage, `C` a draft rejected), `nebula:draft_window_chains_total{window}`
-//! (chains per draft window size: 4..16, fewer near the end of an answer), `nebula:draft_collapses_total` and `nebula:draft_recoveries_total`
-//! (drafting turned off for a request because it lost time, and back on after the cooldown),
+//! (chains per draft window size: 4..16, fewer near the end of an answer), `nebula:draft_collapses_total` and
+//! `nebula:draft_recoveries_total` (drafting turned off for a request because it lost time, and back on after the
+//! cooldown),
 //! `nebula:draft_phase_seconds_total{phase}` (time in `draft`, `verify`, `save`, `restore`, `realign`, `exact`),
 //! `nebula:draft_acceptance_ratio` (recent acceptance, exponentially averaged over chains) and `nebula:mtp_enabled`
 //! (1 when the served model drafts).
