@@ -578,3 +578,22 @@ fn relaxed_levels_accept_only_what_their_rules_allow() {
         assert!(dec.report.accepted >= sink.non_greedy);
     }
 }
+
+/// `nebula bench mtp`'s engine part runs every row on a small model; its level-3 and scripted rows must decode
+/// exactly as plain decoding (the benchmark refuses otherwise) and the scripted rates come out near their targets.
+#[test]
+fn bench_mtp_runs_and_scripted_rates_hold() {
+    use nebula_engine::speculative::bench::{MtpBenchOptions, run_mtp_bench};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = reference_mtp_model(tmp.path());
+    let opts = MtpBenchOptions { prompt_tokens: 16, decode_tokens: 64, rates: vec![0.9], ..Default::default() };
+    let rows = run_mtp_bench(&model, &opts, |_| {}).unwrap();
+    let labels: Vec<&str> = rows.iter().map(|r| r.label.as_str()).collect();
+    assert_eq!(labels, ["off", "mtp L3", "mtp L2", "mtp L1", "mtp T=0.7", "rate 0.90 +mtp", "rate 0.90 free"]);
+    for r in &rows {
+        assert_eq!(r.tokens, 64, "{}", r.label);
+        assert!(r.tok_s > 0.0);
+    }
+    let free = &rows[6].report;
+    assert!(free.acceptance_rate() > 0.4 && free.mean_accepted_length() > 2.0, "{free:?}");
+}

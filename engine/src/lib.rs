@@ -4,7 +4,8 @@
 //! forward pass of the reference (`transformers` `modeling_qwen4_exp.py`) with its experts and n-gram table placed
 //! in GPU/RAM/SSD tiers by [`placement`], [`sampling`] picks the next token, and
 //! [`text`] turns text into token ids and back (tokenizer, chat template, output parsing). [`worker`] runs
-//! generation on a worker thread fed by a queue, resuming prompts from the [`prefix_cache`]; the HTTP service never
+//! generation on a worker thread fed by a queue, resuming prompts from the [`prefix_cache`] and decoding through
+//! [`speculative`] (MTP drafts verified in batched passes when the model has an MTP block); the HTTP service never
 //! touches tensors.
 
 pub mod backend;

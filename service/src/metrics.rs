@@ -18,8 +18,9 @@
 //! `nebula:draft_tokens_total` and `nebula:draft_accepted_tokens_total` (drafts proposed / accepted),
 //! `nebula:draft_chains_total{case}` (verified chains by SPEC §4 case `A` all accepted, `B` handed to the full
 //! target for low resident-expert coverage, `C` a draft rejected), `nebula:draft_window_chains_total{window}`
-//! (chains per draft window size 4..16), `nebula:draft_collapses_total` and `nebula:draft_recoveries_total`
-//! (drafting turned off for a request because it lost time, and back on after the cooldown),
+//! (chains per draft window size: 4..16, fewer near the end of an answer), `nebula:draft_collapses_total` and
+//! `nebula:draft_recoveries_total` (drafting turned off for a request because it lost time, and back on after the
+//! cooldown),
 //! `nebula:draft_phase_seconds_total{phase}` (time in `draft`, `verify`, `save`, `restore`, `realign`, `exact`),
 //! `nebula:draft_acceptance_ratio` (recent acceptance, exponentially averaged over chains) and `nebula:mtp_enabled`
 //! (1 when the served model drafts).
@@ -31,7 +32,7 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use nebula_engine::speculative::stats::PHASES;
-use nebula_engine::speculative::window::{MAX_WINDOW, MIN_WINDOW};
+use nebula_engine::speculative::window::MAX_WINDOW;
 use prometheus::{
     CounterVec, Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
@@ -251,7 +252,7 @@ impl Metrics {
         for case in ["A", "B", "C"] {
             self.draft_chains.with_label_values(&[case]);
         }
-        for w in MIN_WINDOW..=MAX_WINDOW {
+        for w in 1..=MAX_WINDOW {
             self.draft_windows.with_label_values(&[&w.to_string()]);
         }
         for phase in PHASES {
@@ -334,7 +335,7 @@ impl Metrics {
             for (case, n) in ["A", "B", "C"].iter().zip(&spec.chains) {
                 set(&self.draft_chains.with_label_values(&[case]), load(n));
             }
-            for w in MIN_WINDOW..=MAX_WINDOW {
+            for w in 1..=MAX_WINDOW {
                 set(&self.draft_windows.with_label_values(&[&w.to_string()]), load(&spec.windows[w]));
             }
             set(&self.draft_collapses, load(&spec.collapses));

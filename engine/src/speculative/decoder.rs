@@ -218,7 +218,9 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         limit: usize,
     ) -> Result<(u32, Flow), String> {
         let t = Instant::now();
-        let drafts = self.model.draft(state, pending, n).map_err(|e| e.to_string())?;
+        // A drafter that cannot propose (e.g. its cache is out of step) costs a plain step, not the request.
+        let mut drafts = self.model.draft(state, pending, n).unwrap_or_default();
+        drafts.truncate(n);
         let draft_s = t.elapsed().as_secs_f64();
         if drafts.is_empty() {
             return self.plain(state, pending, sampler, sink, limit);

@@ -16,9 +16,10 @@
 //!
 //! **Collapse.** After at least 8 chains since drafting (re)started, if the last 8 chains together produced
 //! fewer tokens per second than plain decoding does (its measured step time: when no plain step was measured yet,
-//! the controller asks the decoder for one first), drafting turns off for the request: the next `cooldown` tokens are decoded plainly
-//! (32 at first, doubled at each further collapse up to 1024, back to 32 after 64 chains without a collapse).
-//! Then drafting comes back at `N = 4` with a fresh acceptance history (the cost measurements are kept).
+//! the controller asks the decoder for one first), drafting turns off for the request: the next `cooldown` tokens
+//! are decoded plainly (32 at first, doubled at each further collapse up to 1024, back to 32 after 64 chains
+//! without a collapse). Then drafting comes back at `N = 4` with a fresh chain history (the plain-step timings,
+//! refreshed by the cooldown, are kept).
 
 use std::collections::VecDeque;
 
