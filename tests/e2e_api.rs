@@ -397,6 +397,19 @@ async fn a_placement_over_budget_is_refused_at_start() {
     assert!(handle.wait().await.is_err(), "the load error is the server's outcome");
 }
 
+/// `backend = "cuda"` where the GPU cannot be opened (CI has none; on a GPU machine, an index past the last GPU)
+/// stops the server at start with an error naming the backend; nothing is served.
+#[tokio::test]
+async fn a_cuda_backend_without_that_gpu_is_refused_at_start() {
+    let mut c = config();
+    c.backend = "cuda".into();
+    c.gpu = 97;
+    let handle = start(c).await.expect("the server binds");
+    let err = handle.ready().await.unwrap_err().to_string();
+    assert!(err.contains("backend") && (err.contains("CUDA") || err.contains("NVIDIA driver")), "{err}");
+    assert!(handle.wait().await.is_err(), "the load error is the server's outcome");
+}
+
 #[tokio::test]
 async fn metrics_openapi_and_models() {
     let (base, _) = spawn_server(config());

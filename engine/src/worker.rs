@@ -23,6 +23,8 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
+use crate::backend::BackendKind;
+use crate::backend::cuda::{CudaModel, CudaState};
 use crate::gguf::GgufFile;
 use crate::model::{LoadOptions, LogitsFor, ModelConfig, ModelError, Qwen4Exp, SequenceState};
 use crate::placement::{PlacementOptions, PlacementReport, PlacementStats};
@@ -53,6 +55,9 @@ pub enum LoadError {
     /// The chat template does not compile.
     #[error("{path}: chat template: {source}")]
     Template { path: String, source: TemplateError },
+    /// The model could not be put on the chosen backend (no GPU, over the VRAM budget, kernels missing).
+    #[error("{path}: backend: {source}")]
+    Backend { path: String, source: crate::backend::cuda::CudaError },
 }
 
 /// Why a request was refused before it started.
@@ -246,6 +251,10 @@ pub struct EngineOptions {
     /// MTP speculative decoding (server switch): load the model's MTP block and draft with it. Off, the block is
     /// not loaded at all.
     pub mtp: bool,
+    /// Where the forward pass runs: the CPU model, or every weight on one GPU ([`BackendKind::Cuda`]: the GPU by
+    /// index and an optional VRAM budget checked before anything is allocated). On the GPU the prefix cache and
+    /// MTP drafting are not used yet (their state snapshots are CPU-side).
+    pub backend: BackendKind,
 }
 
 impl Default for EngineOptions {
@@ -256,6 +265,7 @@ impl Default for EngineOptions {
             prefix_cache: PrefixCacheOptions::default(),
             placement: None,
             mtp: true,
+            backend: BackendKind::Cpu,
         }
     }
 }
@@ -358,6 +368,13 @@ impl Engine {
         }
         let placement = Arc::new(model.placement_report());
         let placement_stats = model.placement_stats();
+        let gpu = match opts.backend {
+            BackendKind::Cpu => None,
+            BackendKind::Cuda { device, vram_budget } => Some(Box::new(
+                CudaModel::from_cpu(&model, device, vram_budget)
+                    .map_err(|source| LoadError::Backend { path: shown.clone(), source })?,
+            )),
+        };
         let config = model.config.clone();
         let mtp = model.mtp().is_some();
         // End of turn: <|im_end|> and <|endoftext|> by name, plus the file's EOS id.
@@ -375,6 +392,7 @@ impl Engine {
         let stats = Arc::new(EngineStats::default());
         let worker = Worker {
             model,
+            gpu,
             stop_tokens: stop_tokens.clone(),
             turn_start: tokenizer.token_to_id("<|im_start|>"),
             max_context,
@@ -556,6 +574,8 @@ impl TokenSink<SequenceState> for RequestSink<'_> {
 
 struct Worker {
     model: Qwen4Exp,
+    /// The GPU copy of the model when the backend is CUDA (then every forward runs there).
+    gpu: Option<Box<CudaModel>>,
     stop_tokens: Vec<u32>,
     /// `<|im_start|>`: the prompt gets a checkpoint before each one (turn boundaries).
     turn_start: Option<u32>,
@@ -608,6 +628,11 @@ impl Worker {
     }
 
     fn generate(&mut self, job: Job) {
+        if let Some(gpu) = self.gpu.take() {
+            self.generate_on_gpu(&gpu, job);
+            self.gpu = Some(gpu);
+            return;
+        }
         let Job { req, events, queued } = job;
         let cancelled = || req.cancel.load(Ordering::Relaxed) || events.is_closed();
         let queue_ms = queued.elapsed().as_secs_f64() * 1e3;
@@ -726,6 +751,102 @@ impl Worker {
             tokens.extend_from_slice(&output[..state.pos - prompt.len()]);
             self.cache.insert(CacheEntry { tokens, state, checkpoints });
         }
+    }
+}
+
+impl Worker {
+    /// [`Worker::generate`] on the GPU model: prefill in chunks, then the same decode loop, sampler, grammar and
+    /// stop rules as on the CPU (through [`SpeculativeDecoder`] with drafting off). No prefix cache: its
+    /// checkpoints are CPU states.
+    fn generate_on_gpu(&self, gpu: &CudaModel, job: Job) {
+        let Job { req, events, queued } = job;
+        let cancelled = || req.cancel.load(Ordering::Relaxed) || events.is_closed();
+        let queue_ms = queued.elapsed().as_secs_f64() * 1e3;
+        if cancelled() {
+            return;
+        }
+        let prompt = &req.prompt;
+        let limit = self.max_context.min(prompt.len() + req.max_tokens);
+        let fail = |message: String| {
+            let _ = events.send(GenerationEvent::Failed(message));
+        };
+        let mut state = match gpu.new_state(limit) {
+            Ok(s) => s,
+            Err(e) => return fail(e.to_string()),
+        };
+        let _ = events.send(GenerationEvent::Started { cached_tokens: 0 });
+        let mut sampler = Sampler::new(req.sampling);
+        sampler.observe_prompt(prompt);
+        let mut usage = Usage {
+            prompt_tokens: prompt.len(),
+            cached_tokens: 0,
+            completion_tokens: 0,
+            queue_ms,
+            prefill_ms: 0.0,
+            decode_ms: 0.0,
+            draft_tokens: 0,
+            accepted_draft_tokens: 0,
+        };
+        let finish = |reason: FinishReason, usage: Usage| {
+            let _ = events.send(GenerationEvent::Finished { reason, usage });
+        };
+        let t0 = Instant::now();
+        let chunk = req.prefill_chunk.unwrap_or(PREFILL_CHUNK).max(1);
+        let mut logits = Vec::new();
+        while state.pos < prompt.len() {
+            if cancelled() {
+                return finish(FinishReason::Cancelled, usage);
+            }
+            let (from, end) = (state.pos, (state.pos + chunk).min(prompt.len()));
+            let want = if end == prompt.len() { LogitsFor::Last } else { LogitsFor::None };
+            match gpu.forward(&mut state, &prompt[from..end], want) {
+                Ok(l) => logits = l,
+                Err(e) => return fail(e.to_string()),
+            }
+            self.stats.prefilled_tokens.fetch_add(end - from, Ordering::Relaxed);
+            let _ = events.send(GenerationEvent::Prefilled { done: end, total: prompt.len() });
+        }
+        usage.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let t1 = Instant::now();
+        let opts = SpeculativeOptions { enabled: false, level: req.accuracy_level, ..SpeculativeOptions::default() };
+        let mut decoder = SpeculativeDecoder::new(gpu, opts, Some(&self.stats.speculative));
+        let mut checkpoints = Vec::new();
+        let mut sink = RequestSink {
+            req: &req,
+            events: &events,
+            stop_tokens: &self.stop_tokens,
+            output: Vec::new(),
+            completion_tokens: 0,
+            checkpoints: &mut checkpoints,
+            use_cache: false,
+            prompt_len: prompt.len(),
+            interval: usize::MAX,
+            next_checkpoint: usize::MAX,
+        };
+        let outcome = decoder.run(&mut state, logits, &mut sampler, &mut sink, limit);
+        usage.completion_tokens = sink.completion_tokens;
+        match outcome {
+            Ok(o) => {
+                usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+                finish(o.reason, usage)
+            }
+            Err(e) => fail(e),
+        }
+    }
+}
+
+/// The decode loop's sink on the GPU: the same rules; no checkpoints (the state lives on the device).
+impl TokenSink<CudaState> for RequestSink<'_> {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        <Self as TokenSink<SequenceState>>::mask(self, logits)
+    }
+
+    fn commit(&mut self, token: u32, logits: &[f32], room: bool) -> Result<Flow, String> {
+        <Self as TokenSink<SequenceState>>::commit(self, token, logits, room)
+    }
+
+    fn remaining(&self) -> usize {
+        <Self as TokenSink<SequenceState>>::remaining(self)
     }
 }
 

@@ -64,6 +64,13 @@ pub struct ServeArgs {
     /// OTLP/HTTP endpoint for traces (e.g. http://127.0.0.1:4318/v1/traces). Default: no tracing export.
     #[arg(long)]
     pub otlp_endpoint: Option<String>,
+    /// Where the forward pass runs: `cpu`, or `cuda` (every weight on one GPU; `placement.vram_budget_gib`
+    /// bounds it). Default: cpu.
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// GPU index for the cuda backend (as nvidia-smi lists them). Default: 0.
+    #[arg(long)]
+    pub gpu: Option<u64>,
     /// Expert placement and emulation flags (`[placement]` of the config).
     #[command(flatten)]
     pub placement: crate::placement::PlacementFlags,
@@ -264,6 +271,10 @@ pub struct ServerConfig {
     pub placement: crate::placement::PlacementConfig,
     /// MTP speculative decoding.
     pub mtp: MtpConfig,
+    /// `cpu` or `cuda`.
+    pub backend: String,
+    /// GPU index for the cuda backend.
+    pub gpu: usize,
 }
 
 impl Default for ServerConfig {
@@ -293,6 +304,8 @@ impl Default for ServerConfig {
             prefix_cache: PrefixCacheConfig::default(),
             placement: crate::placement::PlacementConfig::default(),
             mtp: MtpConfig::default(),
+            backend: "cpu".into(),
+            gpu: 0,
         }
     }
 }
@@ -374,6 +387,9 @@ impl ServerConfig {
         if self.api_key.as_deref() == Some("") {
             return Err(ConfigError("api_key is empty; leave it unset for an open server".into()));
         }
+        if !["cpu", "cuda"].contains(&self.backend.as_str()) {
+            return Err(ConfigError(format!("backend must be cpu or cuda, got {:?}", self.backend)));
+        }
         self.placement.validate().map_err(ConfigError)?;
         Ok(())
     }
@@ -410,6 +426,10 @@ struct FlagOverrides {
     api_key: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     otlp_endpoint: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backend: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpu: Option<u64>,
     #[serde(skip_serializing_if = "is_empty_object")]
     placement: serde_json::Value,
 }
@@ -430,6 +450,8 @@ impl From<&ServeArgs> for FlagOverrides {
             profile: a.profile.clone(),
             api_key: a.api_key.clone(),
             otlp_endpoint: a.otlp_endpoint.clone(),
+            backend: a.backend.clone(),
+            gpu: a.gpu,
             placement: a.placement.overrides(),
         }
     }
@@ -438,6 +460,17 @@ impl From<&ServeArgs> for FlagOverrides {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_backend_is_cpu_or_cuda() {
+        let mut c = ServerConfig::default();
+        assert!(c.validate().is_ok());
+        c.backend = "cuda".into();
+        assert!(c.validate().is_ok());
+        c.backend = "rocm".into();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("backend must be cpu or cuda") && err.contains("rocm"), "{err}");
+    }
 
     #[test]
     #[allow(clippy::result_large_err)] // figment's Jail closure returns figment::Error.

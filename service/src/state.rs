@@ -150,6 +150,13 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         },
         placement,
         mtp: config.mtp.enabled,
+        backend: match config.backend.as_str() {
+            "cpu" => nebula_engine::backend::BackendKind::Cpu,
+            _ => nebula_engine::backend::BackendKind::Cuda {
+                device: config.gpu,
+                vram_budget: config.placement.vram_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64),
+            },
+        },
     };
     state.load.send_replace(LoadState::Loading(if opts.placement.is_some() {
         "reading and validating the weights, placing the experts"

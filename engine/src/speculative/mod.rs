@@ -114,6 +114,44 @@ pub trait SpeculativeModel {
     fn rollback(&self, state: &mut Self::State, record: &Self::Record, keep: usize) -> Result<Rollback, ModelError>;
 }
 
+/// The GPU model decodes plain steps only for now (no MTP block on the device yet): `can_draft` is false, so the
+/// decoder never asks it to draft, verify or roll back, and those calls are errors.
+impl SpeculativeModel for crate::backend::cuda::CudaModel {
+    type State = crate::backend::cuda::CudaState;
+    type Record = ();
+
+    fn vocab(&self) -> usize {
+        self.config.vocab
+    }
+
+    fn position(&self, state: &Self::State) -> usize {
+        state.pos
+    }
+
+    fn step(&self, state: &mut Self::State, token: u32) -> Result<Vec<f32>, ModelError> {
+        self.forward(state, &[token], crate::model::LogitsFor::Last).map_err(|e| match e {
+            crate::backend::cuda::CudaError::Model(m) => m,
+            other => ModelError::WeightRead { what: "CUDA decode step".into(), detail: other.to_string() },
+        })
+    }
+
+    fn can_draft(&self, _state: &Self::State) -> bool {
+        false
+    }
+
+    fn draft(&self, _state: &mut Self::State, _pending: u32, _n: usize) -> Result<Vec<u32>, ModelError> {
+        Err(ModelError::MtpUnavailable { reason: "the CUDA backend has no MTP block yet".into() })
+    }
+
+    fn verify(&self, _state: &mut Self::State, _chain: &[u32]) -> Result<Verified<()>, ModelError> {
+        Err(ModelError::MtpUnavailable { reason: "the CUDA backend has no MTP block yet".into() })
+    }
+
+    fn rollback(&self, _state: &mut Self::State, _record: &(), _keep: usize) -> Result<Rollback, ModelError> {
+        Err(ModelError::MtpUnavailable { reason: "the CUDA backend has no MTP block yet".into() })
+    }
+}
+
 impl SpeculativeModel for Qwen4Exp {
     type State = SequenceState;
     type Record = ChainRecord;
