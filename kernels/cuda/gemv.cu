@@ -415,6 +415,28 @@ __device__ __forceinline__ void iq4nl_pairs_(uint16_t* pairs) {
     __syncthreads();
 }
 
+// acc += the task's C chunks times one token's 8-bit activations (xq: the token's int8 values, xd: its scales,
+// one per 32), chunk by chunk in order: dx * (s * sum(q * x) - m * sum(x)).
+template <int C>
+__device__ __forceinline__ void q8_task_accumulate(float& acc, const int (&q)[C][8], const float (&s)[C],
+                                                   const float (&m)[C], const signed char* __restrict__ xq,
+                                                   const float* __restrict__ xd, int task) {
+#pragma unroll
+    for (int h = 0; h < C; h++) {
+        const int chunk = task * C + h;
+        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
+        const int4 a = __ldg(xp), b = __ldg(xp + 1);
+        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        int dot = 0, sum = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            dot = dp4a_(q[h][i], xs[i], dot);
+            sum = dp4a_(0x01010101, xs[i], sum);
+        }
+        acc += __ldg(xd + chunk) * (s[h] * (float)dot - m[h] * (float)sum);
+    }
+}
+
 // y[t][r] for NT tokens: a group of `lanes` threads per row, each taking tasks lane, lane + lanes, ...
 template <int T, int NT>
 __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long long row_bytes, int rows, int cols,
@@ -438,20 +460,7 @@ __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long l
         qtask_load<T, C>(row, task, q, s, m, pairs);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
-#pragma unroll
-            for (int h = 0; h < C; h++) {
-                const int chunk = task * C + h;
-                const int4* xp = reinterpret_cast<const int4*>(qx + t * x_stride + 32 * chunk);
-                const int4 a = __ldg(xp), b = __ldg(xp + 1);
-                const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                int dot = 0, sum = 0;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    dot = dp4a_(q[h][i], xs[i], dot);
-                    sum = dp4a_(0x01010101, xs[i], sum);
-                }
-                acc[t] += __ldg(dx + t * (x_stride / 32) + chunk) * (s[h] * (float)dot - m[h] * (float)sum);
-            }
+            q8_task_accumulate<C>(acc[t], q, s, m, qx + t * x_stride, dx + t * (x_stride / 32), task);
         }
     }
 #pragma unroll
@@ -560,20 +569,7 @@ __device__ __forceinline__ void moe_groupedq_body(const uint8_t* __restrict__ W,
 #pragma unroll
             for (int t = 0; t < 8; t++) {
                 if (t >= nt) break;
-#pragma unroll
-                for (int h = 0; h < C; h++) {
-                    const int chunk = task * C + h;
-                    const int4* xp = reinterpret_cast<const int4*>(qx + xo[t] + 32 * chunk);
-                    const int4 a = __ldg(xp), b = __ldg(xp + 1);
-                    const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                    int dot = 0, sum = 0;
-#pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        dot = dp4a_(q[h][i], xs[i], dot);
-                        sum = dp4a_(0x01010101, xs[i], sum);
-                    }
-                    acc[t] += __ldg(dx + xo[t] / 32 + chunk) * (s[h] * (float)dot - m[h] * (float)sum);
-                }
+                q8_task_accumulate<C>(acc[t], q, s, m, qx + xo[t], dx + xo[t] / 32, task);
             }
         }
 #pragma unroll
