@@ -273,6 +273,23 @@ async fn text_completions() {
     let (status, resp) = post(&base, "/v1/completions", &json!({"prompt": ["a", "b"]})).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(resp["error"]["param"], "prompt");
+
+    // A prompt given as token ids (or a list of one such array) answers as its text does; ids outside the
+    // vocabulary are a 400 naming `prompt`.
+    let ids = model.engine.tokenizer().encode(prompt).unwrap();
+    for body in [
+        json!({"prompt": ids, "max_tokens": 40, "temperature": 0}),
+        json!({"prompt": [ids], "max_tokens": 40, "temperature": 0}),
+    ] {
+        let (status, by_ids) = post(&base, "/v1/completions", &body).await;
+        assert_eq!(status, StatusCode::OK, "{by_ids}");
+        assert_eq!(by_ids["choices"][0]["text"], "Hello! I am the Nebula demo model. How can I help?");
+        assert_eq!(by_ids["usage"]["prompt_tokens"].as_u64().unwrap() as usize, ids.len());
+    }
+    let (status, resp) = post(&base, "/v1/completions", &json!({"prompt": [1, 2, 999_999_999]})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{resp}");
+    assert_eq!(resp["error"]["param"], "prompt");
+    assert!(resp["error"]["message"].as_str().unwrap().contains("999999999"), "{resp}");
 }
 
 /// Prefilled-token counts through `/metrics`: an exact repeat prefills nothing, a follow-up turn only the new

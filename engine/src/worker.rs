@@ -56,7 +56,7 @@ pub enum LoadError {
     #[error("{path}: chat template: {source}")]
     Template { path: String, source: TemplateError },
     /// The model could not be put on the chosen backend (no GPU, over the VRAM budget, kernels missing).
-    #[error("{path}: backend: {source}")]
+    #[error("backend: {source}")]
     Backend { path: String, source: crate::backend::cuda::CudaError },
 }
 

@@ -45,6 +45,10 @@ impl TokenizerEnv for NebulaTokEnv {
 pub struct GrammarCompiler {
     factory: ParserFactory,
     think_end: Option<u32>,
+    /// Tokens that end a turn (`<|im_end|>`, `<|endoftext|>`): forbidden while the model is still thinking, so a
+    /// constrained answer (a forced tool call, a JSON reply) cannot be skipped by ending the turn inside the
+    /// reasoning.
+    turn_ends: Vec<u32>,
     vocab: usize,
 }
 
@@ -75,7 +79,8 @@ impl GrammarCompiler {
         let env: TokEnv = Arc::new(NebulaTokEnv { trie, tokenizer: tokenizer.clone() });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
-        Ok(Self { factory, think_end: tokenizer.token_to_id("</think>"), vocab })
+        let turn_ends = ["<|im_end|>", "<|endoftext|>"].iter().filter_map(|t| tokenizer.token_to_id(t)).collect();
+        Ok(Self { factory, think_end: tokenizer.token_to_id("</think>"), turn_ends, vocab })
     }
 
     /// A constraint for `lark` (a Lark grammar), idle until `</think>` when `starts_in_reasoning`.
@@ -94,6 +99,7 @@ impl GrammarCompiler {
             matcher,
             active: !starts_in_reasoning,
             think_end: self.think_end,
+            turn_ends: if self.think_end.is_some() { self.turn_ends.clone() } else { Vec::new() },
             vocab: self.vocab,
         })))
     }
@@ -104,12 +110,19 @@ struct GrammarConstraint {
     matcher: Matcher,
     active: bool,
     think_end: Option<u32>,
+    turn_ends: Vec<u32>,
     vocab: usize,
 }
 
 impl TokenConstraint for GrammarConstraint {
     fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
         if !self.active {
+            // Thinking is free, but the turn may not end before `</think>` opens the constrained answer.
+            for &t in &self.turn_ends {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
             return Ok(());
         }
         let mask = self.matcher.compute_mask_or_eos().map_err(|e| e.to_string())?;
@@ -276,5 +289,41 @@ mod tests {
         let g = tool_call_grammar(&tools, None, false).unwrap();
         assert!(g.contains("(\"Paris\" | \"Rome\")") && g.contains("p0_1?"), "{g}");
         assert!(tool_call_grammar(&tools, Some("g"), true).is_err());
+    }
+
+    /// While the model thinks, only the turn's end is forbidden (so the constrained answer cannot be skipped);
+    /// after `</think>` the grammar decides.
+    #[cfg(not(feature = "lean"))]
+    #[test]
+    fn the_turn_cannot_end_inside_the_reasoning_of_a_constrained_answer() {
+        let engine = nebula_engine::worker::Engine::from_gguf_bytes(
+            "demo",
+            crate::config::EMBEDDED_DEMO_MODEL.to_vec(),
+            Default::default(),
+        )
+        .unwrap();
+        let tok = engine.tokenizer().clone();
+        let vocab = engine.config().vocab;
+        let im_end = tok.token_to_id("<|im_end|>").unwrap();
+        let eot = tok.token_to_id("<|endoftext|>").unwrap();
+        let think_end = tok.token_to_id("</think>").unwrap();
+        let compiler = GrammarCompiler::new(tok.clone(), vocab, im_end).unwrap();
+        let grammar = response_format_grammar(&serde_json::json!({"type": "json_object"})).unwrap().unwrap();
+        let handle = compiler.constraint(&grammar, true, "response_format").unwrap();
+        let mut c = handle.0.lock().unwrap();
+        let mut logits = vec![0f32; vocab];
+        c.mask(&mut logits).unwrap();
+        let banned: Vec<usize> = (0..vocab).filter(|&i| logits[i] == f32::NEG_INFINITY).collect();
+        assert_eq!(banned, {
+            let mut v = vec![im_end as usize, eot as usize];
+            v.sort();
+            v
+        });
+        c.commit(think_end).unwrap();
+        let mut logits = vec![0f32; vocab];
+        c.mask(&mut logits).unwrap();
+        let allowed = logits.iter().filter(|v| v.is_finite()).count();
+        assert!(allowed < vocab / 2, "after </think> the JSON grammar masks most tokens ({allowed} allowed)");
+        assert_eq!(logits[im_end as usize], f32::NEG_INFINITY, "an empty answer is not a JSON object");
     }
 }

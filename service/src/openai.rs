@@ -589,7 +589,8 @@ pub struct CompletionRequest {
     pub user: Option<String>,
 }
 
-/// `prompt` of a completion: one string (a list of exactly one string is accepted too).
+/// `prompt` of a completion: one string or one array of token ids (a list of exactly one of either is accepted
+/// too).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum PromptInput {
@@ -597,6 +598,10 @@ pub enum PromptInput {
     One(String),
     /// A list of prompts; only one is served per request.
     Many(Vec<String>),
+    /// The prompt as token ids.
+    Tokens(Vec<u32>),
+    /// A list of token-id prompts; only one is served per request.
+    TokenLists(Vec<Vec<u32>>),
 }
 
 impl Default for PromptInput {

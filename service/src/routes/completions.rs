@@ -53,17 +53,42 @@ pub async fn completions(
     {
         return Err(ApiError::ModelNotFound { requested: requested.clone(), served: model.id.clone() });
     }
-    let prompt = match &req.prompt {
-        PromptInput::One(p) => p.clone(),
-        PromptInput::Many(list) if list.len() == 1 => list[0].clone(),
-        PromptInput::Many(list) => {
+    let one_only = |n: usize| {
+        ApiError::invalid(
+            format!("`prompt` must be one prompt; got a list of {n} (send one request per prompt)."),
+            "prompt",
+        )
+    };
+    // Token-id prompts are checked against the vocabulary and shown (echo) as their decoded text.
+    let token_prompt = match &req.prompt {
+        PromptInput::Tokens(ids) => Some(ids.clone()),
+        PromptInput::TokenLists(lists) if lists.len() == 1 => Some(lists[0].clone()),
+        PromptInput::TokenLists(lists) => return Err(one_only(lists.len())),
+        _ => None,
+    };
+    if let Some(ids) = &token_prompt {
+        let vocab = model.engine.config().vocab;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(ApiError::invalid(
-                format!("`prompt` must be one string; got a list of {} (send one request per prompt).", list.len()),
+                format!("`prompt` holds token id {bad}, outside the vocabulary of {vocab} tokens."),
                 "prompt",
             ));
         }
+    }
+    let prompt = match &req.prompt {
+        PromptInput::One(p) => p.clone(),
+        PromptInput::Many(list) if list.len() == 1 => list[0].clone(),
+        PromptInput::Many(list) => return Err(one_only(list.len())),
+        PromptInput::Tokens(_) | PromptInput::TokenLists(_) => {
+            let ids = token_prompt.as_deref().unwrap_or_default();
+            model
+                .engine
+                .tokenizer()
+                .decode(ids, false)
+                .map_err(|e| ApiError::Internal(format!("decoding the prompt's token ids failed: {e}")))?
+        }
     };
-    if prompt.is_empty() {
+    if prompt.is_empty() && token_prompt.as_ref().is_none_or(|t| t.is_empty()) {
         return Err(ApiError::invalid("`prompt` must not be empty.", "prompt"));
     }
     let n = choices(req.n)?;
@@ -103,11 +128,14 @@ pub async fn completions(
     // No chat template, no thinking: the non-thinking defaults apply.
     let defaults = &state.config.defaults;
     let params = sampling(&fields, false, defaults)?;
-    let ids = model
-        .engine
-        .tokenizer()
-        .encode(&prompt)
-        .map_err(|e| ApiError::Internal(format!("encoding the prompt failed: {e}")))?;
+    let ids = match token_prompt {
+        Some(ids) => ids,
+        None => model
+            .engine
+            .tokenizer()
+            .encode(&prompt)
+            .map_err(|e| ApiError::Internal(format!("encoding the prompt failed: {e}")))?,
+    };
     let limit = model.engine.max_context();
     if ids.len() >= limit {
         return Err(ApiError::invalid_with_code(
