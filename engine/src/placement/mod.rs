@@ -254,6 +254,12 @@ impl PlacementPlan {
             h.check_model(n_layer, n_expert)
                 .map_err(|detail| HotlistError { source_name: "given to the engine".into(), detail })?;
         }
+        if ram > n_expert {
+            tracing::warn!(
+                "placement: {ram} RAM experts per layer asked for, but the model has {n_expert} experts per layer: \
+                 all {n_expert} go to RAM"
+            );
+        }
         let ram = ram.min(n_expert);
         let mut tiers = Vec::with_capacity(n_layer);
         let mut ranking = Vec::with_capacity(n_layer);
