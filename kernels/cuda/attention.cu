@@ -174,36 +174,40 @@ extern "C" __global__ void qsa_select(const float* __restrict__ scores, int max_
     if (tid == 0) count[t] = keep * r + (visible - tail0);
 }
 
-// Attention for query (t, h) over its key list (sel/count) or, when sel is null, keys 0..pos0+t. K/V caches are
-// [len][nkv*hd]; head h reads kv head h / (nh/nkv). Online softmax over tiles of 32 keys; f32 throughout.
-// block = 128 threads (4 warps), hd <= 512.
-extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ Kc,
-                                     const float* __restrict__ Vc, const int* __restrict__ sel,
-                                     const int* __restrict__ count, int cap, int pos0, const int* pos_dev, float* out,
-                                     int nh, int nkv, int hd, float scale) {
-    if (pos_dev) pos0 = *pos_dev;
-    const int t = blockIdx.x / nh, h = blockIdx.x % nh;
-    const int kvh = h / (nh / nkv);
-    const int kvw = nkv * hd;
-    const int nkeys = sel ? count[t] : pos0 + t + 1;
-    const int* list = sel ? sel + (long long)t * cap : nullptr;
+// Online softmax of query (t, h) over keys [k0, k1) of its list (sel/count) or, when sel is null, of keys
+// 0..pos0+t, in tiles of 32: m (running max), l (running sum) and acc (unnormalised output, dims tid + 128 c).
+// K/V caches are [len][nkv*hd]; head h reads kv head h / (nh/nkv). VEC4 scores with 16-byte loads (hd % 4 == 0).
+// block = 128 threads (4 warps), hd <= 512. Every thread of the block must call it.
+template <bool VEC4>
+__device__ __forceinline__ void attend_keys(const float* __restrict__ qh, const float* __restrict__ Kc,
+                                            const float* __restrict__ Vc, const int* list, int k0, int k1, int kvh,
+                                            int kvw, int hd, float scale, float& m, float& l, float (&acc)[4]) {
     __shared__ float qs[512];
     __shared__ float ps[32];
     __shared__ int ks[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float* qh = q + ((long long)t * nh + h) * hd;
     for (int i = tid; i < hd; i += blockDim.x) qs[i] = qh[i];
-    float m = -INFINITY, l = 0.f;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};  // dims tid, tid+128, tid+256, tid+384
+    m = -INFINITY;
+    l = 0.f;
+    for (int c = 0; c < 4; c++) acc[c] = 0.f;
     __syncthreads();
-    for (int base = 0; base < nkeys; base += 32) {
-        const int tile = min(32, nkeys - base);
+    for (int base = k0; base < k1; base += 32) {
+        const int tile = min(32, k1 - base);
         // each warp scores 8 keys
         for (int j = warp; j < tile; j += 4) {
             const int key = list ? list[base + j] : base + j;
             const float* k = Kc + (long long)key * kvw + kvh * hd;
             float d = 0.f;
-            for (int i = lane; i < hd; i += 32) d += qs[i] * k[i];
+            if constexpr (VEC4) {
+                const float4* k4 = reinterpret_cast<const float4*>(k);
+                const float4* q4 = reinterpret_cast<const float4*>(qs);
+                for (int i = lane; i < hd / 4; i += 32) {
+                    const float4 a = q4[i], b = __ldg(k4 + i);
+                    d += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                }
+            } else {
+                for (int i = lane; i < hd; i += 32) d += qs[i] * k[i];
+            }
             d = warp_sum(d);
             if (lane == 0) {
                 ps[j] = d * scale;
@@ -229,9 +233,23 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
         m = m_new;
         __syncthreads();
     }
+}
+
+// Attention for query (t, h) = blockIdx.x over all its keys (prefill). block = 128 threads, hd <= 512.
+extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ Kc,
+                                     const float* __restrict__ Vc, const int* __restrict__ sel,
+                                     const int* __restrict__ count, int cap, int pos0, const int* pos_dev, float* out,
+                                     int nh, int nkv, int hd, float scale) {
+    if (pos_dev) pos0 = *pos_dev;
+    const int t = blockIdx.x / nh, h = blockIdx.x % nh;
+    const int nkeys = sel ? count[t] : pos0 + t + 1;
+    const int* list = sel ? sel + (long long)t * cap : nullptr;
+    float m, l, acc[4];
+    attend_keys<false>(q + ((long long)t * nh + h) * hd, Kc, Vc, list, 0, nkeys, h / (nh / nkv), nkv * hd, hd,
+                       scale, m, l, acc);
     float* o = out + ((long long)t * nh + h) * hd;
     for (int c = 0; c < 4; c++) {
-        const int i = tid + 128 * c;
+        const int i = threadIdx.x + 128 * c;
         if (i < hd) o[i] = acc[c] / l;
     }
 }
@@ -239,7 +257,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
 // Split-key attention for decode (flash-decoding): grid (n * nh, S); split s of query (t, h) takes keys
 // [s * per, min((s + 1) * per, nkeys)) of its list, per = ceil(nkeys / S) rounded up to 32, and writes its running
 // max m, sum l and unnormalised accumulator to part_m/part_l [n * nh][S] and part_acc [n * nh][S][hd].
-// attention_combine then merges the S parts. block = 128 threads, hd <= 512.
+// attention_combine then merges the S parts. block = 128 threads, hd <= 512, hd % 4 == 0.
 extern "C" __global__ void attention_part(const float* __restrict__ q, const float* __restrict__ Kc,
                                           const float* __restrict__ Vc, const int* __restrict__ sel,
                                           const int* __restrict__ count, int cap, int pos0, const int* pos_dev,
@@ -248,64 +266,20 @@ extern "C" __global__ void attention_part(const float* __restrict__ q, const flo
     if (pos_dev) pos0 = *pos_dev;
     const int S = gridDim.y, s = blockIdx.y;
     const int t = blockIdx.x / nh, h = blockIdx.x % nh;
-    const int kvh = h / (nh / nkv);
-    const int kvw = nkv * hd;
     const int nkeys = sel ? count[t] : pos0 + t + 1;
     const int* list = sel ? sel + (long long)t * cap : nullptr;
     const int per = ((nkeys + S - 1) / S + 31) / 32 * 32;
     const int k0 = min(nkeys, s * per), k1 = min(nkeys, k0 + per);
-    __shared__ float qs[512];
-    __shared__ float ps[32];
-    __shared__ int ks[32];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float* qh = q + ((long long)t * nh + h) * hd;
-    for (int i = tid; i < hd; i += blockDim.x) qs[i] = qh[i];
-    float m = -INFINITY, l = 0.f;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    __syncthreads();
-    for (int base = k0; base < k1; base += 32) {
-        const int tile = min(32, k1 - base);
-        for (int j = warp; j < tile; j += 4) {
-            const int key = list ? list[base + j] : base + j;
-            const float4* k = reinterpret_cast<const float4*>(Kc + (long long)key * kvw + kvh * hd);
-            const float4* qv = reinterpret_cast<const float4*>(qs);
-            float d = 0.f;
-            for (int i = lane; i < hd / 4; i += 32) {
-                const float4 a = qv[i], b = __ldg(k + i);
-                d += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-            }
-            d = warp_sum(d);
-            if (lane == 0) {
-                ps[j] = d * scale;
-                ks[j] = key;
-            }
-        }
-        __syncthreads();
-        float tmax = -INFINITY;
-        for (int j = 0; j < tile; j++) tmax = fmaxf(tmax, ps[j]);
-        const float m_new = fmaxf(m, tmax);
-        const float corr = expf(m - m_new);
-        l *= corr;
-        for (int c = 0; c < 4; c++) acc[c] *= corr;
-        for (int j = 0; j < tile; j++) {
-            const float p = expf(ps[j] - m_new);
-            l += p;
-            const float* v = Vc + (long long)ks[j] * kvw + kvh * hd;
-            for (int c = 0; c < 4; c++) {
-                const int i = tid + 128 * c;
-                if (i < hd) acc[c] += p * v[i];
-            }
-        }
-        m = m_new;
-        __syncthreads();
-    }
+    float m, l, acc[4];
+    attend_keys<true>(q + ((long long)t * nh + h) * hd, Kc, Vc, list, k0, k1, h / (nh / nkv), nkv * hd, hd, scale,
+                      m, l, acc);
     const long long part = (long long)blockIdx.x * S + s;
-    if (tid == 0) {
+    if (threadIdx.x == 0) {
         part_m[part] = m;
         part_l[part] = l;
     }
     for (int c = 0; c < 4; c++) {
-        const int i = tid + 128 * c;
+        const int i = threadIdx.x + 128 * c;
         if (i < hd) part_acc[part * hd + i] = acc[c];
     }
 }

@@ -206,7 +206,7 @@ pub struct CudaModel {
     /// as the CPU kernels do); `NEBULA_CUDA_Q8=0` keeps f32 activations for every type.
     q8_acts: bool,
     /// The last quantized activations: ((x, n, cols, block, write count), (qx, dx)).
-    q8_cache: Mutex<Option<((u64, usize, usize, usize, u64), (u64, u64))>>,
+    q8_cache: Mutex<Option<(Q8Key, (u64, u64))>>,
     /// Per-phase wall time (`NEBULA_CUDA_PROFILE=1`: the stream is synchronised after each phase).
     profile: Option<Mutex<PhaseTimes>>,
     /// Bytes of weights uploaded.
@@ -347,7 +347,28 @@ impl DevMatrix {
     }
 }
 
+/// What a quantized activation buffer was made from: (x, rows, cols, block, the device's write count).
+type Q8Key = (u64, usize, usize, usize, u64);
+
+/// A GEMV's input rows on the device: f32, or quantized to 8 bits (int8 values, f32 scales per 32).
+#[derive(Debug, Clone, Copy)]
+enum Acts {
+    F32(u64),
+    Q8(u64, u64),
+}
+
 impl DevStack {
+    /// The launch arguments every routed-expert kernel takes after the weights: bytes per expert, bytes per
+    /// row, rows, columns.
+    fn shape_args(&self) -> [Arg; 4] {
+        [
+            Arg::I64(self.expert_bytes() as i64),
+            Arg::I64(self.row_bytes as i64),
+            Arg::I32(self.rows as i32),
+            Arg::I32(self.cols as i32),
+        ]
+    }
+
     fn expert_bytes(&self) -> usize {
         self.rows * self.row_bytes
     }
@@ -648,60 +669,40 @@ impl CudaModel {
     fn matmul(&self, w: MatRef, x: u64, n: usize, y: u64) -> Result<(), CudaError> {
         let dev = &self.dev;
         let sfx = type_suffix(w.ty)?;
-        if n <= GEMV_MAX_TOKENS
-            && let Some(blk) = self.q8_block(w.ty, w.cols)
-        {
-            let (qx, dx) = self.quantize_act(x, n, w.cols, blk)?;
-            let lanes = Self::q8_lanes(w.ty, w.cols);
+        if n <= GEMV_MAX_TOKENS {
+            // 8-bit activations where the type has an integer path (`gemvq_*`: x is (qx, dx)), else f32 (`gemv_*`).
+            let xa = self.acts(w.ty, x, n, w.cols)?;
+            // About four tasks per thread, 128-thread blocks: short rows (routers, 640-wide expert rows) still
+            // spread over every SM.
+            let lanes = match xa {
+                Acts::Q8(..) => Self::q8_lanes(w.ty, w.cols),
+                Acts::F32(_) => (1usize << (w.cols / 32 / 4).max(1).ilog2()).clamp(4, 32),
+            };
             let rows_per_block = 128 / lanes;
             let mut t0 = 0;
             while t0 < n {
                 let c = [8usize, 4, 2, 1].into_iter().find(|&c| c <= n - t0).expect("1 always fits");
-                dev.launch(
-                    &format!("gemvq_{sfx}_{c}"),
-                    (w.rows.div_ceil(rows_per_block) as u32, 1, 1),
-                    128,
-                    &[
-                        Arg::Ptr(w.ptr),
-                        Arg::I64(w.row_bytes as i64),
-                        Arg::I32(w.rows as i32),
-                        Arg::I32(w.cols as i32),
-                        Arg::Ptr(qx + (t0 * w.cols) as u64),
-                        Arg::Ptr(dx + (t0 * w.cols / 32 * 4) as u64),
-                        Arg::I64(w.cols as i64),
-                        Arg::Ptr(y + (t0 * w.rows * 4) as u64),
-                        Arg::I64(w.rows as i64),
-                        Arg::I32(lanes as i32),
-                    ],
-                )?;
-                t0 += c;
-            }
-            return Ok(());
-        }
-        if n <= GEMV_MAX_TOKENS {
-            // About four 32-value chunks per thread, 128-thread blocks: short rows (routers, 640-wide expert
-            // rows) still spread over every SM.
-            let lanes = (1usize << (w.cols / 32 / 4).max(1).ilog2()).clamp(4, 32) as u32;
-            let rows_per_block = 128 / lanes as usize;
-            let mut t0 = 0;
-            while t0 < n {
-                let c = [8usize, 4, 2, 1].into_iter().find(|&c| c <= n - t0).expect("1 always fits");
-                dev.launch(
-                    &format!("gemv_{sfx}_{c}"),
-                    (w.rows.div_ceil(rows_per_block) as u32, 1, 1),
-                    128,
-                    &[
-                        Arg::Ptr(w.ptr),
-                        Arg::I64(w.row_bytes as i64),
-                        Arg::I32(w.rows as i32),
-                        Arg::I32(w.cols as i32),
-                        Arg::Ptr(x + (t0 * w.cols * 4) as u64),
-                        Arg::I64(w.cols as i64),
-                        Arg::Ptr(y + (t0 * w.rows * 4) as u64),
-                        Arg::I64(w.rows as i64),
-                        Arg::I32(lanes as i32),
-                    ],
-                )?;
+                let (kernel, x_args) = match xa {
+                    Acts::Q8(qx, dx) => (
+                        format!("gemvq_{sfx}_{c}"),
+                        vec![Arg::Ptr(qx + (t0 * w.cols) as u64), Arg::Ptr(dx + (t0 * w.cols / 32 * 4) as u64)],
+                    ),
+                    Acts::F32(xp) => (format!("gemv_{sfx}_{c}"), vec![Arg::Ptr(xp + (t0 * w.cols * 4) as u64)]),
+                };
+                let mut args = vec![
+                    Arg::Ptr(w.ptr),
+                    Arg::I64(w.row_bytes as i64),
+                    Arg::I32(w.rows as i32),
+                    Arg::I32(w.cols as i32),
+                ];
+                args.extend(x_args);
+                args.extend([
+                    Arg::I64(w.cols as i64),
+                    Arg::Ptr(y + (t0 * w.rows * 4) as u64),
+                    Arg::I64(w.rows as i64),
+                    Arg::I32(lanes as i32),
+                ]);
+                dev.launch(&kernel, (w.rows.div_ceil(rows_per_block) as u32, 1, 1), 128, &args)?;
                 t0 += c;
             }
             return Ok(());
@@ -1095,34 +1096,28 @@ impl CudaModel {
         }
         let out = self.tmp(n * nh * hd)?;
         let (sp, cp, cap) = selection.unwrap_or((0, 0, 0));
+        // Both attention kernels take the query, the caches and the key list first, the head shape last; the
+        // output in between (the decode split writes partial sums).
+        let head = [Arg::I32(nh as i32), Arg::I32(nkv as i32), Arg::I32(hd as i32), Arg::F32(1.0 / (hd as f32).sqrt())];
+        let mut args = vec![
+            Arg::Ptr(q),
+            Arg::Ptr(self.p(kc, 0)),
+            Arg::Ptr(self.p(vc, 0)),
+            Arg::Ptr(sp),
+            Arg::Ptr(cp),
+            Arg::I32(cap as i32),
+            Arg::I32(0),
+            Arg::Ptr(pos_dev),
+        ];
         if n <= GEMV_MAX_TOKENS && hd % 4 == 0 {
             // Decode: few queries, so the keys are split over ATTN_SPLITS blocks per query and merged after.
             let splits = ATTN_SPLITS;
             let pm = self.tmp(n * nh * splits)?;
             let pl = self.tmp(n * nh * splits)?;
             let pa = self.tmp(n * nh * splits * hd)?;
-            dev.launch(
-                "attention_part",
-                ((n * nh) as u32, splits as u32, 1),
-                128,
-                &[
-                    Arg::Ptr(q),
-                    Arg::Ptr(self.p(kc, 0)),
-                    Arg::Ptr(self.p(vc, 0)),
-                    Arg::Ptr(sp),
-                    Arg::Ptr(cp),
-                    Arg::I32(cap as i32),
-                    Arg::I32(0),
-                    Arg::Ptr(pos_dev),
-                    Arg::Ptr(pm),
-                    Arg::Ptr(pl),
-                    Arg::Ptr(pa),
-                    Arg::I32(nh as i32),
-                    Arg::I32(nkv as i32),
-                    Arg::I32(hd as i32),
-                    Arg::F32(1.0 / (hd as f32).sqrt()),
-                ],
-            )?;
+            args.extend([Arg::Ptr(pm), Arg::Ptr(pl), Arg::Ptr(pa)]);
+            args.extend(head);
+            dev.launch("attention_part", ((n * nh) as u32, splits as u32, 1), 128, &args)?;
             dev.launch(
                 "attention_combine",
                 ((n * nh) as u32, 1, 1),
@@ -1137,26 +1132,9 @@ impl CudaModel {
                 ],
             )?;
         } else {
-            dev.launch(
-                "attention",
-                ((n * nh) as u32, 1, 1),
-                128,
-                &[
-                    Arg::Ptr(q),
-                    Arg::Ptr(self.p(kc, 0)),
-                    Arg::Ptr(self.p(vc, 0)),
-                    Arg::Ptr(sp),
-                    Arg::Ptr(cp),
-                    Arg::I32(cap as i32),
-                    Arg::I32(0),
-                    Arg::Ptr(pos_dev),
-                    Arg::Ptr(out),
-                    Arg::I32(nh as i32),
-                    Arg::I32(nkv as i32),
-                    Arg::I32(hd as i32),
-                    Arg::F32(1.0 / (hd as f32).sqrt()),
-                ],
-            )?;
+            args.push(Arg::Ptr(out));
+            args.extend(head);
+            dev.launch("attention", ((n * nh) as u32, 1, 1), 128, &args)?;
         }
         dev.launch_1d("mul_sigmoid", n * nh * hd, &[Arg::Ptr(out), Arg::Ptr(gate), Arg::I64((n * nh * hd) as i64)])?;
         let y = self.tmp(n * cfg.hidden)?;
@@ -1201,24 +1179,17 @@ impl CudaModel {
         let ys = self.tmp(slots * d)?;
         if n <= GEMV_MAX_TOKENS / 2 {
             // Decode: one GEMV per (token, expert) slot, expert ids read on the device.
-            match self.q8_block(moe.gate.ty, d) {
-                Some(blk) if moe.up.ty == moe.gate.ty => {
-                    let (qx, dx) = self.quantize_act(m, n, d, blk)?;
-                    self.moe_gemvq(&moe.gate, Some(&moe.up), ids, slots, (qx, dx), d, k, (g, u))?;
-                }
-                _ => {
-                    self.moe_gemv(&moe.gate, ids, slots, m, d, k, g)?;
-                    self.moe_gemv(&moe.up, ids, slots, m, d, k, u)?;
-                }
+            let xa = self.acts(moe.gate.ty, m, n, d)?;
+            if moe.up.ty == moe.gate.ty {
+                self.moe_gemv(&moe.gate, Some(&moe.up), ids, slots, xa, d, k, (g, u))?;
+            } else {
+                self.moe_gemv(&moe.gate, None, ids, slots, xa, d, k, (g, g))?;
+                let xu = self.acts(moe.up.ty, m, n, d)?;
+                self.moe_gemv(&moe.up, None, ids, slots, xu, d, k, (u, u))?;
             }
             dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
-            match self.q8_block(moe.down.ty, ff) {
-                Some(blk) => {
-                    let (qx, dx) = self.quantize_act(g, slots, ff, blk)?;
-                    self.moe_gemvq(&moe.down, None, ids, slots, (qx, dx), ff, 1, (ys, ys))?;
-                }
-                None => self.moe_gemv(&moe.down, ids, slots, g, ff, 1, ys)?,
-            }
+            let xg = self.acts(moe.down.ty, g, slots, ff)?;
+            self.moe_gemv(&moe.down, None, ids, slots, xg, ff, 1, (ys, ys))?;
         } else {
             // Prefill: slots grouped by expert on the device; each expert's weights decoded once per 8 tokens.
             let offsets = self.tmp(e + 1)?;
@@ -1230,22 +1201,12 @@ impl CudaModel {
                 &[Arg::Ptr(ids), Arg::I32(slots as i32), Arg::I32(e as i32), Arg::Ptr(offsets), Arg::Ptr(perm)],
             )?;
             for (stack, out) in [(&moe.gate, g), (&moe.up, u)] {
-                match self.q8_block(stack.ty, d) {
-                    Some(blk) => {
-                        let qx = self.quantize_act(m, n, d, blk)?;
-                        self.moe_groupedq(stack, offsets, perm, qx, k, d, out)?;
-                    }
-                    None => self.moe_grouped(stack, offsets, perm, m, k, d, out)?,
-                }
+                let xa = self.acts(stack.ty, m, n, d)?;
+                self.moe_grouped(stack, offsets, perm, xa, k, d, out)?;
             }
             dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
-            match self.q8_block(moe.down.ty, ff) {
-                Some(blk) => {
-                    let qx = self.quantize_act(g, slots, ff, blk)?;
-                    self.moe_groupedq(&moe.down, offsets, perm, qx, 1, ff, ys)?;
-                }
-                None => self.moe_grouped(&moe.down, offsets, perm, g, 1, ff, ys)?,
-            }
+            let xg = self.acts(moe.down.ty, g, slots, ff)?;
+            self.moe_grouped(&moe.down, offsets, perm, xg, 1, ff, ys)?;
         }
         let out = self.tmp(n * d)?;
         dev.launch_1d(
@@ -1269,156 +1230,107 @@ impl CudaModel {
         if cols / 32 >= 24 { 32 } else { 16 }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn moe_gemv(
-        &self,
-        stack: &DevStack,
-        ids: u64,
-        slots: usize,
-        x: u64,
-        x_stride: usize,
-        slots_per_x: usize,
-        y: u64,
-    ) -> Result<(), CudaError> {
-        let sfx = type_suffix(stack.ty)?;
-        let lanes = Self::lanes(stack.cols);
-        let rows_per_block = 256 / lanes as usize;
-        self.dev.launch(
-            &format!("moe_gemv_{sfx}"),
-            (stack.rows.div_ceil(rows_per_block) as u32, slots as u32, 1),
-            256,
-            &[
-                Arg::Ptr(ptr(&stack.data, self.dev.stream(), 0)),
-                Arg::I64(stack.expert_bytes() as i64),
-                Arg::I64(stack.row_bytes as i64),
-                Arg::I32(stack.rows as i32),
-                Arg::I32(stack.cols as i32),
-                Arg::Ptr(ids),
-                Arg::Ptr(x),
-                Arg::I64(x_stride as i64),
-                Arg::I32(slots_per_x as i32),
-                Arg::Ptr(y),
-                Arg::I32(lanes as i32),
-            ],
-        )?;
-        Ok(())
+    /// Activations of `n` rows of `cols` for weights of type `ty`: quantized to 8 bits when the type has an
+    /// integer GEMV path ([`Self::q8_block`]), else the f32 rows as they are.
+    fn acts(&self, ty: GgmlType, x: u64, n: usize, cols: usize) -> Result<Acts, CudaError> {
+        Ok(match self.q8_block(ty, cols) {
+            Some(blk) => {
+                let (qx, dx) = self.quantize_act(x, n, cols, blk)?;
+                Acts::Q8(qx, dx)
+            }
+            None => Acts::F32(x),
+        })
     }
 
-    /// Routed-expert GEMVs on 8-bit activations `(qx, dx)` (from [`Self::quantize_act`]); with `second`, the
-    /// same slots multiply a second stack of the same shape and type (gate and up in one launch) into `y.1`.
+    /// Routed-expert GEMVs for decode: slot `s` multiplies expert `ids[s]` of `stack` with the activations of
+    /// token `s / slots_per_x` into `y.0`. With `second` (same shape and type), the same slots also multiply it
+    /// into `y.1` (gate and up: one launch on 8-bit activations, two on f32).
     #[allow(clippy::too_many_arguments)]
-    fn moe_gemvq(
+    fn moe_gemv(
         &self,
         stack: &DevStack,
         second: Option<&DevStack>,
         ids: u64,
         slots: usize,
-        x: (u64, u64),
+        x: Acts,
         x_stride: usize,
         slots_per_x: usize,
         y: (u64, u64),
     ) -> Result<(), CudaError> {
         let sfx = type_suffix(stack.ty)?;
-        let lanes = Self::q8_lanes(stack.ty, stack.cols);
-        let rows_per_block = 128 / lanes;
-        let w0 = ptr(&stack.data, self.dev.stream(), 0);
-        let w1 = second.map_or(w0, |s| ptr(&s.data, self.dev.stream(), 0));
-        self.dev.launch(
-            &format!("moe_gemvq_{sfx}"),
-            (stack.rows.div_ceil(rows_per_block) as u32, slots as u32, if second.is_some() { 2 } else { 1 }),
-            128,
-            &[
-                Arg::Ptr(w0),
-                Arg::Ptr(w1),
-                Arg::I64(stack.expert_bytes() as i64),
-                Arg::I64(stack.row_bytes as i64),
-                Arg::I32(stack.rows as i32),
-                Arg::I32(stack.cols as i32),
-                Arg::Ptr(ids),
-                Arg::Ptr(x.0),
-                Arg::Ptr(x.1),
-                Arg::I64(x_stride as i64),
-                Arg::I32(slots_per_x as i32),
-                Arg::Ptr(y.0),
-                Arg::Ptr(y.1),
-                Arg::I32(lanes as i32),
-            ],
-        )?;
+        let stream = self.dev.stream();
+        match x {
+            Acts::Q8(qx, dx) => {
+                let lanes = Self::q8_lanes(stack.ty, stack.cols);
+                let w0 = ptr(&stack.data, stream, 0);
+                let w1 = second.map_or(w0, |s| ptr(&s.data, stream, 0));
+                let mut args = vec![Arg::Ptr(w0), Arg::Ptr(w1)];
+                args.extend(stack.shape_args());
+                args.extend([
+                    Arg::Ptr(ids),
+                    Arg::Ptr(qx),
+                    Arg::Ptr(dx),
+                    Arg::I64(x_stride as i64),
+                    Arg::I32(slots_per_x as i32),
+                    Arg::Ptr(y.0),
+                    Arg::Ptr(y.1),
+                    Arg::I32(lanes as i32),
+                ]);
+                let grid =
+                    (stack.rows.div_ceil(128 / lanes) as u32, slots as u32, if second.is_some() { 2 } else { 1 });
+                self.dev.launch(&format!("moe_gemvq_{sfx}"), grid, 128, &args)?;
+            }
+            Acts::F32(xp) => {
+                let lanes = Self::lanes(stack.cols);
+                for (st, out) in std::iter::once((stack, y.0)).chain(second.map(|s| (s, y.1))) {
+                    let mut args = vec![Arg::Ptr(ptr(&st.data, stream, 0))];
+                    args.extend(st.shape_args());
+                    args.extend([
+                        Arg::Ptr(ids),
+                        Arg::Ptr(xp),
+                        Arg::I64(x_stride as i64),
+                        Arg::I32(slots_per_x as i32),
+                        Arg::Ptr(out),
+                        Arg::I32(lanes as i32),
+                    ]);
+                    let grid = (st.rows.div_ceil(256 / lanes as usize) as u32, slots as u32, 1);
+                    self.dev.launch(&format!("moe_gemv_{sfx}"), grid, 256, &args)?;
+                }
+            }
+        }
         Ok(())
     }
 
-    /// Prefill routed experts on 8-bit activations `x = (qx, dx)`, grouped by expert (see `moe_groupedq_*`).
-    #[allow(clippy::too_many_arguments)]
-    fn moe_groupedq(
-        &self,
-        stack: &DevStack,
-        offsets: u64,
-        perm: u64,
-        x: (u64, u64),
-        x_div: usize,
-        x_stride: usize,
-        y: u64,
-    ) -> Result<(), CudaError> {
-        let sfx = type_suffix(stack.ty)?;
-        let lanes = Self::q8_lanes(stack.ty, stack.cols);
-        let rows_per_block = 128 / lanes;
-        self.dev.launch(
-            &format!("moe_groupedq_{sfx}"),
-            (stack.rows.div_ceil(rows_per_block) as u32, self.config.n_expert as u32, 1),
-            128,
-            &[
-                Arg::Ptr(ptr(&stack.data, self.dev.stream(), 0)),
-                Arg::I64(stack.expert_bytes() as i64),
-                Arg::I64(stack.row_bytes as i64),
-                Arg::I32(stack.rows as i32),
-                Arg::I32(stack.cols as i32),
-                Arg::Ptr(offsets),
-                Arg::Ptr(perm),
-                Arg::Ptr(x.0),
-                Arg::Ptr(x.1),
-                Arg::I32(x_div as i32),
-                Arg::I64(x_stride as i64),
-                Arg::Ptr(y),
-                Arg::I32(lanes as i32),
-            ],
-        )?;
-        Ok(())
-    }
-
+    /// Routed experts for prefill, grouped by expert (`offsets`/`perm` from `moe_sort`): slot `s` reads the
+    /// activations of row `s / x_div` and writes `y + s * rows`.
     #[allow(clippy::too_many_arguments)]
     fn moe_grouped(
         &self,
         stack: &DevStack,
         offsets: u64,
         perm: u64,
-        x: u64,
+        x: Acts,
         x_div: usize,
         x_stride: usize,
         y: u64,
     ) -> Result<(), CudaError> {
         let sfx = type_suffix(stack.ty)?;
-        let lanes = Self::lanes(stack.cols);
-        let rows_per_block = 256 / lanes as usize;
-        let experts = self.config.n_expert;
-        self.dev.launch(
-            &format!("moe_grouped_{sfx}"),
-            (stack.rows.div_ceil(rows_per_block) as u32, experts as u32, 1),
-            256,
-            &[
-                Arg::Ptr(ptr(&stack.data, self.dev.stream(), 0)),
-                Arg::I64(stack.expert_bytes() as i64),
-                Arg::I64(stack.row_bytes as i64),
-                Arg::I32(stack.rows as i32),
-                Arg::I32(stack.cols as i32),
-                Arg::Ptr(offsets),
-                Arg::Ptr(perm),
-                Arg::Ptr(x),
-                Arg::I32(x_div as i32),
-                Arg::I64(x_stride as i64),
-                Arg::Ptr(y),
-                Arg::I32(lanes as i32),
-            ],
-        )?;
+        let mut args = vec![Arg::Ptr(ptr(&stack.data, self.dev.stream(), 0))];
+        args.extend(stack.shape_args());
+        args.extend([Arg::Ptr(offsets), Arg::Ptr(perm)]);
+        let (kernel, block, lanes) = match x {
+            Acts::Q8(qx, dx) => {
+                args.extend([Arg::Ptr(qx), Arg::Ptr(dx)]);
+                (format!("moe_groupedq_{sfx}"), 128, Self::q8_lanes(stack.ty, stack.cols))
+            }
+            Acts::F32(xp) => {
+                args.push(Arg::Ptr(xp));
+                (format!("moe_grouped_{sfx}"), 256, Self::lanes(stack.cols) as usize)
+            }
+        };
+        args.extend([Arg::I32(x_div as i32), Arg::I64(x_stride as i64), Arg::Ptr(y), Arg::I32(lanes as i32)]);
+        let grid = (stack.rows.div_ceil(block as usize / lanes) as u32, self.config.n_expert as u32, 1);
+        self.dev.launch(&kernel, grid, block, &args)?;
         Ok(())
     }
 
