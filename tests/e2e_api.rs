@@ -448,6 +448,8 @@ async fn metrics_openapi_and_models() {
         "nebula:prompt_tokens_prefilled_total",
         "nebula:expert_hits_total",
         "nebula:pcie_bytes_total",
+        "nebula:expert_handoffs_total",
+        "nebula:experts_omitted_total",
         "nebula:ssd_read_bytes_total",
         "nebula:ssd_read_errors_total",
         "nebula:expert_prefetch_total",

@@ -214,6 +214,194 @@ fn cuda_graph_replays_equal_eager_decode() {
     println!("32 decode steps: CUDA Graph replays equal eager launches bit for bit");
 }
 
+/// A placed copy of `path` with `gpu` GPU-tier experts per layer (the rest in RAM).
+fn placed(path: &std::path::Path, gpu: usize) -> std::sync::Arc<Qwen4Exp> {
+    placed_tiers(path, gpu, usize::MAX)
+}
+
+/// A placed copy of `path`: `gpu` GPU-tier experts per layer, `ram` in RAM (GPU copies included), the rest on SSD.
+fn placed_tiers(path: &std::path::Path, gpu: usize, ram: usize) -> std::sync::Arc<Qwen4Exp> {
+    use nebula_engine::placement::PlacementOptions;
+    let mut m = Qwen4Exp::load(path).unwrap();
+    m.place(&PlacementOptions { gpu_experts: gpu, ram_experts: ram, lock_memory: false, ..Default::default() })
+        .unwrap();
+    std::sync::Arc::new(m)
+}
+
+/// Hybrid decode (issue 5, SPEC 3.2-3.4): the GPU holds a few experts per layer, the CPU computes the rest, long
+/// batches stream the missing experts over PCIe. On the golden F32 checkpoints every path (handoff to the CPU,
+/// resident experts on the GPU, streamed prefill with odd group sizes) must match the reference as tightly as
+/// the all-GPU model does (1e-3, same top-1).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn hybrid_matches_the_reference_on_the_golden_checkpoints() {
+    use nebula_engine::backend::cuda::hybrid::HybridParams;
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["hc4_moe", "ple_eos", "qsa_budget"] {
+        let (ids, prefill, vocab, reference) = golden(name);
+        let path = tmp.path().join(format!("{name}.gguf"));
+        convert(
+            &nebula_tests::repo_root().join("tests/fixtures/golden").join(name),
+            &path,
+            &ConvertOptions { out_type: OutType::F32, ..Default::default() },
+        )
+        .unwrap();
+        let n_expert = Qwen4Exp::load(&path).unwrap().config.n_expert;
+        for (label, gpu_experts, ram_experts, params) in [
+            // Few GPU experts, default handoff: most token-layers go to the CPU; prefill streams in groups of 3.
+            (
+                "handoff",
+                n_expert / 4,
+                usize::MAX,
+                HybridParams { handoff: 0.9, omit: 0.0, cpu_max_tokens: 4, stage_experts: 3, stages: 2 },
+            ),
+            // Handoff off: resident experts on the GPU, the others on the CPU, prefill on the CPU too.
+            (
+                "split",
+                n_expert / 2,
+                usize::MAX,
+                HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 1000, stage_experts: 8, stages: 3 },
+            ),
+            // No GPU experts at all: every routed expert on the CPU or streamed.
+            (
+                "none",
+                0,
+                usize::MAX,
+                HybridParams { handoff: 0.9, omit: 0.0, cpu_max_tokens: 2, stage_experts: 5, stages: 4 },
+            ),
+            // A quarter on the GPU, half in RAM, the rest read from SSD for both the CPU and the streamed prefill.
+            (
+                "ssd",
+                n_expert / 4,
+                n_expert / 2,
+                HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 3, stage_experts: 4, stages: 3 },
+            ),
+        ] {
+            let model = placed_tiers(&path, gpu_experts, ram_experts);
+            let stats = model.placement_stats();
+            let gpu = CudaModel::hybrid_with(model, 0, None, params).expect("the hybrid model loads");
+            let ours = gpu_run(&gpu, &ids, prefill);
+            let (vs_ref, differ) = compare(&ours, &reference, vocab);
+            let s = stats.snapshot();
+            println!(
+                "{name} hybrid/{label} ({gpu_experts} of {n_expert} experts on the GPU): vs reference {vs_ref:.3e}, top-1 differs at {differ:?}; GPU uses {}, RAM uses {}, SSD uses {}, handoffs {}, PCIe {} KiB",
+                s.expert_hits_gpu,
+                s.expert_hits_ram,
+                s.expert_hits_ssd,
+                s.handoffs,
+                s.pcie_bytes >> 10
+            );
+            assert!(vs_ref <= 1e-3 && differ.is_empty(), "{name} {label}: {vs_ref:.3e}, {differ:?}");
+            assert!(s.pcie_bytes > 0, "{name} {label}: nothing crossed PCIe");
+            if label == "ssd" {
+                assert!(s.ssd_expert_reads > 0, "{name}: nothing was read from SSD");
+            }
+            if label == "split" {
+                assert!(s.expert_hits_gpu > 0 && s.expert_hits_ram > 0, "{name}: both sides must compute experts");
+                assert_eq!(s.handoffs, 0, "{name}: handoff is off");
+            }
+        }
+    }
+}
+
+/// Deterministic mode (issue 5): for a fixed placement the hybrid model gives the same logits bit for bit run
+/// after run, and its greedy tokens equal the CPU-only and all-GPU runs on the F32 golden checkpoints (same f32
+/// math everywhere). On the quantized demo model the backends differ by activation rounding order (a near tie
+/// flips the all-GPU run's greedy path at step 11 against the CPU's, with or without hybrid), so there the bar is
+/// teacher-forced top-1 agreement >= 99 % against the CPU. The marginal-expert omission, when asked for, drops
+/// experts and counts them.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn hybrid_greedy_tokens_equal_the_cpu_and_all_gpu_runs() {
+    use nebula_engine::backend::cuda::hybrid::HybridParams;
+    let default = HybridParams { handoff: 0.9, omit: 0.0, cpu_max_tokens: 96, stage_experts: 32, stages: 6 };
+    let split = HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 4, stage_experts: 7, stages: 2 };
+    fn greedy(fwd: &mut dyn FnMut(&[u32]) -> Vec<f32>, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
+        let mut last = fwd(prompt);
+        let (mut out, mut logits) = (Vec::new(), Vec::new());
+        for _ in 0..steps {
+            let t = argmax(&last) as u32;
+            out.push(t);
+            last = fwd(&[t]);
+            logits.extend_from_slice(&last);
+        }
+        (out, logits)
+    }
+    // F32 golden checkpoints: identical greedy tokens on every backend.
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["hc4_moe", "qsa_budget"] {
+        let path = tmp.path().join(format!("{name}.gguf"));
+        convert(
+            &nebula_tests::repo_root().join("tests/fixtures/golden").join(name),
+            &path,
+            &ConvertOptions { out_type: OutType::F32, ..Default::default() },
+        )
+        .unwrap();
+        let (ids, prefill, _, _) = golden(name);
+        let prompt = &ids[..prefill];
+        let cpu = Qwen4Exp::load(&path).unwrap();
+        let mut cs = cpu.new_state(prompt.len() + 40);
+        let (cpu_tokens, _) = greedy(&mut |t| cpu.forward(&mut cs, t, LogitsFor::Last).unwrap(), prompt, 32);
+        let all_gpu = CudaModel::from_cpu(&cpu, 0, None).unwrap();
+        let mut gs = all_gpu.new_state(prompt.len() + 40).unwrap();
+        let (gpu_tokens, _) = greedy(&mut |t| all_gpu.forward(&mut gs, t, LogitsFor::Last).unwrap(), prompt, 32);
+        assert_eq!(gpu_tokens, cpu_tokens, "{name}: all-GPU greedy tokens differ from the CPU's");
+        let n_expert = cpu.config.n_expert;
+        for (label, params) in [("default", default), ("split", split)] {
+            let hybrid = CudaModel::hybrid_with(placed(&path, n_expert / 2), 0, None, params).unwrap();
+            let mut runs = Vec::new();
+            for _ in 0..2 {
+                let mut hs = hybrid.new_state(prompt.len() + 40).unwrap();
+                runs.push(greedy(&mut |t| hybrid.forward(&mut hs, t, LogitsFor::Last).unwrap(), prompt, 32));
+            }
+            assert_eq!(runs[0].0, cpu_tokens, "{name}: hybrid ({label}) greedy tokens differ from the CPU's");
+            assert!(runs[0].1 == runs[1].1, "{name}: hybrid ({label}) logits differ between two runs");
+            println!(
+                "{name} hybrid {label}: 32 greedy tokens equal the CPU-only and all-GPU runs; reruns bit-identical"
+            );
+        }
+    }
+    // The quantized demo model: teacher-forced agreement with the CPU on in-distribution text (a chat it was
+    // trained on, repeated: 150 tokens, so the prompt's experts are streamed), as the all-GPU test does.
+    let path = nebula_tests::repo_root().join("models/nebula-demo.gguf");
+    let cpu = Qwen4Exp::load(&path).unwrap();
+    let engine_tok = nebula_engine::text::tokenizer::TextTokenizer::from_gguf_vocab(
+        &nebula_engine::text::tokenizer::GgufVocab::from_gguf(cpu.file()).unwrap().unwrap(),
+    )
+    .unwrap();
+    let chat = "<|im_start|>user\nWhat is Nebula?<|im_end|>\n<|im_start|>assistant\n<think>\nNebula is the inference server this model runs in.\n</think>\n\nNebula is an inference server for Qwen3.8-Flash-Next with an OpenAI-compatible API.<|im_end|>\n";
+    let prompt: Vec<u32> = engine_tok.encode(&chat.repeat(4)).unwrap();
+    assert!(prompt.len() > default.cpu_max_tokens, "the prompt must take the streamed prefill path");
+    for (label, params) in [("default", default), ("split", split)] {
+        let hybrid = CudaModel::hybrid_with(placed(&path, 8), 0, None, params).unwrap();
+        let mut cs = cpu.new_state(400);
+        let mut hs = hybrid.new_state(400).unwrap();
+        let mut c_last = cpu.forward(&mut cs, &prompt, LogitsFor::Last).unwrap();
+        let mut h_last = hybrid.forward(&mut hs, &prompt, LogitsFor::Last).unwrap();
+        let steps = 128;
+        let mut same = 0;
+        for _ in 0..steps {
+            let ct = argmax(&c_last);
+            same += usize::from(argmax(&h_last) == ct);
+            c_last = cpu.forward(&mut cs, &[ct as u32], LogitsFor::Last).unwrap();
+            h_last = hybrid.forward(&mut hs, &[ct as u32], LogitsFor::Last).unwrap();
+        }
+        let agree = same as f64 / steps as f64;
+        println!("demo model, hybrid {label}: top-1 agreement with the CPU {:.1} % over {steps} steps", agree * 100.0);
+        assert!(agree >= 0.99, "hybrid {label}: top-1 agreement {agree:.3}");
+    }
+    // Omission on: experts are dropped and counted.
+    let model = placed(&path, 8);
+    let stats = model.placement_stats();
+    let params = HybridParams { handoff: 0.0, omit: 0.3, cpu_max_tokens: 1000, stage_experts: 32, stages: 2 };
+    let hybrid = CudaModel::hybrid_with(model, 0, None, params).unwrap();
+    let mut hs = hybrid.new_state(400).unwrap();
+    hybrid.forward(&mut hs, &prompt, LogitsFor::Last).unwrap();
+    let omitted = stats.snapshot().omitted;
+    println!("omission at 0.3 of the mass: {omitted} expert uses dropped over a 150-token prompt");
+    assert!(omitted > 0, "omission at 30 % of the mass dropped nothing");
+}
+
 #[test]
 fn opening_the_gpu_without_one_is_a_clean_error() {
     if nebula_kernels_probe() {

@@ -43,6 +43,28 @@ pub struct BenchRow {
     pub prefill_kernels: Vec<(String, f64, u64)>,
     /// Per-phase (name, seconds, count) of this frontier's prefill (`NEBULA_CUDA_PROFILE=1`); empty otherwise.
     pub prefill_phases: Vec<(&'static str, f64, u64)>,
+    /// Hybrid decode only: where the decode steps' time went, and the routed expert uses the CPU computed
+    /// (from the placement counters over the timed steps).
+    pub hybrid: Option<HybridDecode>,
+}
+
+/// The split of hybrid decode steps (see [`crate::backend::cuda::hybrid`]), per token.
+#[derive(Debug, Clone, Copy)]
+pub struct HybridDecode {
+    /// CPU expert time, ms per token.
+    pub cpu_ms: f64,
+    /// Host waiting for the GPU, ms per token.
+    pub wait_ms: f64,
+    /// GPU critical-path work, ms per token.
+    pub gpu_ms: f64,
+    /// Round trips per token.
+    pub trips: f64,
+    /// Routed expert uses per token computed by the CPU (RAM and SSD tiers).
+    pub cpu_experts: f64,
+    /// Routed expert uses per token computed by the GPU.
+    pub gpu_experts: f64,
+    /// Token-layers handed to the CPU per token.
+    pub handoffs: f64,
 }
 
 impl BenchRow {
@@ -107,12 +129,34 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
             m.take_kernel_times();
             m.take_profile();
         }
+        let stats0 = runner.placement_stats().map(|s| s.snapshot());
+        if let Runner::Cuda(m) = runner {
+            m.take_hybrid_times();
+        }
         let t1 = Instant::now();
         for _ in 0..opts.decode_tokens {
             logits = runner.forward(&mut st, &[tok], LogitsFor::Last)?;
             tok = argmax(&logits).unwrap_or(0) as u32;
         }
         let dec_s = t1.elapsed().as_secs_f64();
+        let hybrid = match (runner, stats0, runner.placement_stats()) {
+            (Runner::Cuda(m), Some(s0), Some(s1)) => m.take_hybrid_times().map(|t| {
+                let s1 = s1.snapshot();
+                let per = opts.decode_tokens.max(1) as f64;
+                HybridDecode {
+                    cpu_ms: t.cpu_s * 1e3 / per,
+                    wait_ms: t.wait_s * 1e3 / per,
+                    gpu_ms: t.gpu_s * 1e3 / per,
+                    trips: t.trips as f64 / per,
+                    cpu_experts: ((s1.expert_hits_ram + s1.expert_hits_ssd) - (s0.expert_hits_ram + s0.expert_hits_ssd))
+                        as f64
+                        / per,
+                    gpu_experts: (s1.expert_hits_gpu - s0.expert_hits_gpu) as f64 / per,
+                    handoffs: (s1.handoffs - s0.handoffs) as f64 / per,
+                }
+            }),
+            _ => None,
+        };
         rows.push(BenchRow {
             context: ctx,
             prefill_tok_s: ctx as f64 / prefill_s,
@@ -121,6 +165,7 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
             decode_ms: dec_s * 1e3 / opts.decode_tokens.max(1) as f64,
             prefill_kernels,
             prefill_phases,
+            hybrid,
         });
     }
     Ok(rows)

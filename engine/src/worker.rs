@@ -370,9 +370,19 @@ impl Engine {
         let placement_stats = model.placement_stats();
         let gpu = match opts.backend {
             BackendKind::Cpu => None,
+            BackendKind::Cuda { .. } => None,
+        };
+        let model = Arc::new(model);
+        let gpu = match opts.backend {
+            BackendKind::Cpu => gpu,
+            // A placed model runs hybrid: GPU-tier experts on the GPU, the rest on the CPU.
             BackendKind::Cuda { device, vram_budget } => Some(Box::new(
-                CudaModel::from_cpu(&model, device, vram_budget)
-                    .map_err(|source| LoadError::Backend { path: shown.clone(), source })?,
+                if model.expert_tiers().is_some() {
+                    CudaModel::hybrid(model.clone(), device, vram_budget)
+                } else {
+                    CudaModel::from_cpu(&model, device, vram_budget)
+                }
+                .map_err(|source| LoadError::Backend { path: shown.clone(), source })?,
             )),
         };
         let config = model.config.clone();
@@ -573,7 +583,7 @@ impl TokenSink<SequenceState> for RequestSink<'_> {
 }
 
 struct Worker {
-    model: Qwen4Exp,
+    model: Arc<Qwen4Exp>,
     /// The GPU copy of the model when the backend is CUDA (then every forward runs there).
     gpu: Option<Box<CudaModel>>,
     stop_tokens: Vec<u32>,
@@ -717,7 +727,7 @@ impl Worker {
         let interval = self.cache.options().interval.max(1);
         let opts =
             SpeculativeOptions { enabled: req.speculative, level: req.accuracy_level, ..SpeculativeOptions::default() };
-        let mut decoder = SpeculativeDecoder::new(&self.model, opts, Some(&self.stats.speculative));
+        let mut decoder = SpeculativeDecoder::new(&*self.model, opts, Some(&self.stats.speculative));
         let mut sink = RequestSink {
             req: &req,
             events: &events,

@@ -59,6 +59,7 @@ __device__ __forceinline__ void moe_gemv_body(const uint8_t* __restrict__ W, lon
                                               float* __restrict__ y, int lanes) {
     const int s = blockIdx.y;
     const int e = ids[s];
+    if (e < 0) return;  // a slot computed elsewhere (the CPU, in hybrid decode): its output is not read
     gemv_body<T, 1>(W + (long long)e * expert_bytes, row_bytes, rows, cols, x + (s / slots_per_x) * x_stride, 0,
                     y + (long long)s * rows, 0, lanes);
 }
@@ -192,23 +193,27 @@ ELEM(f32, T_F32)
 ELEM(f16, T_F16)
 ELEM(bf16, T_BF16)
 
-// Grouped expert products for prefill: block (row group, expert e) multiplies expert e's rows with the inputs of
-// every slot routed to it (perm[offsets[e] .. offsets[e+1]], from moe_sort), 8 slots per pass so each weight
-// chunk is decoded once per 8 tokens. Slot s reads x + (s / x_div) * x_stride and writes y + s * rows.
+// Grouped expert products for prefill: block (row group, weight slot j = blockIdx.y) multiplies the rows of the
+// matrix at W + j * expert_bytes, which holds expert e = slot_expert[j] (e = j when slot_expert is null; slots
+// with e < 0 are skipped), with the inputs of every slot routed to e (perm[offsets[e] .. offsets[e+1]], from
+// moe_sort), 8 slots per pass so each weight chunk is decoded once per 8 tokens. Slot s reads
+// x + (s / x_div) * x_stride and writes y + s * rows. The map lets one launch cover the GPU-resident experts of
+// a layer or one group of experts streamed over PCIe (hybrid prefill).
 template <int T>
 __device__ __forceinline__ void moe_grouped_body(const uint8_t* __restrict__ W, long long expert_bytes,
                                                  long long row_bytes, int rows, int cols,
                                                  const int* __restrict__ offsets, const int* __restrict__ perm,
-                                                 const float* __restrict__ x, int x_div, long long x_stride,
-                                                 float* __restrict__ y, int lanes) {
-    const int e = blockIdx.y;
+                                                 const int* __restrict__ slot_expert, const float* __restrict__ x,
+                                                 int x_div, long long x_stride, float* __restrict__ y, int lanes) {
+    const int e = slot_expert ? slot_expert[blockIdx.y] : blockIdx.y;
+    if (e < 0) return;
     const int start = offsets[e], end = offsets[e + 1];
     if (start == end) return;
     const int rows_per_block = blockDim.x / lanes;
     const int r = blockIdx.x * rows_per_block + threadIdx.x / lanes;
     const int lane = threadIdx.x % lanes;
     if (r >= rows) return;
-    const uint8_t* row = W + (long long)e * expert_bytes + (long long)r * row_bytes;
+    const uint8_t* row = W + (long long)blockIdx.y * expert_bytes + (long long)r * row_bytes;
     const int nchunks = cols / 32;
     float w[32];
     for (int base = start; base < end; base += 8) {
@@ -253,9 +258,9 @@ __device__ __forceinline__ void moe_grouped_body(const uint8_t* __restrict__ W, 
 
 #define GROUPED(NAME, T)                                                                                          \
     extern "C" __global__ void moe_grouped_##NAME(const uint8_t* W, long long eb, long long rb, int rows, int cols,   \
-                                                  const int* offsets, const int* perm, const float* x, int x_div,    \
-                                                  long long xs, float* y, int lanes) {                               \
-        moe_grouped_body<T>(W, eb, rb, rows, cols, offsets, perm, x, x_div, xs, y, lanes);                         \
+                                                  const int* offsets, const int* perm, const int* se, const float* x, \
+                                                  int x_div, long long xs, float* y, int lanes) {                    \
+        moe_grouped_body<T>(W, eb, rb, rows, cols, offsets, perm, se, x, x_div, xs, y, lanes);                     \
     }
 GROUPED(f32, T_F32)
 GROUPED(f16, T_F16)
@@ -480,6 +485,7 @@ __device__ __forceinline__ void moe_gemvq_body(const uint8_t* W0, const uint8_t*
                                                const uint16_t* pairs) {
     const int s = blockIdx.y;
     const long long e = ids[s];
+    if (e < 0) return;  // a slot computed elsewhere (the CPU, in hybrid decode): its output is not read
     const uint8_t* W = blockIdx.z == 0 ? W0 : W1;
     float* y = blockIdx.z == 0 ? y0 : y1;
     const long long xt = s / slots_per_x;
@@ -537,18 +543,20 @@ template <int T>
 __device__ __forceinline__ void moe_groupedq_body(const uint8_t* __restrict__ W, long long expert_bytes,
                                                   long long row_bytes, int rows, int cols,
                                                   const int* __restrict__ offsets, const int* __restrict__ perm,
+                                                  const int* __restrict__ slot_expert,
                                                   const signed char* __restrict__ qx, const float* __restrict__ dx,
                                                   int x_div, long long x_stride, float* __restrict__ y, int lanes,
                                                   const uint16_t* pairs) {
     constexpr int C = QTask<T>::chunks;
-    const int e = blockIdx.y;
+    const int e = slot_expert ? slot_expert[blockIdx.y] : blockIdx.y;
+    if (e < 0) return;  // uniform over the block
     const int start = offsets[e], end = offsets[e + 1];
     if (start == end) return;  // uniform over the block
     const int rows_per_block = blockDim.x / lanes;
     const int r = blockIdx.x * rows_per_block + threadIdx.x / lanes;
     const int lane = threadIdx.x % lanes;
     const bool valid = r < rows;
-    const uint8_t* row = W + (long long)e * expert_bytes + (long long)(valid ? r : 0) * row_bytes;
+    const uint8_t* row = W + (long long)blockIdx.y * expert_bytes + (long long)(valid ? r : 0) * row_bytes;
     const int ntasks = valid ? cols / (32 * C) : 0;
     for (int base = start; base < end; base += 8) {
         const int nt = min(8, end - base);
@@ -582,12 +590,12 @@ __device__ __forceinline__ void moe_groupedq_body(const uint8_t* __restrict__ W,
 
 #define GROUPEDQ(NAME, T)                                                                                         \
     extern "C" __global__ void moe_groupedq_##NAME(const uint8_t* W, long long eb, long long rb, int rows,        \
-                                                   int cols, const int* offsets, const int* perm,                  \
+                                                   int cols, const int* offsets, const int* perm, const int* se,   \
                                                    const signed char* qx, const float* dx, int x_div, long long xs, \
                                                    float* y, int lanes) {                                          \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
-        moe_groupedq_body<T>(W, eb, rb, rows, cols, offsets, perm, qx, dx, x_div, xs, y, lanes, pairs);          \
+        moe_groupedq_body<T>(W, eb, rb, rows, cols, offsets, perm, se, qx, dx, x_div, xs, y, lanes, pairs);      \
     }
 
 GROUPEDQ(q8_0, T_Q8_0)

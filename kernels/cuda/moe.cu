@@ -74,16 +74,70 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
     if (tid < k) weights[t * k + tid] /= sum_sh;
 }
 
-// out[t][i] = sum_j w[t][j] * ys[t*k + j][i] + sigmoid(sg[t]) * shared[t][i].
+// out[t][i] = sum_j w[t][j] * ys[t*k + j][i] + extra[t][i] + sigmoid(sg[t]) * shared[t][i]. Slots of weight 0
+// are skipped (their ys are not written: experts computed on the CPU in hybrid decode); extra may be null (the
+// CPU's share of the routed experts in hybrid decode, already weighted).
 extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float* __restrict__ w,
-                                       const float* __restrict__ shared, const float* __restrict__ sg, float* out, int n,
-                                       int k, int d) {
+                                       const float* __restrict__ shared, const float* __restrict__ sg,
+                                       const float* __restrict__ extra, float* out, int n, int k, int d) {
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * d) return;
     const int i = idx % d, t = idx / d;
     float acc = 0.f;
-    for (int j = 0; j < k; j++) acc += ys[((long long)t * k + j) * d + i] * w[t * k + j];
+    for (int j = 0; j < k; j++) {
+        const float wj = w[t * k + j];
+        if (wj != 0.f) acc += ys[((long long)t * k + j) * d + i] * wj;
+    }
+    if (extra) acc += extra[idx];
     out[idx] = acc + sigmoidf_(sg[t]) * shared[idx];
+}
+
+// Hybrid decode (SPEC 3.2-3.3): splits each token's routed experts between the GPU expert cache and the CPU.
+// slot_of[e] is expert e's slot in the layer's GPU cache or -1. Per token t (threads t < n): coverage = the
+// token's router weight on resident experts; below `handoff` the whole routed MoE goes to the CPU (expert
+// handoff), else the resident experts run on the GPU (gpu_slot = their slot, w_gpu = their weight) and the
+// others on the CPU. With `omit` > 0 the lightest CPU experts are dropped while their summed weight stays
+// within `omit` (the marginal-expert omission, a fraction of the token's mass). Every thread also copies m
+// ([n][d]) into the pack the host reads in one copy: pack = [m: n*d floats][ids: n*k ints][w_cpu: n*k floats]
+// [handoff flag per token: n ints]. k <= 32.
+extern "C" __global__ void hybrid_split(const float* __restrict__ m, const int* __restrict__ ids,
+                                        const float* __restrict__ w, const int* __restrict__ slot_of, int n, int k,
+                                        int d, float handoff, float omit, int* gpu_slot, float* w_gpu,
+                                        float* pack) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < (long long)n * d) pack[idx] = m[idx];
+    if (idx >= n) return;
+    const int t = (int)idx;
+    int* pack_ids = reinterpret_cast<int*>(pack + (long long)n * d);
+    float* w_cpu = pack + (long long)n * d + n * k;
+    int* flags = reinterpret_cast<int*>(pack + (long long)n * d + 2 * n * k);
+    float cov = 0.f;
+    for (int j = 0; j < k; j++)
+        if (slot_of[ids[t * k + j]] >= 0) cov += w[t * k + j];
+    const bool to_cpu = cov < handoff;
+    for (int j = 0; j < k; j++) {
+        const int e = ids[t * k + j];
+        const float wj = w[t * k + j];
+        const int s = slot_of[e];
+        pack_ids[t * k + j] = e;
+        const bool on_gpu = !to_cpu && s >= 0;
+        gpu_slot[t * k + j] = on_gpu ? s : -1;
+        w_gpu[t * k + j] = on_gpu ? wj : 0.f;
+        w_cpu[t * k + j] = on_gpu ? 0.f : wj;
+    }
+    // Omission: drop the lightest CPU experts (ties to the later slot) while the dropped mass stays <= omit.
+    float dropped = 0.f;
+    while (omit > 0.f) {
+        int best = -1;
+        for (int j = 0; j < k; j++) {
+            const float v = w_cpu[t * k + j];
+            if (v > 0.f && (best < 0 || v <= w_cpu[t * k + best])) best = j;
+        }
+        if (best < 0 || dropped + w_cpu[t * k + best] > omit) break;
+        dropped += w_cpu[t * k + best];
+        w_cpu[t * k + best] = 0.f;
+    }
+    flags[t] = to_cpu ? 1 : 0;
 }
 
 // dst[j] = src[idx[j]] (rows of `width`): gathers the tokens routed to one expert.

@@ -69,6 +69,13 @@ extern "C" __global__ void silu_mul(float* g, const float* __restrict__ u, long 
     if (i < count) g[i] = siluf_(g[i]) * u[i];
 }
 
+// out[i] = silu(g[i]) * u[i], leaving g and u as they are (streamed prefill applies it once per expert group).
+extern "C" __global__ void silu_mul_into(const float* __restrict__ g, const float* __restrict__ u, float* out,
+                                         long long count) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) out[i] = siluf_(g[i]) * u[i];
+}
+
 // out[t][i] = x[t][i] * sigmoid(gate[t][i]) (attention output gate).
 extern "C" __global__ void mul_sigmoid(float* x, const float* __restrict__ gate, long long count) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

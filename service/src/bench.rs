@@ -24,6 +24,7 @@ use anyhow::{Context, bail};
 use nebula_engine::gguf::GgmlType;
 use nebula_engine::quant::moe::{ExpertRef, ExpertWork, routed_experts};
 use nebula_engine::quant::{Isa, Matrix, WeightBytes, quantize, synthetic_blocks};
+use nebula_service::cli::bench::read_bandwidth;
 use rayon::prelude::*;
 
 /// Options of `nebula bench kernels`.
@@ -59,53 +60,6 @@ fn parse_type(s: &str) -> anyhow::Result<GgmlType> {
 
 fn pool(threads: usize) -> anyhow::Result<rayon::ThreadPool> {
     Ok(rayon::ThreadPoolBuilder::new().num_threads(threads).build()?)
-}
-
-/// Sum of 64-bit words, vectorized with AVX2 when the CPU has it.
-fn sum_words(v: &[u64]) -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2")]
-        fn sum_avx2(v: &[u64]) -> u64 {
-            sum_plain(v)
-        }
-        if is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { sum_avx2(v) };
-        }
-    }
-    sum_plain(v)
-}
-
-#[inline(always)]
-fn sum_plain(v: &[u64]) -> u64 {
-    let mut acc = [0u64; 8];
-    for c in v.chunks_exact(8) {
-        for i in 0..8 {
-            acc[i] = acc[i].wrapping_add(c[i]);
-        }
-    }
-    acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-}
-
-/// Read bandwidth in bytes/s with `threads` threads over `buf`.
-fn read_bandwidth(buf: &[u64], threads: usize, seconds: f64) -> anyhow::Result<f64> {
-    let p = pool(threads)?;
-    let pass = || {
-        p.broadcast(|ctx| {
-            let n = buf.len();
-            let (i, k) = (ctx.index(), ctx.num_threads());
-            std::hint::black_box(sum_words(&buf[n * i / k..n * (i + 1) / k]))
-        });
-    };
-    pass();
-    let start = Instant::now();
-    let mut passes = 0u64;
-    while start.elapsed().as_secs_f64() < seconds || passes < 2 {
-        pass();
-        passes += 1;
-    }
-    Ok(passes as f64 * (buf.len() * 8) as f64 / start.elapsed().as_secs_f64())
 }
 
 /// One expert's bytes: quantized from random data when the converter can write the type, else synthetic

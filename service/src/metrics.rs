@@ -13,8 +13,9 @@
 //! placement families `nebula:expert_hits_total{tier}` (routed expert uses, token x expert, by the tier that held
 //! the expert: `gpu`, `ram`, `ssd`; without a placement every use counts as `ram`), `nebula:ssd_read_bytes_total`
 //! (expert and n-gram bytes read from SSD), `nebula:ssd_read_errors_total`, `nebula:expert_prefetch_total{outcome}`
-//! (`issued`, `used`), `nebula:pcie_bytes_total`
-//! (0 until the GPU expert cache lands), and MTP speculative decoding:
+//! (`issued`, `used`), `nebula:pcie_bytes_total` (host <-> GPU bytes of the hybrid backend),
+//! `nebula:expert_handoffs_total` (token-layers whose routed MoE went to the CPU), `nebula:experts_omitted_total`
+//! (marginal experts dropped), and MTP speculative decoding:
 //! `nebula:draft_tokens_total` and `nebula:draft_accepted_tokens_total` (drafts proposed / accepted),
 //! `nebula:draft_chains_total{case}` (verified chains by SPEC §4 case `A` all accepted, `B` handed to the full
 //! target for low resident-expert coverage, `C` a draft rejected), `nebula:draft_window_chains_total{window}`
@@ -66,6 +67,8 @@ pub struct Metrics {
     model_loaded: IntGauge,
     expert_hits: IntCounterVec,
     pcie_bytes: IntCounter,
+    handoffs: IntCounter,
+    omitted: IntCounter,
     ssd_bytes: IntCounter,
     ssd_errors: IntCounter,
     prefetch: IntCounterVec,
@@ -183,7 +186,18 @@ impl Metrics {
                 "Routed expert uses (token x expert) by the tier that held the expert.",
                 &["tier"],
             ),
-            pcie_bytes: plain("nebula:pcie_bytes_total", "Bytes copied over PCIe (0 until placement lands)."),
+            pcie_bytes: plain(
+                "nebula:pcie_bytes_total",
+                "Bytes copied between host and GPU by the hybrid backend (per-layer activations, streamed experts).",
+            ),
+            handoffs: plain(
+                "nebula:expert_handoffs_total",
+                "Token-layers whose routed MoE ran on the CPU because GPU-resident experts covered < 90 % of the weight.",
+            ),
+            omitted: plain(
+                "nebula:experts_omitted_total",
+                "Routed expert uses dropped by the marginal-expert omission (off in strict mode).",
+            ),
             ssd_bytes: plain("nebula:ssd_read_bytes_total", "Expert and n-gram table bytes read from SSD."),
             ssd_errors: plain(
                 "nebula:ssd_read_errors_total",
@@ -324,6 +338,9 @@ impl Metrics {
             }
             set64(&self.ssd_bytes, p.ssd_expert_bytes + p.ngram_bytes_read);
             set64(&self.ssd_errors, p.ssd_read_errors);
+            set64(&self.pcie_bytes, p.pcie_bytes);
+            set64(&self.handoffs, p.handoffs);
+            set64(&self.omitted, p.omitted);
             set64(&self.prefetch.with_label_values(&["issued"]), p.prefetch_issued);
             set64(&self.prefetch.with_label_values(&["used"]), p.prefetch_hits);
             let spec = &stats.speculative;
@@ -348,7 +365,6 @@ impl Metrics {
                 }
             }
         }
-        let _ = &self.pcie_bytes;
         let mut out = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
             tracing::error!("encoding the metrics failed: {e}");

@@ -50,6 +50,12 @@ pub struct PlacementConfig {
     pub direct_io: bool,
     /// mlock the RAM tier (falls back to unlocked memory, with a warning, when not permitted).
     pub lock_memory: bool,
+    /// CUDA backend with a placement (hybrid decode): a token whose GPU-resident experts cover less than this
+    /// fraction of its router weight has the layer's routed MoE computed on the CPU (SPEC 3.3).
+    pub handoff: f32,
+    /// Hybrid decode: drop a token's lightest CPU-side experts while their summed weight stays within this
+    /// fraction of its mass (0 = strict, the default; e.g. 0.1).
+    pub omit_marginal: f32,
 }
 
 impl Default for PlacementConfig {
@@ -68,6 +74,8 @@ impl Default for PlacementConfig {
             prefetch_layers: 1,
             direct_io: true,
             lock_memory: true,
+            handoff: 0.9,
+            omit_marginal: 0.0,
         }
     }
 }
@@ -92,6 +100,11 @@ impl PlacementConfig {
                 && !(v.is_finite() && v > 0.0)
             {
                 return Err(format!("{name} must be a positive number of GiB, got {v}"));
+            }
+        }
+        for (name, v) in [("placement.handoff", self.handoff), ("placement.omit_marginal", self.omit_marginal)] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(format!("{name} must be a fraction between 0 and 1, got {v}"));
             }
         }
         if self.threads == Some(0) || self.io_threads == 0 {
@@ -149,6 +162,8 @@ impl PlacementConfig {
             reader: None,
             source: source.to_owned(),
             counts_for_experts: self.counts_for_experts,
+            handoff: self.handoff,
+            omit_marginal: self.omit_marginal,
         }))
     }
 }
@@ -188,6 +203,14 @@ pub struct PlacementFlags {
     /// Layers ahead whose routers choose the SSD experts to prefetch (0: no prefetch). Default: 1.
     #[arg(long)]
     pub prefetch_layers: Option<usize>,
+    /// CUDA backend with a placement: hand a token's routed MoE to the CPU when GPU-resident experts cover less
+    /// than this fraction of its router weight. Default: 0.9.
+    #[arg(long)]
+    pub handoff: Option<f32>,
+    /// CUDA backend with a placement: drop a token's lightest CPU-side experts within this fraction of its router
+    /// weight (0 = strict). Default: 0.
+    #[arg(long)]
+    pub omit_marginal: Option<f32>,
 }
 
 impl PlacementFlags {
@@ -209,6 +232,8 @@ impl PlacementFlags {
         put("ssd_pool_mib", self.ssd_pool_mib.map(Value::from));
         put("io_threads", self.io_threads.map(Value::from));
         put("prefetch_layers", self.prefetch_layers.map(Value::from));
+        put("handoff", self.handoff.map(Value::from));
+        put("omit_marginal", self.omit_marginal.map(Value::from));
         Value::Object(m)
     }
 }

@@ -69,10 +69,14 @@ impl RunnerState {
 }
 
 impl Runner {
-    /// Puts `model` on `kind`.
+    /// Puts `model` on `kind`. A placed model ([`Qwen4Exp::place`]) on CUDA runs hybrid: its GPU-tier experts on
+    /// the GPU, the others on the CPU ([`cuda::hybrid`]); unplaced, every weight goes to the GPU.
     pub fn new(model: Qwen4Exp, kind: BackendKind) -> Result<Self, BackendError> {
         Ok(match kind {
             BackendKind::Cpu => Runner::Cpu(model),
+            BackendKind::Cuda { device, vram_budget } if model.expert_tiers().is_some() => {
+                Runner::Cuda(Box::new(cuda::CudaModel::hybrid(std::sync::Arc::new(model), device, vram_budget)?))
+            }
             BackendKind::Cuda { device, vram_budget } => {
                 Runner::Cuda(Box::new(cuda::CudaModel::from_cpu(&model, device, vram_budget)?))
             }
@@ -87,12 +91,33 @@ impl Runner {
         }
     }
 
+    /// The placement counters of a placed model (CPU, or hybrid CUDA); `None` otherwise.
+    pub fn placement_stats(&self) -> Option<std::sync::Arc<crate::placement::PlacementStats>> {
+        match self {
+            Runner::Cpu(m) => Some(m.placement_stats()),
+            Runner::Cuda(m) => m.host_model().map(|h| h.placement_stats()),
+        }
+    }
+
     /// One line for logs: backend and device.
     pub fn describe(&self) -> String {
         match self {
             Runner::Cpu(_) => format!("CPU ({} threads)", rayon::current_num_threads()),
             Runner::Cuda(m) => {
-                format!("CUDA on {} ({:.1} GiB of weights)", m.gpu_name(), m.weight_bytes as f64 / (1u64 << 30) as f64)
+                format!(
+                    "CUDA{} on {} ({:.1} GiB of weights on the GPU)",
+                    if m.is_hybrid() {
+                        format!(
+                            " hybrid (GPU-tier experts on the GPU, the rest on the CPU; {:.1} GiB of RAM tier pinned for \
+                             uploads)",
+                            m.registered_bytes() as f64 / (1u64 << 30) as f64
+                        )
+                    } else {
+                        String::new()
+                    },
+                    m.gpu_name(),
+                    m.weight_bytes as f64 / (1u64 << 30) as f64
+                )
             }
         }
     }

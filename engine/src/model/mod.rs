@@ -278,6 +278,73 @@ impl Qwen4Exp {
         Ok(())
     }
 
+    /// The tier of every routed expert, `[layer][expert]`, when the model is placed.
+    pub fn expert_tiers(&self) -> Option<&[Vec<Tier>]> {
+        self.placement.as_ref().map(|p| p.tiers())
+    }
+
+    /// The routed experts of `layer` on the CPU for `n` tokens `x` (`[n, d]`), each token with its own
+    /// `(expert, weight)` list (`routing`; empty lists are fine): `sum_e w_e y_e`, `[n, d]`, without the shared
+    /// expert. The CPU half of hybrid decode (SPEC 3.2): experts come from the RAM tier or the SSD tier (with the
+    /// next layers' SSD experts prefetched from `x`), summed in ascending expert id order.
+    ///
+    /// Errors: [`ModelError::WeightRead`] when an SSD read fails.
+    pub(crate) fn cpu_routed(
+        &self,
+        layer: usize,
+        x: &[f32],
+        n: usize,
+        routing: &[moe::Routing],
+    ) -> Result<Vec<f32>, ModelError> {
+        let mlp = &self.layers[layer].mlp;
+        match &self.placement {
+            Some(p) => {
+                let ahead: Vec<&moe::SparseMoe> =
+                    self.layers.iter().skip(layer + 1).take(p.prefetch_layers()).map(|l| &l.mlp).collect();
+                p.moe_forward(layer, mlp, x, n, routing, &ahead, false)
+            }
+            None => {
+                let work: Vec<crate::quant::moe::ExpertWork<'_>> = mlp
+                    .tokens_by_expert(routing)
+                    .into_iter()
+                    .enumerate()
+                    .filter(|(_, users)| !users.is_empty())
+                    .map(|(e, tokens)| crate::quant::moe::ExpertWork { expert: mlp.experts[e].as_ref(), tokens })
+                    .collect();
+                let mut out = vec![0f32; n * self.config.hidden];
+                crate::quant::moe::routed_experts(&work, x, n, &mut out);
+                Ok(out)
+            }
+        }
+    }
+
+    /// Expert `e` of `layer`'s host weights (RAM tier, SSD tier read now, or the model file): what hybrid prefill
+    /// uploads. Errors: [`ModelError::WeightRead`] when the SSD read fails.
+    pub(crate) fn host_expert(&self, layer: usize, e: usize) -> Result<crate::placement::HostExpert<'_>, ModelError> {
+        let mlp = &self.layers[layer].mlp;
+        match &self.placement {
+            Some(p) => p.host_expert(layer, e, mlp),
+            None => Ok(crate::placement::HostExpert::Borrowed(&mlp.experts[e])),
+        }
+    }
+
+    /// The placement's (handoff, marginal omission) fractions for the hybrid GPU backend; (0.9, 0) unplaced.
+    pub(crate) fn hybrid_fractions(&self) -> (f32, f32) {
+        self.placement.as_ref().map_or((0.9, 0.0), |p| p.hybrid_fractions())
+    }
+
+    /// Starts the SSD reads of those of `experts` of `layer` that live on SSD (see [`Qwen4Exp::host_expert`]).
+    pub(crate) fn request_experts(&self, layer: usize, experts: &[usize]) {
+        if let Some(p) = &self.placement {
+            p.request_experts(layer, experts);
+        }
+    }
+
+    /// Address ranges of the RAM tier (see [`crate::placement`]), empty when not placed.
+    pub(crate) fn resident_ranges(&self) -> Vec<(usize, usize)> {
+        self.placement.as_ref().map_or_else(Vec::new, |p| p.resident_ranges())
+    }
+
     /// The placement as built ([`PlacementReport::unplaced`] when [`Qwen4Exp::place`] was not called).
     pub fn placement_report(&self) -> PlacementReport {
         match &self.placement {
@@ -718,7 +785,7 @@ impl Qwen4Exp {
                     // The next layers' routers on this hidden state predict which SSD experts to prefetch.
                     let ahead: Vec<&moe::SparseMoe> =
                         self.layers.iter().skip(li + 1).take(p.prefetch_layers()).map(|l| &l.mlp).collect();
-                    p.moe_forward(li, &layer.mlp, &mixed.mixed, n, &routing, &ahead)?
+                    p.moe_forward(li, &layer.mlp, &mixed.mixed, n, &routing, &ahead, true)?
                 }
             };
             layer.mlp_hyper_connection.inject(&mut x, &y, &mixed.inject);

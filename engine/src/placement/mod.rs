@@ -122,6 +122,12 @@ pub struct PlacementOptions {
     /// The experts per layer the counts were written for (a profile's `experts_per_layer`, 512): a model with
     /// another number gets the counts scaled to its own (the 28 MB demo model has 32). `None`: counts as given.
     pub counts_for_experts: Option<usize>,
+    /// Hybrid GPU backend (SPEC 3.3): a token whose GPU-resident experts cover less than this fraction of its
+    /// router weight has the layer's whole routed MoE computed on the CPU. Default 0.9.
+    pub handoff: f32,
+    /// Hybrid GPU backend: the lightest CPU-side experts of a token are dropped while their summed weight stays
+    /// within this fraction of the token's mass (SPEC 3.3's marginal-expert omission; 0 = strict, the default).
+    pub omit_marginal: f32,
 }
 
 impl Default for PlacementOptions {
@@ -143,6 +149,8 @@ impl Default for PlacementOptions {
             reader: None,
             source: "options".into(),
             counts_for_experts: None,
+            handoff: 0.9,
+            omit_marginal: 0.0,
         }
     }
 }
@@ -185,6 +193,8 @@ impl std::fmt::Debug for PlacementOptions {
             .field("reader", &self.reader.as_ref().map(|r| r.describe()))
             .field("source", &self.source)
             .field("counts_for_experts", &self.counts_for_experts)
+            .field("handoff", &self.handoff)
+            .field("omit_marginal", &self.omit_marginal)
             .finish()
     }
 }
@@ -481,6 +491,24 @@ fn human(bytes: u64) -> String {
     }
 }
 
+/// An expert's host weights: borrowed from the RAM tier (or the model file), or held from the SSD pool.
+pub(crate) enum HostExpert<'a> {
+    /// In RAM.
+    Borrowed(&'a Expert),
+    /// Read from SSD; the pool buffer stays taken while this lives.
+    Loaded(ssd::LoadedExpert),
+}
+
+impl std::ops::Deref for HostExpert<'_> {
+    type Target = Expert;
+    fn deref(&self) -> &Expert {
+        match self {
+            HostExpert::Borrowed(e) => e,
+            HostExpert::Loaded(e) => e,
+        }
+    }
+}
+
 /// A model's placement as built: the tiers, the RAM copies, the SSD tier and the table.
 pub(crate) struct Placement {
     tiers: Vec<Vec<Tier>>,
@@ -492,6 +520,8 @@ pub(crate) struct Placement {
     prefetch_layers: usize,
     layer_has_ssd: Vec<bool>,
     stats: Arc<PlacementStats>,
+    /// (handoff fraction, marginal omission fraction) for the hybrid GPU backend.
+    hybrid: (f32, f32),
     /// Kept alive for the SSD tier and the table.
     _io: Option<Arc<IoPool>>,
 }
@@ -543,6 +573,11 @@ impl Placement {
         let cfg = &model.config;
         let (n_layer, n_expert) = (cfg.n_layer, cfg.n_expert);
         let (gpu_experts, ram_experts) = opts.counts_for(n_expert);
+        for (name, v) in [("handoff", opts.handoff), ("omit_marginal", opts.omit_marginal)] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(PlacementError::Invalid(format!("{name} must be a fraction in [0, 1], got {v}")));
+            }
+        }
         let plan = PlacementPlan::new(n_layer, n_expert, gpu_experts, ram_experts, opts.hotlist.as_deref())?;
         let reader = match &opts.reader {
             Some(r) => r.clone(),
@@ -839,8 +874,76 @@ impl Placement {
             prefetch_layers: opts.prefetch_layers,
             layer_has_ssd,
             stats,
+            hybrid: (opts.handoff, opts.omit_marginal),
             _io: io,
         })
+    }
+
+    /// (handoff fraction, marginal omission fraction) of [`PlacementOptions`].
+    pub(crate) fn hybrid_fractions(&self) -> (f32, f32) {
+        self.hybrid
+    }
+
+    /// The tier of every expert, `[layer][expert]`.
+    pub(crate) fn tiers(&self) -> &[Vec<Tier>] {
+        &self.tiers
+    }
+
+    /// Expert `e` of `layer` from its RAM copy, or read from SSD (waiting for the read): the weights the GPU
+    /// streams in hybrid prefill.
+    ///
+    /// Errors: [`ModelError::WeightRead`] when the SSD read fails.
+    pub(crate) fn host_expert<'a>(
+        &'a self,
+        layer: usize,
+        e: usize,
+        moe: &'a SparseMoe,
+    ) -> Result<HostExpert<'a>, ModelError> {
+        if let Some(x) = self.resident.get(layer).and_then(|l| l.get(e)).and_then(|x| x.as_ref()) {
+            return Ok(HostExpert::Borrowed(x));
+        }
+        match &self.ssd {
+            Some(ssd) if ssd.holds(layer, e) => {
+                ssd.request(layer, e, false);
+                ssd.take(layer, e).map(HostExpert::Loaded).map_err(|source| ModelError::WeightRead {
+                    what: format!("expert {e} of layer {layer} (SSD tier)"),
+                    detail: source.to_string(),
+                })
+            }
+            _ => Ok(HostExpert::Borrowed(&moe.experts[e])),
+        }
+    }
+
+    /// Starts reading those of `experts` of `layer` that live on SSD (as many as the pool has room for), so a
+    /// following run of [`Placement::host_expert`] calls finds them loaded or loading.
+    pub(crate) fn request_experts(&self, layer: usize, experts: &[usize]) {
+        if let Some(ssd) = &self.ssd {
+            for &e in experts {
+                if ssd.holds(layer, e) && ssd.request(layer, e, true) == Requested::NoBuffer {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// The address ranges of the RAM tier, one per layer (`(start, len)`): registered with the GPU driver in
+    /// hybrid mode so expert uploads run at full PCIe speed.
+    pub(crate) fn resident_ranges(&self) -> Vec<(usize, usize)> {
+        self.resident
+            .iter()
+            .filter_map(|layer| {
+                let mut lo = usize::MAX;
+                let mut hi = 0usize;
+                for x in layer.iter().flatten() {
+                    for m in [&x.gate_proj, &x.up_proj, &x.down_proj] {
+                        let b = m.bytes();
+                        lo = lo.min(b.as_ptr() as usize);
+                        hi = hi.max(b.as_ptr() as usize + b.len());
+                    }
+                }
+                (lo < hi).then_some((lo, hi - lo))
+            })
+            .collect()
     }
 
     /// The report.
@@ -899,7 +1002,11 @@ impl Placement {
     /// `ahead` are the MoE blocks of the next layers: once this layer's SSD reads are queued, their routers
     /// predict what to prefetch (see [`Placement::prefetch`]), so this layer's reads go first.
     ///
+    /// Without `shared` only the routed experts are summed (the CPU's share in hybrid decode, where the GPU runs
+    /// the shared expert).
+    ///
     /// Errors: [`ModelError::WeightRead`] when an SSD read fails.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn moe_forward(
         &self,
         layer: usize,
@@ -908,17 +1015,25 @@ impl Placement {
         n: usize,
         routing: &[Routing],
         ahead: &[&SparseMoe],
+        shared: bool,
     ) -> Result<Vec<f32>, ModelError> {
         let d = moe.shared_expert_gate.len();
         let tiers = &self.tiers[layer];
         let by_expert = moe.tokens_by_expert(routing);
         // Work items in the summation order: routed experts by ascending id, then the shared expert.
         let used: Vec<usize> = (0..by_expert.len()).filter(|&e| !by_expert[e].is_empty()).collect();
-        let shared_tokens: Vec<(usize, f32)> = (0..n)
-            .map(|t| (t, crate::model::norm::sigmoid(dot_f32(&moe.shared_expert_gate, &x[t * d..(t + 1) * d]))))
-            .collect();
-        for &e in &used {
-            self.stats.hit(tiers[e], by_expert[e].len() as u64);
+        let shared_tokens: Vec<(usize, f32)> = if shared {
+            (0..n)
+                .map(|t| (t, crate::model::norm::sigmoid(dot_f32(&moe.shared_expert_gate, &x[t * d..(t + 1) * d]))))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // The hybrid backend (no shared expert here) counts its own uses.
+        if shared {
+            for &e in &used {
+                self.stats.hit(tiers[e], by_expert[e].len() as u64);
+            }
         }
         let on_ssd: Vec<usize> = used.iter().copied().filter(|&e| tiers[e] == Tier::Ssd).collect();
         let group = self.ssd.as_ref().map_or(1, |s| (s.capacity() / 2).max(1));
@@ -944,8 +1059,10 @@ impl Placement {
                 resident_index.push(i);
             }
         }
-        resident_work.push(ExpertWork { expert: moe.shared_expert.as_ref(), tokens: shared_tokens.clone() });
-        resident_index.push(used.len());
+        if shared {
+            resident_work.push(ExpertWork { expert: moe.shared_expert.as_ref(), tokens: shared_tokens.clone() });
+            resident_index.push(used.len());
+        }
         let resident_out = expert_outputs(&resident_work, x, n);
 
         // SSD experts, group by group; the next group's reads start before this one computes.
@@ -976,7 +1093,7 @@ impl Placement {
         }
 
         // Sum in the fixed order.
-        let mut block: Vec<Option<&[f32]>> = vec![None; used.len() + 1];
+        let mut block: Vec<Option<&[f32]>> = vec![None; used.len() + usize::from(shared)];
         for (k, &i) in resident_index.iter().enumerate() {
             block[i] = Some(resident_out.block(k));
         }

@@ -54,6 +54,14 @@ pub struct PlacementStats {
     pub ngram_rows: AtomicU64,
     /// Bytes of n-gram table rows read from SSD.
     pub ngram_bytes: AtomicU64,
+    /// Token-layers whose routed MoE the hybrid GPU backend handed to the CPU (GPU-resident experts covered
+    /// less than the handoff fraction of the token's router weight).
+    pub handoffs: AtomicU64,
+    /// Routed expert uses dropped by the marginal-expert omission (off in strict mode).
+    pub omitted: AtomicU64,
+    /// Bytes copied between host and GPU by the hybrid backend (per-layer activations both ways, expert weights
+    /// streamed for prefill).
+    pub pcie_bytes: AtomicU64,
 }
 
 impl PlacementStats {
@@ -91,6 +99,9 @@ impl PlacementStats {
             prefetch_hits: l(&self.prefetch_hits),
             ngram_rows_read: l(&self.ngram_rows),
             ngram_bytes_read: l(&self.ngram_bytes),
+            handoffs: l(&self.handoffs),
+            omitted: l(&self.omitted),
+            pcie_bytes: l(&self.pcie_bytes),
         }
     }
 }
@@ -118,4 +129,10 @@ pub struct StatsSnapshot {
     pub ngram_rows_read: u64,
     /// n-gram bytes read from SSD.
     pub ngram_bytes_read: u64,
+    /// Token-layers handed to the CPU by the hybrid backend.
+    pub handoffs: u64,
+    /// Marginal expert uses omitted.
+    pub omitted: u64,
+    /// Bytes over PCIe (hybrid backend).
+    pub pcie_bytes: u64,
 }

@@ -2,6 +2,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::time::Instant;
 
 use anyhow::Context;
 use nebula_engine::backend::{BackendKind, Runner};
@@ -33,7 +34,8 @@ pub struct BenchModelArgs {
     #[arg(long)]
     pub csv: Option<PathBuf>,
     /// Hardware profile file (`nebula profile detect`) whose expert tiers, n-gram table place, budgets and threads
-    /// to emulate (CPU backend); the placement flags below override it.
+    /// to emulate (on `--backend cuda` the run is hybrid: GPU-tier experts on the GPU, the rest on the CPU); the
+    /// placement flags below override it.
     #[arg(long)]
     pub profile: Option<PathBuf>,
     /// Expert placement and emulation.
@@ -62,16 +64,16 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
     let (dense, experts, table) = model.weight_bytes();
     let source = args.profile.as_ref().map_or("flags".to_owned(), |p| format!("profile {}", p.display()));
     if let Some(opts) = placement.to_options(&source).map_err(anyhow::Error::msg)? {
-        if matches!(args.backend, BackendKind::Cpu) {
-            model.place(&opts).context("placing the experts")?;
-            println!("{}", model.placement_report().summary());
-        } else {
-            eprintln!("placement flags apply to the CPU backend only; the GPU runs with every weight on the device");
-        }
+        // On CUDA a placement makes the run hybrid: GPU-tier experts on the GPU, the rest computed by the CPU.
+        model.place(&opts).context("placing the experts")?;
+        println!("{}", model.placement_report().summary());
     }
     let stats = model.placement_stats();
     let backend = match args.backend {
-        BackendKind::Cuda { vram_budget, .. } => BackendKind::Cuda { device: args.gpu, vram_budget },
+        BackendKind::Cuda { vram_budget, .. } => BackendKind::Cuda {
+            device: args.gpu,
+            vram_budget: vram_budget.or(placement.vram_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64)),
+        },
         other => other,
     };
     let runner = Runner::new(model, backend)?;
@@ -122,6 +124,55 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             b.total() as f64 / 1e6,
             floor.unwrap_or_else(|| "-".into())
         );
+    }
+    if let Runner::Cuda(m) = &runner
+        && m.is_hybrid()
+    {
+        // The floor of hybrid decode (issue 5): CPU expert bytes / DRAM read bandwidth + the GPU's share + one
+        // round trip per layer, each measured here.
+        let threads = rayon::current_num_threads();
+        let dram = dram_read_bandwidth(threads)?;
+        let rtt = m.round_trip()?;
+        println!(
+            "hybrid: DRAM read {:.1} GB/s ({threads} threads), host-GPU-host round trip {:.1} us, expert {:.2} MiB",
+            dram / 1e9,
+            rtt * 1e6,
+            per_expert as f64 / (1u64 << 20) as f64
+        );
+        println!(
+            "{:>8} {:>10} {:>10} {:>8} {:>10} {:>10} {:>10} {:>9} {:>10} {:>9}",
+            "context",
+            "CPU exp/t",
+            "GPU exp/t",
+            "handoff",
+            "CPU ms/t",
+            "GPU ms/t",
+            "wait ms/t",
+            "trips/t",
+            "floor ms",
+            "of floor"
+        );
+        for r in &rows {
+            if let Some(h) = r.hybrid {
+                // Floor: the CPU's expert bytes at the measured DRAM read bandwidth, the GPU's critical-path work
+                // (CUDA events) and one measured round trip per layer, in series (each layer's GPU work needs the
+                // previous layer's CPU result).
+                let floor_ms = h.cpu_experts * per_expert as f64 / dram * 1e3 + h.gpu_ms + h.trips * rtt * 1e3;
+                println!(
+                    "{:>8} {:>10.1} {:>10.1} {:>8.1} {:>10.3} {:>10.3} {:>10.3} {:>9.0} {:>10.3} {:>8.0} %",
+                    r.context,
+                    h.cpu_experts,
+                    h.gpu_experts,
+                    h.handoffs,
+                    h.cpu_ms,
+                    h.gpu_ms,
+                    h.wait_ms,
+                    h.trips,
+                    floor_ms,
+                    floor_ms / r.decode_ms * 100.0
+                );
+            }
+        }
     }
     if let Runner::Cuda(m) = &runner {
         let prof = m.take_profile();
@@ -332,4 +383,57 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("nebula-bench-mtp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
+}
+
+/// Sum of 64-bit words, vectorized with AVX2 when the CPU has it.
+fn sum_words(v: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        fn sum_avx2(v: &[u64]) -> u64 {
+            sum_plain(v)
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { sum_avx2(v) };
+        }
+    }
+    sum_plain(v)
+}
+
+#[inline(always)]
+fn sum_plain(v: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    for c in v.chunks_exact(8) {
+        for i in 0..8 {
+            acc[i] = acc[i].wrapping_add(c[i]);
+        }
+    }
+    acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+}
+
+/// DRAM read bandwidth in bytes/s with `threads` threads: a 1 GiB buffer summed for about a second.
+pub fn dram_read_bandwidth(threads: usize) -> anyhow::Result<f64> {
+    let buf: Vec<u64> = (0..(1usize << 27) as u64).collect();
+    read_bandwidth(&buf, threads, 1.0)
+}
+
+/// Read bandwidth in bytes/s with `threads` threads over `buf`.
+pub fn read_bandwidth(buf: &[u64], threads: usize, seconds: f64) -> anyhow::Result<f64> {
+    let p = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    let pass = || {
+        p.broadcast(|ctx| {
+            let n = buf.len();
+            let (i, k) = (ctx.index(), ctx.num_threads());
+            std::hint::black_box(sum_words(&buf[n * i / k..n * (i + 1) / k]))
+        });
+    };
+    pass();
+    let start = Instant::now();
+    let mut passes = 0u64;
+    while start.elapsed().as_secs_f64() < seconds || passes < 2 {
+        pass();
+        passes += 1;
+    }
+    Ok(passes as f64 * (buf.len() * 8) as f64 / start.elapsed().as_secs_f64())
 }

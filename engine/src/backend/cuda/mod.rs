@@ -8,6 +8,7 @@
 //! routed experts for small batches run through a gather GEMV over the device-resident expert stack without a
 //! host round trip, larger batches group tokens by expert.
 
+pub mod hybrid;
 mod ops;
 
 use std::sync::Mutex;
@@ -211,6 +212,9 @@ pub struct CudaModel {
     profile: Option<Mutex<PhaseTimes>>,
     /// Bytes of weights uploaded.
     pub weight_bytes: usize,
+    /// The host half when only the placement's GPU-tier experts are on the device (hybrid decode and streamed
+    /// prefill, [`hybrid`]); `None`: every expert is on the GPU.
+    hybrid: Option<hybrid::Hybrid>,
 }
 
 /// Accumulated wall time per phase of the forward pass, for `nebula bench model`'s breakdown.
@@ -309,12 +313,16 @@ impl Uploader<'_> {
         self.bytes += v.len() * 4;
         Ok(self.dev.stream().clone_htod(v)?)
     }
-    fn stack(&mut self, ms: &[&Matrix], what: &str) -> Result<DevStack, CudaError> {
-        let first = ms.first().ok_or_else(|| CudaError::Unsupported(format!("{what}: no experts")))?;
+    /// The matrices `ms` back to back (possibly none: the shape is `like`'s, one byte is allocated).
+    fn stack(&mut self, ms: &[&Matrix], like: &Matrix, what: &str) -> Result<DevStack, CudaError> {
+        let first = ms.first().copied().unwrap_or(like);
         Self::check_shape(first, what)?;
         let mut all = Vec::with_capacity(first.bytes().len() * ms.len());
         for m in ms {
             all.extend_from_slice(m.bytes());
+        }
+        if all.is_empty() {
+            all.push(0);
         }
         self.bytes += all.len();
         Ok(DevStack {
@@ -357,7 +365,40 @@ enum Acts {
     Q8(u64, u64),
 }
 
+/// One stack of expert matrices by address: `ty`/`rows`/`cols`/`row_bytes` per matrix, consecutive matrices
+/// `rows * row_bytes` apart from `ptr` (the resident stack or a staging buffer).
+#[derive(Clone, Copy)]
+struct StackView {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    ptr: u64,
+}
+
+impl StackView {
+    /// Bytes per matrix, bytes per row, rows, columns (the kernels' shape arguments).
+    fn shape_args(&self) -> [Arg; 4] {
+        [
+            Arg::I64((self.rows * self.row_bytes) as i64),
+            Arg::I64(self.row_bytes as i64),
+            Arg::I32(self.rows as i32),
+            Arg::I32(self.cols as i32),
+        ]
+    }
+}
+
 impl DevStack {
+    fn view(&self, dev: &Dev) -> StackView {
+        StackView {
+            ty: self.ty,
+            rows: self.rows,
+            cols: self.cols,
+            row_bytes: self.row_bytes,
+            ptr: ptr(&self.data, dev.stream(), 0),
+        }
+    }
+
     /// The launch arguments every routed-expert kernel takes after the weights: bytes per expert, bytes per
     /// row, rows, columns.
     fn shape_args(&self) -> [Arg; 4] {
@@ -383,9 +424,57 @@ impl CudaModel {
     /// Opens GPU `ordinal` and uploads `model`'s weights. `vram_budget` (bytes), when given, is checked against
     /// both the weights' size and the free device memory before anything is allocated.
     pub fn from_cpu(model: &Qwen4Exp, ordinal: usize, vram_budget: Option<u64>) -> Result<Self, CudaError> {
+        Self::build(model, ordinal, vram_budget, None, 0)
+    }
+
+    /// The hybrid model ([`hybrid`]): `model` must be placed ([`Qwen4Exp::place`]); its GPU-tier experts and the
+    /// dense trunk go to GPU `ordinal`, the CPU model keeps the rest and computes them. `vram_budget` (bytes)
+    /// covers the trunk, the GPU experts and the two staging buffers of streamed prefill.
+    ///
+    /// Errors: [`CudaError::Unsupported`] for a model without a placement; as [`CudaModel::from_cpu`].
+    pub fn hybrid(
+        model: std::sync::Arc<Qwen4Exp>,
+        ordinal: usize,
+        vram_budget: Option<u64>,
+    ) -> Result<Self, CudaError> {
+        let params = hybrid::HybridParams::for_model(&model);
+        Self::hybrid_with(model, ordinal, vram_budget, params)
+    }
+
+    /// [`CudaModel::hybrid`] with explicit [`hybrid::HybridParams`] (tests, benchmarks).
+    pub fn hybrid_with(
+        model: std::sync::Arc<Qwen4Exp>,
+        ordinal: usize,
+        vram_budget: Option<u64>,
+        params: hybrid::HybridParams,
+    ) -> Result<Self, CudaError> {
+        if !(params.cpu_max_tokens > 0 && params.stage_experts > 0 && params.stages >= 2) {
+            return Err(CudaError::Unsupported(
+                "hybrid: cpu_max_tokens and stage_experts must be at least 1, stages at least 2".into(),
+            ));
+        }
+        let resident = hybrid::Hybrid::resident_lists(&model)
+            .ok_or_else(|| CudaError::Unsupported("hybrid decode without a placement".into()))?;
+        let stage = hybrid::Hybrid::stage_bytes(&model, &params);
+        let mut m = Self::build(&model, ordinal, vram_budget, Some(&resident), stage)?;
+        m.hybrid = Some(hybrid::Hybrid::new(&m.dev, model, resident, params)?);
+        // The step synchronises with the host once per layer: no whole-step graph.
+        m.graphs = false;
+        Ok(m)
+    }
+
+    /// Uploads the trunk and the routed experts `resident[layer]` (all of them when `None`) after checking the
+    /// weights plus `extra` bytes against the budget and the free memory.
+    fn build(
+        model: &Qwen4Exp,
+        ordinal: usize,
+        vram_budget: Option<u64>,
+        resident: Option<&[Vec<usize>]>,
+        extra: usize,
+    ) -> Result<Self, CudaError> {
         let gpu = Gpu::open(ordinal)?;
         let (free, _total) = gpu.mem_info()?;
-        let needed = estimate_weight_bytes(model) as u64;
+        let needed = (estimate_weight_bytes(model, resident) + extra) as u64;
         let budget = vram_budget.unwrap_or(free as u64);
         if needed > budget || needed > free as u64 {
             return Err(GpuError::OutOfMemory {
@@ -435,9 +524,14 @@ impl CudaModel {
                 }),
             };
             let m = &l.mlp;
-            let gates: Vec<&Matrix> = m.experts.iter().map(|e| &e.gate_proj).collect();
-            let ups: Vec<&Matrix> = m.experts.iter().map(|e| &e.up_proj).collect();
-            let downs: Vec<&Matrix> = m.experts.iter().map(|e| &e.down_proj).collect();
+            let held: Vec<&crate::model::moe::Expert> = match resident {
+                Some(r) => r[i].iter().map(|&e| &m.experts[e]).collect(),
+                None => m.experts.iter().collect(),
+            };
+            let gates: Vec<&Matrix> = held.iter().map(|e| &e.gate_proj).collect();
+            let ups: Vec<&Matrix> = held.iter().map(|e| &e.up_proj).collect();
+            let downs: Vec<&Matrix> = held.iter().map(|e| &e.down_proj).collect();
+            let e0 = &m.experts[0];
             let sg = Matrix::new(
                 GgmlType::F32,
                 1,
@@ -449,9 +543,9 @@ impl CudaModel {
             .map_err(|e| CudaError::Unsupported(e.to_string()))?;
             let moe = DevMoe {
                 router: up.matrix(&m.gate, &what)?,
-                gate: up.stack(&gates, &what)?,
-                up: up.stack(&ups, &what)?,
-                down: up.stack(&downs, &what)?,
+                gate: up.stack(&gates, &e0.gate_proj, &what)?,
+                up: up.stack(&ups, &e0.up_proj, &what)?,
+                down: up.stack(&downs, &e0.down_proj, &what)?,
                 sh_gate: up.matrix(&m.shared_expert.gate_proj, &what)?,
                 sh_up: up.matrix(&m.shared_expert.up_proj, &what)?,
                 sh_down: up.matrix(&m.shared_expert.down_proj, &what)?,
@@ -504,6 +598,7 @@ impl CudaModel {
                 .is_ok_and(|v| v == "1")
                 .then(|| Mutex::new(PhaseTimes::default())),
             weight_bytes,
+            hybrid: None,
         })
     }
 
@@ -523,6 +618,51 @@ impl CudaModel {
         }
         stream.synchronize()?;
         Ok((2 * n * 4 * reps) as f64 / t.elapsed().as_secs_f64())
+    }
+
+    /// The CPU model of a hybrid model.
+    pub fn host_model(&self) -> Option<&Qwen4Exp> {
+        self.hybrid.as_ref().map(|h| &*h.host)
+    }
+
+    /// Bytes of the RAM tier registered with the GPU driver for full-speed uploads (hybrid only).
+    pub fn registered_bytes(&self) -> usize {
+        self.hybrid.as_ref().map_or(0, |h| h.registered_bytes)
+    }
+
+    /// True when only the placement's GPU-tier experts are on the device ([`CudaModel::hybrid`]).
+    pub fn is_hybrid(&self) -> bool {
+        self.hybrid.is_some()
+    }
+
+    /// Where hybrid steps spent their time since the last call (then reset); `None` unless hybrid.
+    pub fn take_hybrid_times(&self) -> Option<hybrid::HybridTimes> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.hybrid.as_ref().map(|h| hybrid::HybridTimes {
+            cpu_s: h.cpu_ns.swap(0, Relaxed) as f64 * 1e-9,
+            wait_s: h.wait_ns.swap(0, Relaxed) as f64 * 1e-9,
+            gpu_s: h.gpu_ns.swap(0, Relaxed) as f64 * 1e-9,
+            trips: h.trips.swap(0, Relaxed),
+        })
+    }
+
+    /// Mean seconds of one host -> GPU -> host round trip of a small buffer (a copy each way and a stream
+    /// synchronisation, as a hybrid layer does), over 200 trips.
+    pub fn round_trip(&self) -> Result<f64, CudaError> {
+        let stream = self.dev.stream();
+        let mut buf = stream.alloc_zeros::<f32>(2560)?;
+        let host = vec![1f32; 2560];
+        let mut back = vec![0f32; 2560];
+        stream.memcpy_htod(&host, &mut buf)?;
+        stream.memcpy_dtoh(&buf, &mut back)?;
+        stream.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..200 {
+            stream.memcpy_htod(&host, &mut buf)?;
+            stream.memcpy_dtoh(&buf, &mut back)?;
+            stream.synchronize()?;
+        }
+        Ok(t.elapsed().as_secs_f64() / 200.0)
     }
 
     /// The GPU's name.
@@ -1142,14 +1282,18 @@ impl CudaModel {
         Ok(y)
     }
 
-    /// The MoE block: routing, the routed experts (one GEMV per token-expert slot for small batches, grouped by
-    /// expert for larger ones, both without a host round trip) and the gated shared expert.
-    fn moe(&self, moe: &DevMoe, m: u64, n: usize) -> Result<u64, CudaError> {
+    /// The MoE block of layer `li`: routing, the routed experts (one GEMV per token-expert slot for small
+    /// batches, grouped by expert for larger ones, both without a host round trip) and the gated shared expert.
+    /// With a hybrid placement the routed experts the GPU does not hold run on the CPU ([`Self::moe_hybrid_cpu`])
+    /// or are streamed in ([`Self::moe_streamed`]).
+    fn moe(&self, li: usize, moe: &DevMoe, m: u64, n: usize) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
-        let (d, e, k, ff) = (cfg.hidden, cfg.n_expert, cfg.n_expert_used, cfg.expert_ff);
-        if e > 1024 {
-            return Err(CudaError::Unsupported(format!("{e} experts (the router kernel takes up to 1024)")));
+        let (d, e, k) = (cfg.hidden, cfg.n_expert, cfg.n_expert_used);
+        if e > 1024 || k > 32 {
+            return Err(CudaError::Unsupported(format!(
+                "{e} experts, {k} per token (the router kernel takes up to 1024 and 32)"
+            )));
         }
         let logits = self.tmp(n * e)?;
         self.matmul(moe.router.r(dev), m, n, logits)?;
@@ -1161,7 +1305,32 @@ impl CudaModel {
             256,
             &[Arg::Ptr(logits), Arg::I32(e as i32), Arg::I32(k as i32), Arg::Ptr(ids), Arg::Ptr(w)],
         )?;
-        // Shared expert and its gate.
+        if let Some(h) = &self.hybrid {
+            return if n <= h.params.cpu_max_tokens {
+                self.moe_hybrid_cpu(h, li, moe, m, n, ids, w)
+            } else {
+                self.moe_streamed(h, li, moe, m, n, ids, w)
+            };
+        }
+        let (shared, sgate) = self.shared_expert(moe, m, n)?;
+        let slots = n * k;
+        let ys = self.tmp(slots * d)?;
+        if n <= GEMV_MAX_TOKENS / 2 {
+            // Decode: one GEMV per (token, expert) slot, expert ids read on the device.
+            self.routed_gemv(moe, ids, m, n, ys)?;
+        } else {
+            // Prefill: slots grouped by expert on the device; each expert's weights decoded once per 8 tokens.
+            let (offsets, perm) = self.sort_slots(ids, slots)?;
+            let views = [moe.gate.view(dev), moe.up.view(dev), moe.down.view(dev)];
+            self.grouped_ffn(views, e, 0, offsets, perm, m, n, ys, false)?;
+        }
+        self.combine(ys, w, shared, sgate, 0, n)
+    }
+
+    /// The gated shared expert of `n` tokens `m`: (its outputs `[n, d]`, the gate logits `[n]`).
+    fn shared_expert(&self, moe: &DevMoe, m: u64, n: usize) -> Result<(u64, u64), CudaError> {
+        let dev = &self.dev;
+        let d = self.config.hidden;
         let sff = moe.sh_gate.rows;
         let sg = self.tmp(n * sff)?;
         let su = self.tmp(n * sff)?;
@@ -1172,44 +1341,15 @@ impl CudaModel {
         self.matmul(moe.sh_down.r(dev), sg, n, shared)?;
         let sgate = self.tmp(n)?;
         self.matmul(moe.sh_gate_inp.r(dev), m, n, sgate)?;
+        Ok((shared, sgate))
+    }
 
-        let slots = n * k;
-        let g = self.tmp(slots * ff)?;
-        let u = self.tmp(slots * ff)?;
-        let ys = self.tmp(slots * d)?;
-        if n <= GEMV_MAX_TOKENS / 2 {
-            // Decode: one GEMV per (token, expert) slot, expert ids read on the device.
-            let xa = self.acts(moe.gate.ty, m, n, d)?;
-            if moe.up.ty == moe.gate.ty {
-                self.moe_gemv(&moe.gate, Some(&moe.up), ids, slots, xa, d, k, (g, u))?;
-            } else {
-                self.moe_gemv(&moe.gate, None, ids, slots, xa, d, k, (g, g))?;
-                let xu = self.acts(moe.up.ty, m, n, d)?;
-                self.moe_gemv(&moe.up, None, ids, slots, xu, d, k, (u, u))?;
-            }
-            dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
-            let xg = self.acts(moe.down.ty, g, slots, ff)?;
-            self.moe_gemv(&moe.down, None, ids, slots, xg, ff, 1, (ys, ys))?;
-        } else {
-            // Prefill: slots grouped by expert on the device; each expert's weights decoded once per 8 tokens.
-            let offsets = self.tmp(e + 1)?;
-            let perm = self.tmp(slots)?;
-            dev.launch(
-                "moe_sort",
-                (1, 1, 1),
-                1024,
-                &[Arg::Ptr(ids), Arg::I32(slots as i32), Arg::I32(e as i32), Arg::Ptr(offsets), Arg::Ptr(perm)],
-            )?;
-            for (stack, out) in [(&moe.gate, g), (&moe.up, u)] {
-                let xa = self.acts(stack.ty, m, n, d)?;
-                self.moe_grouped(stack, offsets, perm, xa, k, d, out)?;
-            }
-            dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
-            let xg = self.acts(moe.down.ty, g, slots, ff)?;
-            self.moe_grouped(&moe.down, offsets, perm, xg, 1, ff, ys)?;
-        }
+    /// `out = sum_j w_j ys_j + extra + sigmoid(sgate) shared` for `n` tokens (`extra` 0 = none).
+    fn combine(&self, ys: u64, w: u64, shared: u64, sgate: u64, extra: u64, n: usize) -> Result<u64, CudaError> {
+        let cfg = &self.config;
+        let (d, k) = (cfg.hidden, cfg.n_expert_used);
         let out = self.tmp(n * d)?;
-        dev.launch_1d(
+        self.dev.launch_1d(
             "moe_combine",
             n * d,
             &[
@@ -1217,6 +1357,7 @@ impl CudaModel {
                 Arg::Ptr(w),
                 Arg::Ptr(shared),
                 Arg::Ptr(sgate),
+                Arg::Ptr(extra),
                 Arg::Ptr(out),
                 Arg::I32(n as i32),
                 Arg::I32(k as i32),
@@ -1224,6 +1365,280 @@ impl CudaModel {
             ],
         )?;
         Ok(out)
+    }
+
+    /// Routed experts of `n` decode tokens, one GEMV per (token, slot): slot `s` multiplies the stacks' matrix
+    /// `ids[s]` (a slot of the stack; negative = skipped) into `ys + s * d`.
+    fn routed_gemv(&self, moe: &DevMoe, ids: u64, m: u64, n: usize, ys: u64) -> Result<(), CudaError> {
+        let cfg = &self.config;
+        let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
+        let slots = n * k;
+        let g = self.tmp(slots * ff)?;
+        let u = self.tmp(slots * ff)?;
+        let xa = self.acts(moe.gate.ty, m, n, d)?;
+        if moe.up.ty == moe.gate.ty {
+            self.moe_gemv(&moe.gate, Some(&moe.up), ids, slots, xa, d, k, (g, u))?;
+        } else {
+            self.moe_gemv(&moe.gate, None, ids, slots, xa, d, k, (g, g))?;
+            let xu = self.acts(moe.up.ty, m, n, d)?;
+            self.moe_gemv(&moe.up, None, ids, slots, xu, d, k, (u, u))?;
+        }
+        self.dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
+        let xg = self.acts(moe.down.ty, g, slots, ff)?;
+        self.moe_gemv(&moe.down, None, ids, slots, xg, ff, 1, (ys, ys))
+    }
+
+    /// Groups the `slots` routed (token, expert) slots by expert: (`offsets` `[E + 1]`, `perm` `[slots]`).
+    fn sort_slots(&self, ids: u64, slots: usize) -> Result<(u64, u64), CudaError> {
+        let e = self.config.n_expert;
+        let offsets = self.tmp(e + 1)?;
+        let perm = self.tmp(slots)?;
+        self.dev.launch(
+            "moe_sort",
+            (1, 1, 1),
+            1024,
+            &[Arg::Ptr(ids), Arg::I32(slots as i32), Arg::I32(e as i32), Arg::Ptr(offsets), Arg::Ptr(perm)],
+        )?;
+        Ok((offsets, perm))
+    }
+
+    /// The routed experts of `count` weight slots for prefill, grouped by expert: `views` are the gate, up and
+    /// down matrices of slot 0 (slot `j` at `j * expert_bytes`), `slot_expert` maps slots to expert ids (0 = slot
+    /// `j` is expert `j`). Every token slot routed to one of these experts gets its output in `ys`. With
+    /// `partial`, the other slots' activations are left alone (SiLU into a separate buffer), so several calls
+    /// can cover one layer's experts.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_ffn(
+        &self,
+        views: [StackView; 3],
+        count: usize,
+        slot_expert: u64,
+        offsets: u64,
+        perm: u64,
+        m: u64,
+        n: usize,
+        ys: u64,
+        partial: bool,
+    ) -> Result<(), CudaError> {
+        let cfg = &self.config;
+        let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
+        let slots = n * k;
+        let [gate, up, down] = views;
+        let g = self.tmp(slots * ff)?;
+        let u = self.tmp(slots * ff)?;
+        for (view, out) in [(gate, g), (up, u)] {
+            let xa = self.acts(view.ty, m, n, d)?;
+            self.moe_grouped(view, count, slot_expert, offsets, perm, xa, k, d, out)?;
+        }
+        let h = if partial {
+            let h = self.tmp(slots * ff)?;
+            self.dev.launch_1d(
+                "silu_mul_into",
+                slots * ff,
+                &[Arg::Ptr(g), Arg::Ptr(u), Arg::Ptr(h), Arg::I64((slots * ff) as i64)],
+            )?;
+            h
+        } else {
+            self.dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
+            g
+        };
+        let xh = self.acts(down.ty, h, slots, ff)?;
+        self.moe_grouped(down, count, slot_expert, offsets, perm, xh, 1, ff, ys)
+    }
+
+    /// Hybrid MoE for a short batch (decode, verification): see [`hybrid`]. The GPU splits each token's experts
+    /// (`hybrid_split`), one copy brings the MoE input, ids and CPU weights to the host, the CPU computes its
+    /// experts while the GPU runs the shared and resident ones, and one copy brings the CPU's weighted sum back.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_hybrid_cpu(
+        &self,
+        h: &hybrid::Hybrid,
+        li: usize,
+        moe: &DevMoe,
+        m: u64,
+        n: usize,
+        ids: u64,
+        w: u64,
+    ) -> Result<u64, CudaError> {
+        let dev = &self.dev;
+        let cfg = &self.config;
+        let (d, k) = (cfg.hidden, cfg.n_expert_used);
+        let stream = dev.stream();
+        let hl = &h.layers[li];
+        let slots = n * k;
+        let gpu_slot = self.tmp(slots)?;
+        let w_gpu = self.tmp(slots)?;
+        let pack_len = n * d + 2 * slots + n;
+        let pack = self.tmp(pack_len)?;
+        dev.launch_1d(
+            "hybrid_split",
+            (n * d).max(n),
+            &[
+                Arg::Ptr(m),
+                Arg::Ptr(ids),
+                Arg::Ptr(w),
+                Arg::Ptr(ptr(&hl.slot_of, stream, 0)),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I32(d as i32),
+                Arg::F32(h.params.handoff),
+                Arg::F32(h.params.omit),
+                Arg::Ptr(gpu_slot),
+                Arg::Ptr(w_gpu),
+                Arg::Ptr(pack),
+            ],
+        )?;
+        let mut bufs = h.bufs.lock().expect("hybrid buffers lock");
+        hybrid::dtoh(stream, bufs.pack.addr(), pack, pack_len * 4)?;
+        h.packed.record(stream)?;
+        // The GPU's share, queued before the host waits: it runs while the CPU computes.
+        let (shared, sgate) = self.shared_expert(moe, m, n)?;
+        let ys = self.tmp(slots * d)?;
+        if !hl.resident.is_empty() {
+            self.routed_gemv(moe, gpu_slot, m, n, ys)?;
+        }
+        let t_wait = std::time::Instant::now();
+        h.packed.synchronize()?;
+        let waited = t_wait.elapsed();
+        if h.resumed_live.swap(false, std::sync::atomic::Ordering::Relaxed)
+            && let Ok(ms) = h.resumed.elapsed_ms(&h.packed)
+        {
+            h.gpu_ns.fetch_add((ms as f64 * 1e6) as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        let host = bufs.pack.slice(pack_len).to_vec();
+        let (x, rest) = host.split_at(n * d);
+        let (ids_h, rest) = rest.split_at(slots);
+        let (w_cpu, flags) = rest.split_at(slots);
+        let mut routing = Vec::with_capacity(n);
+        let (mut on_gpu, mut omitted, mut handoffs) = (0u64, 0u64, 0u64);
+        for (t, flag) in flags.iter().enumerate() {
+            let handoff = flag.to_bits() != 0;
+            handoffs += u64::from(handoff);
+            let mut r = crate::model::moe::Routing { experts: Vec::new(), weights: Vec::new() };
+            for j in t * k..(t + 1) * k {
+                let e = ids_h[j].to_bits() as usize;
+                if w_cpu[j] > 0.0 {
+                    r.experts.push(e);
+                    r.weights.push(w_cpu[j]);
+                } else if !handoff && hl.resident.binary_search(&e).is_ok() {
+                    on_gpu += 1;
+                } else {
+                    omitted += 1;
+                }
+            }
+            routing.push(r);
+        }
+        use std::sync::atomic::Ordering::Relaxed;
+        h.wait_ns.fetch_add(waited.as_nanos() as u64, Relaxed);
+        h.trips.fetch_add(1, Relaxed);
+        h.stats.hit(crate::placement::Tier::Gpu, on_gpu);
+        // Experts the CPU computes count by where their weights are read from (a GPU-tier expert from its RAM copy).
+        if let Some(tiers) = h.host.expert_tiers() {
+            for r in &routing {
+                for &e in &r.experts {
+                    let t = tiers[li][e];
+                    h.stats.hit(if t == crate::placement::Tier::Gpu { crate::placement::Tier::Ram } else { t }, 1);
+                }
+            }
+        }
+        h.stats.omitted.fetch_add(omitted, Relaxed);
+        h.stats.handoffs.fetch_add(handoffs, Relaxed);
+        let mut extra = 0;
+        if routing.iter().any(|r| !r.experts.is_empty()) {
+            extra = self.tmp(n * d)?;
+            match &h.cpu {
+                Some(cpu) => {
+                    // Pipelined: the CPU thread computes while this thread enqueues the rest of the step; the
+                    // stream waits for its flag before copying the result.
+                    cpu.submit(stream, li, x.to_vec(), n, routing)?;
+                    hybrid::htod(stream, extra, cpu.upload.addr() as *const u8, n * d * 4)?;
+                }
+                None => {
+                    let t_cpu = std::time::Instant::now();
+                    let y = h.host.cpu_routed(li, x, n, &routing)?;
+                    h.cpu_ns.fetch_add(t_cpu.elapsed().as_nanos() as u64, Relaxed);
+                    bufs.upload.slice_mut(n * d).copy_from_slice(&y);
+                    hybrid::htod(stream, extra, bufs.upload.addr() as *const u8, n * d * 4)?;
+                }
+            }
+            h.stats.pcie_bytes.fetch_add((n * d * 4) as u64, Relaxed);
+        }
+        h.stats.pcie_bytes.fetch_add((pack_len * 4) as u64, Relaxed);
+        h.resumed.record(stream)?;
+        h.resumed_live.store(true, Relaxed);
+        self.combine(ys, w_gpu, shared, sgate, extra, n)
+    }
+
+    /// Hybrid MoE for a long batch (prefill): the resident experts from the expert cache, every other expert of
+    /// the layer streamed from host RAM in groups through the two staging buffers (see [`hybrid`]).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_streamed(
+        &self,
+        h: &hybrid::Hybrid,
+        li: usize,
+        moe: &DevMoe,
+        m: u64,
+        n: usize,
+        ids: u64,
+        w: u64,
+    ) -> Result<u64, CudaError> {
+        let dev = &self.dev;
+        let cfg = &self.config;
+        let (d, k) = (cfg.hidden, cfg.n_expert_used);
+        let stream = dev.stream();
+        let hl = &h.layers[li];
+        let slots = n * k;
+        let (shared, sgate) = self.shared_expert(moe, m, n)?;
+        let ys = self.tmp(slots * d)?;
+        let (offsets, perm) = self.sort_slots(ids, slots)?;
+        if !hl.resident.is_empty() {
+            let views = [moe.gate.view(dev), moe.up.view(dev), moe.down.view(dev)];
+            let se = ptr(&hl.resident_dev, stream, 0);
+            self.grouped_ffn(views, hl.resident.len(), se, offsets, perm, m, n, ys, true)?;
+        }
+        let [gb, ub, db] = [moe.gate.expert_bytes(), moe.up.expert_bytes(), moe.down.expert_bytes()];
+        let group = h.params.stage_experts;
+        let copy = &h.copy;
+        let groups: Vec<&[usize]> = hl.streamed.chunks(group).collect();
+        if let Some(first) = groups.first() {
+            h.host.request_experts(li, first);
+        }
+        for (gi, experts) in groups.iter().enumerate() {
+            // SSD-tier experts of the next group are read while this one is copied and computed.
+            if let Some(next) = groups.get(gi + 1) {
+                h.host.request_experts(li, next);
+            }
+            let stage = &h.stages[h.stage_turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % h.stages.len()];
+            // The copy waits until the kernels that last read this buffer have run.
+            copy.wait(&stage.free)?;
+            for (j, &e) in experts.iter().enumerate() {
+                let x = h.host.host_expert(li, e)?;
+                for (buf, bytes, mat) in
+                    [(&stage.gate, gb, &x.gate_proj), (&stage.up, ub, &x.up_proj), (&stage.down, db, &x.down_proj)]
+                {
+                    let src = mat.bytes();
+                    if src.len() != bytes {
+                        return Err(CudaError::Unsupported(format!(
+                            "expert {e} of layer {li}: {} bytes where the layer's experts have {bytes}",
+                            src.len()
+                        )));
+                    }
+                    hybrid::htod(copy, hybrid::stage_ptr(buf, copy, j * bytes), src.as_ptr(), bytes)?;
+                }
+            }
+            stage.ready.record(copy)?;
+            stream.wait(&stage.ready)?;
+            let views = [
+                StackView { ptr: hybrid::stage_ptr(&stage.gate, stream, 0), ..moe.gate.view(dev) },
+                StackView { ptr: hybrid::stage_ptr(&stage.up, stream, 0), ..moe.up.view(dev) },
+                StackView { ptr: hybrid::stage_ptr(&stage.down, stream, 0), ..moe.down.view(dev) },
+            ];
+            let se = ptr(&hl.streamed_dev, stream, gi * group);
+            self.grouped_ffn(views, experts.len(), se, offsets, perm, m, n, ys, true)?;
+            stage.free.record(stream)?;
+            h.stats.pcie_bytes.fetch_add((experts.len() * (gb + ub + db)) as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.combine(ys, w, shared, sgate, 0, n)
     }
 
     fn lanes(cols: usize) -> u32 {
@@ -1301,12 +1716,15 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Routed experts for prefill, grouped by expert (`offsets`/`perm` from `moe_sort`): slot `s` reads the
-    /// activations of row `s / x_div` and writes `y + s * rows`.
+    /// Routed experts for prefill, grouped by expert (`offsets`/`perm` from `moe_sort`) over `count` weight
+    /// slots of `w` (slot `j` holds expert `slot_expert[j]`, or `j` when `slot_expert` is 0): token slot `s`
+    /// reads the activations of row `s / x_div` and writes `y + s * rows`.
     #[allow(clippy::too_many_arguments)]
     fn moe_grouped(
         &self,
-        stack: &DevStack,
+        w: StackView,
+        count: usize,
+        slot_expert: u64,
         offsets: u64,
         perm: u64,
         x: Acts,
@@ -1314,22 +1732,22 @@ impl CudaModel {
         x_stride: usize,
         y: u64,
     ) -> Result<(), CudaError> {
-        let sfx = type_suffix(stack.ty)?;
-        let mut args = vec![Arg::Ptr(ptr(&stack.data, self.dev.stream(), 0))];
-        args.extend(stack.shape_args());
-        args.extend([Arg::Ptr(offsets), Arg::Ptr(perm)]);
+        let sfx = type_suffix(w.ty)?;
+        let mut args = vec![Arg::Ptr(w.ptr)];
+        args.extend(w.shape_args());
+        args.extend([Arg::Ptr(offsets), Arg::Ptr(perm), Arg::Ptr(slot_expert)]);
         let (kernel, block, lanes) = match x {
             Acts::Q8(qx, dx) => {
                 args.extend([Arg::Ptr(qx), Arg::Ptr(dx)]);
-                (format!("moe_groupedq_{sfx}"), 128, Self::q8_lanes(stack.ty, stack.cols))
+                (format!("moe_groupedq_{sfx}"), 128, Self::q8_lanes(w.ty, w.cols))
             }
             Acts::F32(xp) => {
                 args.push(Arg::Ptr(xp));
-                (format!("moe_grouped_{sfx}"), 256, Self::lanes(stack.cols) as usize)
+                (format!("moe_grouped_{sfx}"), 256, Self::lanes(w.cols) as usize)
             }
         };
         args.extend([Arg::I32(x_div as i32), Arg::I64(x_stride as i64), Arg::Ptr(y), Arg::I32(lanes as i32)]);
-        let grid = (stack.rows.div_ceil(block as usize / lanes) as u32, self.config.n_expert as u32, 1);
+        let grid = (w.rows.div_ceil(block as usize / lanes) as u32, count as u32, 1);
         self.dev.launch(&kernel, grid, block, &args)?;
         Ok(())
     }
@@ -1478,7 +1896,7 @@ impl CudaModel {
             self.hc_residual(x, y, a.expect("layers inject"), n)?;
             let (m, a) = self.hc_mix(&layer.mlp_hc, x, n)?;
             self.phase("hyper-connections")?;
-            let y = self.moe(&layer.moe, m, n)?;
+            let y = self.moe(li, &layer.moe, m, n)?;
             self.hc_residual(x, y, a.expect("layers inject"), n)?;
             self.phase("moe")?;
         }
@@ -1509,7 +1927,29 @@ impl CudaModel {
     /// want the last logits run as a CUDA Graph captured on the state's second such step (disable with
     /// `NEBULA_CUDA_GRAPHS=0`).
     pub fn forward(&self, st: &mut CudaState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, CudaError> {
+        let out = self.forward_inner(st, tokens, want);
+        // A failed CPU job of hybrid decode (an SSD read error) fails the call; its state must be discarded.
+        if let Some(e) = self.hybrid.as_ref().and_then(|h| h.cpu.as_ref()).and_then(|c| c.take_error()) {
+            if out.is_err() {
+                // The stream may still hold work that waits on the CPU thread, which signals even on errors.
+                let _ = self.dev.stream().synchronize();
+            }
+            return Err(e.into());
+        }
+        if out.is_err() && self.hybrid.is_some() {
+            // Let every enqueued wait drain (the CPU thread signals each job) before the next call.
+            let _ = self.dev.stream().synchronize();
+        }
+        out
+    }
+
+    fn forward_inner(&self, st: &mut CudaState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, CudaError> {
         let cfg = &self.config;
+        if let Some(h) = &self.hybrid {
+            // The GPU's critical path of this step starts here.
+            h.resumed.record(self.dev.stream())?;
+            h.resumed_live.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let dev = &self.dev;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
             return Err(crate::model::ModelError::TokenOutOfRange { token: bad, vocab: cfg.vocab }.into());
@@ -1587,22 +2027,21 @@ impl CudaModel {
     }
 }
 
-/// Bytes of weights [`CudaModel::from_cpu`] uploads (checked against the VRAM budget before allocating).
-fn estimate_weight_bytes(model: &Qwen4Exp) -> usize {
-    let mut total = model.embed_tokens.bytes().len() + model.lm_head.bytes().len();
-    for l in &model.layers {
-        total += l
-            .mlp
-            .experts
-            .iter()
-            .map(|e| e.gate_proj.bytes().len() + e.up_proj.bytes().len() + e.down_proj.bytes().len())
-            .sum::<usize>();
-        if let Some(p) = &l.ple {
-            total += p.ngram_embedding.bytes().len();
+/// Bytes of weights [`CudaModel::from_cpu`] uploads (checked against the VRAM budget before allocating): the
+/// dense trunk (every tensor of the file but the routed experts and the n-gram table; the MTP block, which the
+/// GPU does not load, is counted too), the embedding, the table, and the routed experts `resident` holds (all
+/// when `None`).
+fn estimate_weight_bytes(model: &Qwen4Exp, resident: Option<&[Vec<usize>]>) -> usize {
+    let (dense, experts, table) = model.weight_bytes();
+    let size =
+        |e: &crate::model::moe::Expert| e.gate_proj.bytes().len() + e.up_proj.bytes().len() + e.down_proj.bytes().len();
+    let held = match resident {
+        Some(r) => {
+            r.iter().zip(&model.layers).map(|(r, l)| r.iter().map(|&e| size(&l.mlp.experts[e])).sum::<usize>()).sum()
         }
-    }
-    // Dense trunk matrices are small next to the experts; allow 10 % for them and the norms.
-    total + total / 10
+        None => experts as usize,
+    };
+    dense as usize + model.embed_tokens.bytes().len() + table as usize + held
 }
 
 /// Which layer kinds a model has (for reports).

@@ -1,0 +1,503 @@
+//! The hybrid GPU + CPU backend (SPEC 3.1-3.4): the dense trunk and each layer's GPU-tier experts (the expert
+//! cache, X per layer, from the placement) live on the GPU; every other routed expert stays in host RAM (or on
+//! SSD) with the CPU model.
+//!
+//! - **Decode and short batches** (up to [`HybridParams::cpu_max_tokens`] tokens): per layer the GPU runs the
+//!   token mixer, the router, the shared expert and the resident experts; `hybrid_split` (kernels/cuda/moe.cu)
+//!   decides per token which experts the CPU runs (expert handoff below the coverage fraction, optional
+//!   marginal-expert omission) and packs the MoE input, expert ids and CPU weights into one buffer. One copy
+//!   goes to the host, the CPU computes its experts (RAM tier, SSD tier with prefetch) while the GPU computes the
+//!   shared and resident experts, and one copy of the weighted CPU sum comes back into `moe_combine`.
+//! - **Prefill** (longer batches): the experts the GPU does not hold are streamed over PCIe from the RAM tier
+//!   (registered with the driver, so the copies are DMA at full speed) into two staging buffers of
+//!   [`HybridParams::stage_experts`] experts (a ring of [`HybridParams::stages`]) on a copy stream, while the
+//!   compute stream runs the grouped expert kernels on the filled ones; the host never waits, so transfers
+//!   overlap the previous groups' experts and the next layer's token mixer.
+//!
+//! Decode is pipelined: a CPU thread ([`CpuThread`]) computes a layer's CPU experts while the host thread
+//! enqueues the rest of the step, the GPU stream waiting on a host flag (`cuStreamWaitValue32`) before it copies
+//! the result in, so kernel launches overlap the CPU's work.
+//!
+//! The staging buffers and pinned host buffers are allocated at load, inside the VRAM budget check.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use nebula_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, sys as driver_sys};
+
+use super::CudaError;
+use super::ops::{Dev, ptr};
+use crate::model::Qwen4Exp;
+use crate::model::moe::Routing;
+use crate::placement::{PlacementStats, Tier};
+
+/// Settings of the hybrid backend.
+#[derive(Debug, Clone, Copy)]
+pub struct HybridParams {
+    /// Expert handoff: below this coverage of a token's router weight by GPU-resident experts, the token's
+    /// routed MoE for the layer runs on the CPU (SPEC 3.3; 0.9).
+    pub handoff: f32,
+    /// Marginal omission: the lightest CPU experts of a token are dropped while their summed weight stays within
+    /// this fraction (0 = strict).
+    pub omit: f32,
+    /// Batches up to this many tokens run their non-resident experts on the CPU; longer ones stream the experts
+    /// to the GPU (`NEBULA_HYBRID_CPU_MAX_TOKENS`, default 96: about where reading a layer's used experts from
+    /// DRAM on 14 threads costs what copying all of them over PCIe does).
+    pub cpu_max_tokens: usize,
+    /// Experts per staging buffer for streamed prefill (`NEBULA_HYBRID_STAGE_EXPERTS`, default 32).
+    pub stage_experts: usize,
+    /// Staging buffers in the ring (at least 2; `NEBULA_HYBRID_STAGES`, default 6: about 0.5 GiB of 2.6 MiB
+    /// experts, inside the ~1 GB the 12 GB profile leaves free). The copy stream runs up to this many groups
+    /// minus one ahead of the experts' kernels, across layer boundaries, so transfers overlap the next layer's
+    /// token mixer too.
+    pub stages: usize,
+}
+
+impl HybridParams {
+    /// From the model's placement, with the environment overrides of the two tuning knobs.
+    pub fn for_model(model: &Qwen4Exp) -> Self {
+        let (handoff, omit) = model.hybrid_fractions();
+        let env =
+            |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0).unwrap_or(d);
+        Self {
+            handoff,
+            omit,
+            cpu_max_tokens: env("NEBULA_HYBRID_CPU_MAX_TOKENS", 96),
+            stage_experts: env("NEBULA_HYBRID_STAGE_EXPERTS", 32),
+            stages: env("NEBULA_HYBRID_STAGES", 6).max(2),
+        }
+    }
+}
+
+/// Page-locked host memory (`cuMemHostAlloc`), the end points of the per-layer copies.
+pub(crate) struct Pinned {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: plain host memory owned by this value; access is serialised by the `Mutex` around it.
+unsafe impl Send for Pinned {}
+unsafe impl Sync for Pinned {}
+
+impl Pinned {
+    fn new(len: usize) -> Result<Self, CudaError> {
+        Self::with_flags(len, 0)
+    }
+
+    /// Pinned memory the GPU can address (`CU_MEMHOSTALLOC_DEVICEMAP`): (the buffer, its device address).
+    fn mapped(len: usize) -> Result<(Self, u64), CudaError> {
+        let p = Self::with_flags(len, driver_sys::CU_MEMHOSTALLOC_DEVICEMAP)?;
+        let mut dptr: driver_sys::CUdeviceptr = 0;
+        // SAFETY: `p` is a live mapped allocation.
+        let r = unsafe { driver_sys::cuMemHostGetDevicePointer_v2(&mut dptr, p.addr(), 0) };
+        check(r, "mapping pinned host memory")?;
+        Ok((p, dptr))
+    }
+
+    fn with_flags(len: usize, flags: u32) -> Result<Self, CudaError> {
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        let bytes = len.max(1) * 4;
+        // SAFETY: the driver writes the address of a fresh allocation of `bytes` into `p`.
+        let r = unsafe { driver_sys::cuMemHostAlloc(&mut p, bytes, flags) };
+        check(r, "allocating pinned host memory")?;
+        // SAFETY: fresh allocation of `bytes`: zero it so every read is of initialised memory.
+        unsafe { std::ptr::write_bytes(p as *mut u8, 0, bytes) };
+        Ok(Self { ptr: p as *mut f32, len })
+    }
+
+    pub(crate) fn slice(&self, n: usize) -> &[f32] {
+        // SAFETY: `n <= len` is checked; the memory is initialised by the copies that fill it before reading
+        // (and f32 has no invalid bit patterns).
+        assert!(n <= self.len);
+        unsafe { std::slice::from_raw_parts(self.ptr, n) }
+    }
+
+    pub(crate) fn slice_mut(&mut self, n: usize) -> &mut [f32] {
+        assert!(n <= self.len);
+        // SAFETY: as above, with exclusive access through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, n) }
+    }
+
+    pub(crate) fn addr(&self) -> *mut std::ffi::c_void {
+        self.ptr as *mut std::ffi::c_void
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc and freed once.
+        unsafe { driver_sys::cuMemFreeHost(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+pub(crate) fn check(r: driver_sys::CUresult, what: &str) -> Result<(), CudaError> {
+    if r == driver_sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(CudaError::Gpu(nebula_kernels::GpuError::Driver(format!("{what}: {r:?}"))))
+    }
+}
+
+/// One layer's expert cache map.
+pub(crate) struct HybridLayer {
+    /// `[n_expert]`: slot in the layer's resident stacks, or -1.
+    pub(crate) slot_of: CudaSlice<i32>,
+    /// Slot -> expert id.
+    pub(crate) resident: Vec<usize>,
+    /// The same on the device (at least one entry).
+    pub(crate) resident_dev: CudaSlice<i32>,
+    /// Experts not on the GPU, ascending.
+    pub(crate) streamed: Vec<usize>,
+    /// The same on the device (at least one entry).
+    pub(crate) streamed_dev: CudaSlice<i32>,
+}
+
+/// A staging buffer of streamed prefill: `stage_experts` experts' gate, up and down matrices.
+pub(crate) struct Stage {
+    pub(crate) gate: CudaSlice<u8>,
+    pub(crate) up: CudaSlice<u8>,
+    pub(crate) down: CudaSlice<u8>,
+    /// Recorded on the copy stream when the buffer is filled.
+    pub(crate) ready: CudaEvent,
+    /// Recorded on the compute stream when the kernels reading the buffer are queued.
+    pub(crate) free: CudaEvent,
+}
+
+/// Host buffers of the per-layer round trip.
+pub(crate) struct HostBufs {
+    pub(crate) pack: Pinned,
+    pub(crate) upload: Pinned,
+}
+
+/// One layer's CPU experts, handed to the CPU thread.
+struct Job {
+    layer: usize,
+    x: Vec<f32>,
+    n: usize,
+    routing: Vec<Routing>,
+    seq: u32,
+}
+
+/// The CPU thread of pipelined hybrid decode: it computes a layer's CPU experts, writes their weighted sum into
+/// the pinned upload buffer and then the job's sequence number into a pinned flag the GPU stream waits on
+/// (`cuStreamWaitValue32`), so the host thread enqueues the next layer's kernels while the CPU computes, and no
+/// thread waits for the other but through the GPU's event and the flag.
+pub(crate) struct CpuThread {
+    tx: Option<std::sync::mpsc::Sender<Job>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// Device address of the flag.
+    pub(crate) flag_dev: u64,
+    _flag: Pinned,
+    /// Where the thread writes each job's result (`[n, d]` f32).
+    pub(crate) upload: Pinned,
+    /// The first error of a job since the last [`CpuThread::take_error`] (the flag is written anyway).
+    error: Arc<Mutex<Option<crate::model::ModelError>>>,
+    seq: std::sync::atomic::AtomicU32,
+}
+
+impl CpuThread {
+    fn start(model: Arc<Qwen4Exp>, max_values: usize, cpu_ns: Arc<AtomicU64>) -> Result<Self, CudaError> {
+        let (flag, flag_dev) = Pinned::mapped(1)?;
+        let upload = Pinned::new(max_values)?;
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let error: Arc<Mutex<Option<crate::model::ModelError>>> = Arc::default();
+        let (flag_addr, upload_addr) = (flag.ptr as usize, upload.ptr as usize);
+        let err = error.clone();
+        let thread = std::thread::Builder::new()
+            .name("nebula-hybrid-cpu".into())
+            .spawn(move || {
+                // (Keeping the compute pool spinning between layers was measured slower on the H200's 16 cores:
+                // 75-77 against 79-81 tok/s, the spinning threads taking the cores the host and driver need.)
+                for job in rx {
+                    let t = std::time::Instant::now();
+                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        model.cpu_routed(job.layer, &job.x, job.n, &job.routing)
+                    }));
+                    cpu_ns.fetch_add(t.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                    let failure = match result {
+                        Ok(Ok(y)) if y.len() <= max_values => {
+                            // SAFETY: the upload buffer holds `max_values` f32 and outlives this thread (joined
+                            // before it is freed); the GPU reads it only after the flag below.
+                            unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), upload_addr as *mut f32, y.len()) };
+                            None
+                        }
+                        Ok(Ok(_)) => Some(crate::model::ModelError::WeightRead {
+                            what: format!("layer {}", job.layer),
+                            detail: "hybrid: the CPU result is larger than its buffer (internal error)".into(),
+                        }),
+                        Ok(Err(e)) => Some(e),
+                        Err(_) => Some(crate::model::ModelError::WeightRead {
+                            what: format!("layer {}", job.layer),
+                            detail: "hybrid: the CPU expert computation panicked (internal error)".into(),
+                        }),
+                    };
+                    if let Some(e) = failure {
+                        let mut slot = err.lock().unwrap_or_else(|p| p.into_inner());
+                        slot.get_or_insert(e);
+                    }
+                    // The result is written before the flag; the GPU stream waits for the flag.
+                    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+                    // SAFETY: the flag is a live pinned u32 owned by the CpuThread, which joins this thread first.
+                    unsafe { std::ptr::write_volatile(flag_addr as *mut u32, job.seq) };
+                }
+            })
+            .map_err(|e| CudaError::Unsupported(format!("starting the hybrid CPU thread: {e}")))?;
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+            flag_dev,
+            _flag: flag,
+            upload,
+            error,
+            seq: std::sync::atomic::AtomicU32::new(0),
+        })
+    }
+
+    /// Hands layer `layer`'s CPU experts to the thread and makes `stream` wait until their sum is in
+    /// [`CpuThread::upload`] (stream order: what is enqueued after this runs after the CPU finished).
+    pub(crate) fn submit(
+        &self,
+        stream: &CudaStream,
+        layer: usize,
+        x: Vec<f32>,
+        n: usize,
+        routing: Vec<Routing>,
+    ) -> Result<(), CudaError> {
+        let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed).wrapping_add(1);
+        let tx = self.tx.as_ref().ok_or_else(|| CudaError::Unsupported("the hybrid CPU thread stopped".into()))?;
+        tx.send(Job { layer, x, n, routing, seq })
+            .map_err(|_| CudaError::Unsupported("the hybrid CPU thread stopped".into()))?;
+        // SAFETY: the flag's device address is live while `self` is; EQ on a value the thread writes exactly once
+        // for this job (the next job is only submitted after the GPU passed this wait).
+        let r = unsafe {
+            driver_sys::cuStreamWaitValue32_v2(
+                stream.cu_stream(),
+                self.flag_dev,
+                seq,
+                driver_sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
+            )
+        };
+        check(r, "making the GPU wait for the CPU experts")
+    }
+
+    /// The first error of a job since the last call.
+    pub(crate) fn take_error(&self) -> Option<crate::model::ModelError> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+impl Drop for CpuThread {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The host half of the hybrid backend.
+pub(crate) struct Hybrid {
+    /// The CPU model (placed), for the experts the GPU does not hold.
+    pub(crate) host: Arc<Qwen4Exp>,
+    pub(crate) layers: Vec<HybridLayer>,
+    pub(crate) params: HybridParams,
+    pub(crate) bufs: Mutex<HostBufs>,
+    /// Recorded after the device-to-host copy of a layer's pack (timing enabled).
+    pub(crate) packed: CudaEvent,
+    /// Recorded where the GPU's serial work resumes (the step's start, or after the wait for a layer's CPU
+    /// experts); `packed - resumed` is the GPU's share of the step's critical path (timing enabled).
+    pub(crate) resumed: CudaEvent,
+    /// `resumed` was recorded in this step.
+    pub(crate) resumed_live: std::sync::atomic::AtomicBool,
+    /// Nanoseconds of GPU critical-path work measured by the two events.
+    pub(crate) gpu_ns: AtomicU64,
+    /// The copy stream of streamed prefill.
+    pub(crate) copy: Arc<CudaStream>,
+    pub(crate) stages: Vec<Stage>,
+    /// Staging buffers used so far (the next one is `count % stages`).
+    pub(crate) stage_turn: std::sync::atomic::AtomicUsize,
+    /// Host ranges registered with the driver (unregistered on drop).
+    registered: Vec<usize>,
+    /// Bytes of the RAM tier registered with the driver (uploads from there are DMA at full speed).
+    pub(crate) registered_bytes: usize,
+    pub(crate) stats: Arc<PlacementStats>,
+    /// The CPU thread of pipelined decode; `None` where the driver refuses stream waits on host memory (then the
+    /// host thread computes the CPU experts itself, between two synchronisations).
+    pub(crate) cpu: Option<CpuThread>,
+    /// Nanoseconds the CPU spent on its experts, the host spent waiting for the GPU's pack, and round trips.
+    pub(crate) cpu_ns: Arc<AtomicU64>,
+    pub(crate) wait_ns: AtomicU64,
+    pub(crate) trips: AtomicU64,
+}
+
+/// Where the time of hybrid steps went (since the last [`super::CudaModel::take_hybrid_times`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HybridTimes {
+    /// Seconds the CPU computed routed experts.
+    pub cpu_s: f64,
+    /// Seconds the host waited for the GPU (its layer work before the split and the copy; when pipelined, also
+    /// the CPU's work on the previous layer).
+    pub wait_s: f64,
+    /// Seconds of GPU work on the step's critical path (CUDA events: from the step's start or the end of the
+    /// wait for a layer's CPU experts to the next layer's pack; the head after the last layer is not counted).
+    pub gpu_s: f64,
+    /// Per-layer round trips (one copy each way).
+    pub trips: u64,
+}
+
+impl Drop for Hybrid {
+    fn drop(&mut self) {
+        for &p in &self.registered {
+            // SAFETY: registered by `Hybrid::new`, still alive (the model is dropped after this).
+            unsafe { driver_sys::cuMemHostUnregister(p as *mut std::ffi::c_void) };
+        }
+    }
+}
+
+/// Bytes of one expert's three matrices.
+pub(crate) fn expert_bytes(model: &Qwen4Exp) -> [usize; 3] {
+    let e = &model.layers[0].mlp.experts[0];
+    [e.gate_proj.bytes().len(), e.up_proj.bytes().len(), e.down_proj.bytes().len()]
+}
+
+impl Hybrid {
+    /// The resident expert ids of each layer: the placement's GPU tier.
+    pub(crate) fn resident_lists(model: &Qwen4Exp) -> Option<Vec<Vec<usize>>> {
+        model
+            .expert_tiers()
+            .map(|tiers| tiers.iter().map(|t| (0..t.len()).filter(|&e| t[e] == Tier::Gpu).collect()).collect())
+    }
+
+    /// VRAM of the staging buffers, bytes.
+    pub(crate) fn stage_bytes(model: &Qwen4Exp, params: &HybridParams) -> usize {
+        params.stages.max(2) * params.stage_experts * expert_bytes(model).iter().sum::<usize>()
+    }
+
+    /// Sets up the host half for `model` (its GPU-tier experts already uploaded as the slot stacks of `dev`'s
+    /// model), registering the RAM tier with the driver (a failure only costs copy speed: logged).
+    pub(crate) fn new(
+        dev: &Dev,
+        model: Arc<Qwen4Exp>,
+        resident: Vec<Vec<usize>>,
+        params: HybridParams,
+    ) -> Result<Self, CudaError> {
+        let stream = dev.stream();
+        let n_expert = model.config.n_expert;
+        let mut layers = Vec::with_capacity(resident.len());
+        for res in resident {
+            let mut slot_of = vec![-1i32; n_expert];
+            for (s, &e) in res.iter().enumerate() {
+                slot_of[e] = s as i32;
+            }
+            let streamed: Vec<usize> = (0..n_expert).filter(|&e| slot_of[e] < 0).collect();
+            let ids = |v: &[usize]| -> Vec<i32> {
+                if v.is_empty() { vec![-1] } else { v.iter().map(|&e| e as i32).collect() }
+            };
+            layers.push(HybridLayer {
+                slot_of: stream.clone_htod(&slot_of)?,
+                resident_dev: stream.clone_htod(&ids(&res))?,
+                resident: res,
+                streamed_dev: stream.clone_htod(&ids(&streamed))?,
+                streamed,
+            });
+        }
+        let [g, u, d] = expert_bytes(&model);
+        let stage = || -> Result<Stage, CudaError> {
+            Ok(Stage {
+                gate: stream.alloc_zeros::<u8>(params.stage_experts * g)?,
+                up: stream.alloc_zeros::<u8>(params.stage_experts * u)?,
+                down: stream.alloc_zeros::<u8>(params.stage_experts * d)?,
+                ready: dev.gpu.ctx.new_event(None)?,
+                free: dev.gpu.ctx.new_event(None)?,
+            })
+        };
+        let stages = (0..params.stages.max(2)).map(|_| stage()).collect::<Result<Vec<_>, _>>()?;
+        let mut registered = Vec::new();
+        let mut registered_bytes = 0usize;
+        let mut failed = None;
+        for (start, len) in model.resident_ranges() {
+            // SAFETY: the range lies inside the RAM tier's allocations, which live as long as `model` (owned by
+            // this value, unregistered in Drop before it is freed).
+            let r = unsafe { driver_sys::cuMemHostRegister_v2(start as *mut std::ffi::c_void, len, 0) };
+            if r == driver_sys::CUresult::CUDA_SUCCESS {
+                registered.push(start);
+                registered_bytes += len;
+            } else {
+                failed = Some(r);
+            }
+        }
+        if let Some(r) = failed {
+            tracing::warn!(
+                "hybrid: could not register part of the RAM tier with the GPU driver ({r:?}): expert uploads use staged copies"
+            );
+        }
+        let d_model = model.config.hidden;
+        let k = model.config.n_expert_used;
+        let t = params.cpu_max_tokens;
+        let bufs = HostBufs { pack: Pinned::new(t * d_model + 2 * t * k + t)?, upload: Pinned::new(t * d_model)? };
+        let stats = model.placement_stats();
+        let cpu_ns: Arc<AtomicU64> = Arc::default();
+        let cpu = if std::env::var("NEBULA_HYBRID_PIPELINE").is_ok_and(|v| v == "0") {
+            None
+        } else {
+            let c = CpuThread::start(model.clone(), t * d_model, cpu_ns.clone())?;
+            // Probe: a wait on the flag's current value (0) passes at once where stream memory operations work.
+            // SAFETY: as in `CpuThread::submit`.
+            let r = unsafe {
+                driver_sys::cuStreamWaitValue32_v2(
+                    stream.cu_stream(),
+                    c.flag_dev,
+                    0,
+                    driver_sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
+                )
+            };
+            if r == driver_sys::CUresult::CUDA_SUCCESS && stream.synchronize().is_ok() {
+                Some(c)
+            } else {
+                tracing::warn!("hybrid: the GPU cannot wait on host memory ({r:?}); CPU experts run between syncs");
+                None
+            }
+        };
+        Ok(Self {
+            host: model,
+            layers,
+            params,
+            bufs: Mutex::new(bufs),
+            packed: dev.gpu.ctx.new_event(Some(driver_sys::CUevent_flags::CU_EVENT_DEFAULT))?,
+            resumed: dev.gpu.ctx.new_event(Some(driver_sys::CUevent_flags::CU_EVENT_DEFAULT))?,
+            resumed_live: Default::default(),
+            gpu_ns: AtomicU64::new(0),
+            copy: dev.gpu.ctx.new_stream()?,
+            stages,
+            stage_turn: Default::default(),
+            registered,
+            registered_bytes,
+            stats,
+            cpu,
+            cpu_ns,
+            wait_ns: AtomicU64::new(0),
+            trips: AtomicU64::new(0),
+        })
+    }
+}
+
+/// Copies `bytes` host bytes at `src` to device address `dst` on `stream` (asynchronous for registered memory).
+pub(crate) fn htod(stream: &CudaStream, dst: u64, src: *const u8, bytes: usize) -> Result<(), CudaError> {
+    // SAFETY: `src` points at `bytes` readable host bytes that outlive the copy (the RAM tier, or pageable memory
+    // the driver stages before returning); `dst` is a device allocation of at least `bytes`.
+    let r = unsafe { driver_sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, bytes, stream.cu_stream()) };
+    check(r, "copying to the GPU")
+}
+
+/// Copies `bytes` from device address `src` to pinned host memory `dst` on `stream`.
+pub(crate) fn dtoh(stream: &CudaStream, dst: *mut std::ffi::c_void, src: u64, bytes: usize) -> Result<(), CudaError> {
+    // SAFETY: `dst` is pinned host memory of at least `bytes` that is not read until the stream passes an event
+    // recorded after this copy.
+    let r = unsafe { driver_sys::cuMemcpyDtoHAsync_v2(dst, src, bytes, stream.cu_stream()) };
+    check(r, "copying from the GPU")
+}
+
+/// The device address of a staging matrix slot.
+pub(crate) fn stage_ptr(buf: &CudaSlice<u8>, stream: &CudaStream, offset: usize) -> u64 {
+    ptr(buf, stream, offset)
+}
