@@ -134,10 +134,12 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         let dram = dram_read_bandwidth(threads)?;
         let rtt = m.round_trip()?;
         println!(
-            "hybrid: DRAM read {:.1} GB/s ({threads} threads), host-GPU-host round trip {:.1} us, expert {:.2} MiB",
+            "hybrid: DRAM read {:.1} GB/s ({threads} threads), host-GPU-host round trip {:.1} us, expert {:.2} MiB; \
+             batches up to {} tokens use the CPU for non-resident experts, longer ones stream them",
             dram / 1e9,
             rtt * 1e6,
-            per_expert as f64 / (1u64 << 20) as f64
+            per_expert as f64 / (1u64 << 20) as f64,
+            m.hybrid_params().map_or(0, |p| p.cpu_max_tokens)
         );
         println!(
             "{:>8} {:>10} {:>10} {:>8} {:>10} {:>10} {:>10} {:>9} {:>10} {:>9}",

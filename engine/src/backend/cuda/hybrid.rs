@@ -2,7 +2,8 @@
 //! cache, X per layer, from the placement) live on the GPU; every other routed expert stays in host RAM (or on
 //! SSD) with the CPU model.
 //!
-//! - **Decode and short batches** (up to [`HybridParams::cpu_max_tokens`] tokens): per layer the GPU runs the
+//! - **Decode and short batches** (up to [`HybridParams::cpu_max_tokens`] tokens, chosen at load by measured
+//!   cost, [`crossover_tokens`]): per layer the GPU runs the
 //!   token mixer, the router, the shared expert and the resident experts; `hybrid_split` (kernels/cuda/moe.cu)
 //!   decides per token which experts the CPU runs (expert handoff below the coverage fraction, optional
 //!   marginal-expert omission) and packs the MoE input, expert ids and CPU weights into one buffer. One copy
@@ -41,8 +42,8 @@ pub struct HybridParams {
     /// this fraction (0 = strict).
     pub omit: f32,
     /// Batches up to this many tokens run their non-resident experts on the CPU; longer ones stream the experts
-    /// to the GPU (`NEBULA_HYBRID_CPU_MAX_TOKENS`, default 96: about where reading a layer's used experts from
-    /// DRAM on 14 threads costs what copying all of them over PCIe does).
+    /// to the GPU. 0 (the default; `NEBULA_HYBRID_CPU_MAX_TOKENS` fixes it) chooses at load by measured cost
+    /// ([`crossover_tokens`]): PCIe upload bandwidth and DRAM read bandwidth measured on this machine.
     pub cpu_max_tokens: usize,
     /// Experts per staging buffer for streamed prefill (`NEBULA_HYBRID_STAGE_EXPERTS`, default 32).
     pub stage_experts: usize,
@@ -62,11 +63,33 @@ impl HybridParams {
         Self {
             handoff,
             omit,
-            cpu_max_tokens: env("NEBULA_HYBRID_CPU_MAX_TOKENS", 96),
+            cpu_max_tokens: env("NEBULA_HYBRID_CPU_MAX_TOKENS", 0),
             stage_experts: env("NEBULA_HYBRID_STAGE_EXPERTS", 32),
             stages: env("NEBULA_HYBRID_STAGES", 6).max(2),
         }
     }
+}
+
+/// The CPU MoE kernel's share of the DRAM read bandwidth on batch-1 decode (measured on the H200 machine's 14
+/// threads: 40 of 81-104 GB/s), used to predict the CPU path's cost from the measured bandwidth.
+const CPU_EXPERT_EFFICIENCY: f64 = 0.45;
+
+/// Largest batch the CPU path takes (the pinned buffers are sized for it).
+const CPU_PATH_MAX_TOKENS: usize = 512;
+
+/// The batch size up to which a layer's non-resident experts cost less on the CPU than streamed to the GPU, from
+/// measured bandwidths (bytes/s): streaming moves the `streamed` non-resident experts of a layer over PCIe
+/// whatever the batch; the CPU reads each expert the batch uses, `E (1 - (1 - k/E)^n)` of them for `n` tokens
+/// routed uniformly (more skewed routing uses fewer, so this errs towards streaming), at `cpu_bw`. Clamped to
+/// `[1, 512]`.
+pub fn crossover_tokens(n_expert: usize, top_k: usize, streamed: usize, pcie_bw: f64, cpu_bw: f64) -> usize {
+    let e = n_expert as f64;
+    let affordable = streamed as f64 * cpu_bw / pcie_bw.max(1.0); // experts the CPU reads while PCIe moves all
+    if affordable >= e * 0.999 {
+        return CPU_PATH_MAX_TOKENS;
+    }
+    let n = (1.0 - affordable / e).ln() / (1.0 - top_k as f64 / e).ln();
+    (n.floor() as usize).clamp(1, CPU_PATH_MAX_TOKENS)
 }
 
 /// Page-locked host memory (`cuMemHostAlloc`), the end points of the per-layer copies.
@@ -379,7 +402,7 @@ impl Hybrid {
         dev: &Dev,
         model: Arc<Qwen4Exp>,
         resident: Vec<Vec<usize>>,
-        params: HybridParams,
+        mut params: HybridParams,
     ) -> Result<Self, CudaError> {
         let stream = dev.stream();
         let n_expert = model.config.n_expert;
@@ -433,7 +456,27 @@ impl Hybrid {
         }
         let d_model = model.config.hidden;
         let k = model.config.n_expert_used;
-        let t = params.cpu_max_tokens;
+        if params.cpu_max_tokens == 0 {
+            params.cpu_max_tokens = match layers.iter().position(|l| !l.streamed.is_empty()) {
+                Some(li) => {
+                    let pcie =
+                        upload_bandwidth(dev, &model, li, &layers[li].streamed, &stages[0], params.stage_experts)?;
+                    let dram = dram_read_bandwidth();
+                    let streamed = layers.iter().map(|l| l.streamed.len()).sum::<usize>() / layers.len().max(1);
+                    let t = crossover_tokens(n_expert, k, streamed, pcie, dram * CPU_EXPERT_EFFICIENCY);
+                    tracing::info!(
+                        "hybrid: PCIe upload {:.1} GB/s, DRAM read {:.1} GB/s: batches up to {t} tokens run their \
+                         non-resident experts on the CPU, longer ones stream them to the GPU",
+                        pcie / 1e9,
+                        dram / 1e9
+                    );
+                    t
+                }
+                None => 96,
+            };
+        }
+        let t = params.cpu_max_tokens.min(CPU_PATH_MAX_TOKENS);
+        params.cpu_max_tokens = t;
         let bufs = HostBufs { pack: Pinned::new(t * d_model + 2 * t * k + t)?, upload: Pinned::new(t * d_model)? };
         let stats = model.placement_stats();
         let cpu_ns: Arc<AtomicU64> = Arc::default();
@@ -481,6 +524,52 @@ impl Hybrid {
     }
 }
 
+/// Bytes/s of uploading layer `li`'s first `streamed` experts (up to `count`, a staging buffer's worth) into
+/// `stage`, best of three timed runs.
+fn upload_bandwidth(
+    dev: &Dev,
+    model: &Qwen4Exp,
+    li: usize,
+    streamed: &[usize],
+    stage: &Stage,
+    count: usize,
+) -> Result<f64, CudaError> {
+    let stream = dev.stream();
+    let experts: Vec<usize> = streamed.iter().copied().take(count).collect();
+    let mut best = f64::MAX;
+    let mut bytes = 0usize;
+    for _ in 0..3 {
+        stream.synchronize()?;
+        let t = std::time::Instant::now();
+        bytes = 0;
+        for (j, &e) in experts.iter().enumerate() {
+            let x = model.host_expert(li, e)?;
+            for (buf, mat) in [(&stage.gate, &x.gate_proj), (&stage.up, &x.up_proj), (&stage.down, &x.down_proj)] {
+                let src = mat.bytes();
+                htod(stream, stage_ptr(buf, stream, j * src.len()), src.as_ptr(), src.len())?;
+                bytes += src.len();
+            }
+        }
+        stream.synchronize()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(bytes as f64 / best.max(1e-9))
+}
+
+/// DRAM read bandwidth in bytes/s: a 256 MiB buffer summed by the compute pool, best of three passes.
+fn dram_read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let words: Vec<u64> = (0..(32usize << 20)).into_par_iter().map(|i| i as u64).collect();
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        let s: u64 = words.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
+        std::hint::black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (words.len() * 8) as f64 / best.max(1e-9)
+}
+
 /// Copies `bytes` host bytes at `src` to device address `dst` on `stream` (asynchronous for registered memory).
 pub(crate) fn htod(stream: &CudaStream, dst: u64, src: *const u8, bytes: usize) -> Result<(), CudaError> {
     // SAFETY: `src` points at `bytes` readable host bytes that outlive the copy (the RAM tier, or pageable memory
@@ -500,4 +589,22 @@ pub(crate) fn dtoh(stream: &CudaStream, dst: *mut std::ffi::c_void, src: u64, by
 /// The device address of a staging matrix slot.
 pub(crate) fn stage_ptr(buf: &CudaSlice<u8>, stream: &CudaStream, offset: usize) -> u64 {
     ptr(buf, stream, offset)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::crossover_tokens;
+
+    #[test]
+    fn the_crossover_follows_the_bandwidths() {
+        // 512 experts, top-10, 485 streamed (the 12 GB profile), PCIe 55 GB/s, CPU 40 GB/s: the CPU reads about
+        // 352.7 experts while PCIe moves 485, which 10-of-512 routing reaches after ln(1 - 352.7/512) /
+        // ln(1 - 10/512) = 59.2 tokens.
+        assert_eq!(crossover_tokens(512, 10, 485, 55e9, 40e9), 59);
+        // A faster CPU moves the crossover up, a faster link down; never below 1 or above the CPU path's cap.
+        assert!(crossover_tokens(512, 10, 485, 55e9, 50e9) > 59);
+        assert!(crossover_tokens(512, 10, 485, 110e9, 40e9) < 59);
+        assert_eq!(crossover_tokens(512, 10, 485, 1e9, 40e9), 512);
+        assert_eq!(crossover_tokens(512, 10, 485, 1e15, 1e6), 1);
+    }
 }

@@ -448,9 +448,9 @@ impl CudaModel {
         vram_budget: Option<u64>,
         params: hybrid::HybridParams,
     ) -> Result<Self, CudaError> {
-        if !(params.cpu_max_tokens > 0 && params.stage_experts > 0 && params.stages >= 2) {
+        if !(params.stage_experts > 0 && params.stages >= 2) {
             return Err(CudaError::Unsupported(
-                "hybrid: cpu_max_tokens and stage_experts must be at least 1, stages at least 2".into(),
+                "hybrid: stage_experts must be at least 1 and stages at least 2".into(),
             ));
         }
         let resident = hybrid::Hybrid::resident_lists(&model)
@@ -623,6 +623,11 @@ impl CudaModel {
     /// The CPU model of a hybrid model.
     pub fn host_model(&self) -> Option<&Qwen4Exp> {
         self.hybrid.as_ref().map(|h| &*h.host)
+    }
+
+    /// The hybrid settings in effect (the CPU/streaming crossover as chosen at load); `None` unless hybrid.
+    pub fn hybrid_params(&self) -> Option<hybrid::HybridParams> {
+        self.hybrid.as_ref().map(|h| h.params)
     }
 
     /// Bytes of the RAM tier registered with the GPU driver for full-speed uploads (hybrid only).
