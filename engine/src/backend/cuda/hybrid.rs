@@ -370,6 +370,8 @@ pub struct HybridTimes {
 
 impl Drop for Hybrid {
     fn drop(&mut self) {
+        // The driver calls here and in the fields' drops (pinned memory) need this context current.
+        let _ = self.copy.context().bind_to_thread();
         for &p in &self.registered {
             // SAFETY: registered by `Hybrid::new`, still alive (the model is dropped after this).
             unsafe { driver_sys::cuMemHostUnregister(p as *mut std::ffi::c_void) };

@@ -749,9 +749,10 @@ impl CudaModel {
             .map_or_else(Vec::new, |t| std::mem::take(&mut *t.lock().expect("kernel times lock")))
     }
 
-    /// Turns decode-step CUDA Graphs on or off (on by default; `NEBULA_CUDA_GRAPHS=0` turns them off).
+    /// Turns decode-step CUDA Graphs on or off (on by default; `NEBULA_CUDA_GRAPHS=0` turns them off). A hybrid
+    /// model never captures one: its steps synchronise with the host once per layer.
     pub fn set_graphs(&mut self, on: bool) {
-        self.graphs = on;
+        self.graphs = on && self.hybrid.is_none();
     }
 
     /// The profile so far: (phase, total seconds, count), when `NEBULA_CUDA_PROFILE=1`; then clears it.
