@@ -254,6 +254,21 @@ async fn text_completions() {
     let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
     assert_eq!(text, resp["choices"][0]["text"].as_str().unwrap());
     assert_eq!(chunks.last().unwrap()["choices"], json!([]));
+    // Legacy logprobs across the chunks: `text_offset` is each token's character position in the whole text.
+    let (mut tokens, mut offsets) = (Vec::new(), Vec::new());
+    for c in &chunks {
+        if let Some(l) = c["choices"][0]["logprobs"].as_object() {
+            tokens.extend(l["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_owned()));
+            offsets.extend(l["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap() as usize));
+        }
+    }
+    assert!(!tokens.is_empty(), "no logprobs streamed");
+    let mut at = 0;
+    for (t, o) in tokens.iter().zip(&offsets) {
+        assert_eq!(*o, at, "text_offset of {t:?}");
+        at += t.chars().count();
+    }
+    assert_eq!(tokens.concat(), text, "the logprob tokens spell the text");
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], resp["usage"]["completion_tokens"]);
 
     // `echo` prepends the prompt, streamed or not.
@@ -261,6 +276,22 @@ async fn text_completions() {
         post(&base, "/v1/completions", &json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": true}))
             .await;
     assert!(whole["choices"][0]["text"].as_str().unwrap().starts_with(prompt));
+    // With echo the completion's `text_offset`s index the returned text, which starts with the prompt.
+    let (_, echoed) = post(
+        &base,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": true, "logprobs": 1}),
+    )
+    .await;
+    let l = &echoed["choices"][0]["logprobs"];
+    let echoed_text = echoed["choices"][0]["text"].as_str().unwrap();
+    let chars: Vec<char> = echoed_text.chars().collect();
+    for (t, o) in l["tokens"].as_array().unwrap().iter().zip(l["text_offset"].as_array().unwrap()) {
+        let (t, o) = (t.as_str().unwrap(), o.as_u64().unwrap() as usize);
+        assert!(o >= prompt.chars().count(), "offset {o} inside the echoed prompt");
+        let at: String = chars[o..o + t.chars().count()].iter().collect();
+        assert_eq!(at, t, "text_offset {o} does not point at its token");
+    }
     let chunks = post_stream(
         &base,
         "/v1/completions",

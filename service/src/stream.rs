@@ -250,7 +250,9 @@ pub fn completion_sse(
     struct St {
         meta: ChunkMeta,
         pieces: mpsc::Receiver<(usize, Piece)>,
-        logprobs: Option<CompletionLogprobs>,
+        /// Per choice: logprobs not sent yet, and the character offset of the next token in the choice's text.
+        logprobs: Vec<Option<CompletionLogprobs>>,
+        offsets: Vec<usize>,
         done: usize,
         usage: Option<Usage>,
         closed: bool,
@@ -267,7 +269,9 @@ pub fn completion_sse(
         timings,
     };
     let echoed = vec![false; meta.n];
-    let state = St { meta, pieces, logprobs: None, done: 0, usage: None, closed: false, echo, echoed };
+    let offsets = vec![echo.as_ref().map_or(0, |p| p.chars().count()); meta.n];
+    let logprobs = vec![None; meta.n];
+    let state = St { meta, pieces, logprobs, offsets, done: 0, usage: None, closed: false, echo, echoed };
     let events = stream::unfold(state, move |mut st| async move {
         if st.closed {
             return None;
@@ -284,12 +288,13 @@ pub fn completion_sse(
                 }
                 match piece {
                     Piece::Logprob(lp) => {
-                        let l = st.logprobs.get_or_insert_with(CompletionLogprobs::default);
-                        push_legacy_logprob(l, &lp);
+                        if let (Some(slot), Some(offset)) = (st.logprobs.get_mut(index), st.offsets.get_mut(index)) {
+                            push_legacy_logprob(slot.get_or_insert_with(CompletionLogprobs::default), &lp, offset);
+                        }
                     }
                     Piece::Content(text) | Piece::Reasoning(text) => {
-                        let choice =
-                            CompletionChoice { index, text, finish_reason: None, logprobs: st.logprobs.take() };
+                        let logprobs = st.logprobs.get_mut(index).and_then(Option::take);
+                        let choice = CompletionChoice { index, text, finish_reason: None, logprobs };
                         events.push(json_event(&chunk(&st.meta, choice, None, None)));
                     }
                     Piece::ToolCall { .. }
@@ -301,7 +306,7 @@ pub fn completion_sse(
                             index,
                             text: String::new(),
                             finish_reason: Some(finish_reason),
-                            logprobs: st.logprobs.take(),
+                            logprobs: st.logprobs.get_mut(index).and_then(Option::take),
                         };
                         events.push(json_event(&chunk(&st.meta, choice, None, Some(timings))));
                         st.usage = Some(match st.usage {
@@ -348,16 +353,16 @@ pub fn completion_sse(
     Sse::new(events).keep_alive(KeepAlive::new().interval(keepalive).text("keep-alive"))
 }
 
-/// Appends one token to legacy completion logprobs (`text_offset` counts characters of the text so far).
-pub fn push_legacy_logprob(l: &mut CompletionLogprobs, lp: &crate::openai::TokenLogprob) {
-    let offset = match (l.text_offset.last(), l.tokens.last()) {
-        (Some(&o), Some(t)) => o + t.chars().count(),
-        _ => 0,
-    };
+/// Appends one token to legacy completion logprobs. `offset` is the character position of the token in the
+/// choice's whole `text` (after the prompt when it is echoed; streamed chunks continue where the last one ended,
+/// as OpenAI's `text_offset` does); it is advanced past the token.
+pub fn push_legacy_logprob(l: &mut CompletionLogprobs, lp: &crate::openai::TokenLogprob, offset: &mut usize) {
+    let at = *offset;
+    *offset += lp.token.chars().count();
     l.tokens.push(lp.token.clone());
     l.token_logprobs.push(lp.logprob);
     l.top_logprobs.push(lp.top_logprobs.iter().map(|t| (t.token.clone(), Value::from(f64::from(t.logprob)))).collect());
-    l.text_offset.push(offset);
+    l.text_offset.push(at);
 }
 
 fn error_events(message: &str) -> Vec<Event> {

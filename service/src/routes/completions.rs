@@ -187,6 +187,7 @@ pub async fn completions(
     let echo = req.echo.unwrap_or(false);
     let mut texts: Vec<String> = vec![if echo { prompt.clone() } else { String::new() }; n];
     let mut lps: Vec<Option<CompletionLogprobs>> = vec![None; n];
+    let mut offsets = vec![if echo { prompt.chars().count() } else { 0 }; n];
     let mut ends: Vec<Option<(FinishReason, Usage, Timings)>> = vec![None; n];
     let mut done = 0;
     while done < n {
@@ -195,7 +196,9 @@ pub async fn completions(
         };
         match piece {
             Piece::Content(t) | Piece::Reasoning(t) => texts[i].push_str(&t),
-            Piece::Logprob(lp) => push_legacy_logprob(lps[i].get_or_insert_with(Default::default), &lp),
+            Piece::Logprob(lp) => {
+                push_legacy_logprob(lps[i].get_or_insert_with(Default::default), &lp, &mut offsets[i])
+            }
             Piece::ToolCall { .. }
             | Piece::ToolCallStart { .. }
             | Piece::ToolCallArguments { .. }
