@@ -310,6 +310,34 @@ impl Default for ServerConfig {
     }
 }
 
+/// A figment error as users write the key: `placement.threads` in a file (figment would print
+/// `default.placement.threads`, its profile), `NEBULA_PLACEMENT__THREADS` for an environment variable; one line
+/// per error of the chain.
+fn describe_figment_error(e: figment::Error) -> String {
+    e.into_iter()
+        .map(|e| {
+            let mut line = e.kind.to_string();
+            let from_env = e.metadata.as_ref().is_some_and(|m| m.name.contains("environment variable"));
+            if !e.path.is_empty() {
+                let key = if from_env {
+                    format!("NEBULA_{}", e.path.join("__").to_ascii_uppercase())
+                } else {
+                    e.path.join(".")
+                };
+                line.push_str(&format!(" for key `{key}`"));
+            }
+            if let Some(md) = &e.metadata {
+                match &md.source {
+                    Some(source) => line.push_str(&format!(" in {source} {}", md.name)),
+                    None => line.push_str(&format!(" in {}", md.name)),
+                }
+            }
+            line
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Why the configuration could not be resolved.
 #[derive(Debug, thiserror::Error)]
 #[error("configuration: {0}")]
@@ -360,7 +388,7 @@ impl ServerConfig {
         );
         let flags = FlagOverrides::from(args);
         figment = figment.merge(Serialized::defaults(flags));
-        let config: ServerConfig = figment.extract().map_err(|e| ConfigError(e.to_string()))?;
+        let config: ServerConfig = figment.extract().map_err(|e| ConfigError(describe_figment_error(e)))?;
         config.validate()?;
         Ok(config)
     }
@@ -493,11 +521,15 @@ mod tests {
             assert_eq!(c.port, 1);
             jail.set_env("NEBULA_PORT", "not-a-port");
             let err = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
-            assert!(err.contains("port"), "{err}");
+            assert!(err.contains("`NEBULA_PORT`"), "the variable is named as it is set: {err}");
             jail.set_env("NEBULA_PORT", "9100");
             jail.create_file("nebula.toml", "prot = 1\n")?;
             let err = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
             assert!(err.contains("prot"), "{err}");
+            // Keys are named as written in the file, without figment's profile prefix.
+            jail.create_file("nebula.toml", "[placement]\nthreads = \"many\"\n")?;
+            let err = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
+            assert!(err.contains("for key `placement.threads`") && !err.contains("default."), "{err}");
             Ok(())
         });
     }
