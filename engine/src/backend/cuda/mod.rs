@@ -249,6 +249,24 @@ impl Arena {
         Ok(())
     }
 
+    /// Where the next temporary would go: (chunk, offset). See [`Arena::release`].
+    fn mark(&self) -> (usize, usize) {
+        (self.chunks.len(), self.used)
+    }
+
+    /// Frees every temporary taken since `mark` for reuse by later launches. All work is on one stream, so a
+    /// later kernel writing reused memory runs after the earlier ones that read it; callers release only values
+    /// nothing enqueued later reads (a layer's temporaries once its output is added to the residual stream, an
+    /// expert group's once its kernels are queued). When a chunk was added since the mark, the new chunk is reused
+    /// from its start and the rest of the old one waits for the next reset.
+    fn release(&mut self, mark: (usize, usize)) {
+        if self.chunks.len() == mark.0 {
+            self.used = self.used.min(mark.1);
+        } else {
+            self.used = 0;
+        }
+    }
+
     fn take(&mut self, dev: &Dev, n: usize) -> Result<u64, CudaError> {
         let n = n.max(1).div_ceil(Self::ALIGN) * Self::ALIGN;
         let cur = self.chunks.last().map_or(0, |c| c.len());
@@ -767,6 +785,18 @@ impl CudaModel {
     /// A temporary of `n` f32 (or i32) values from the arena, valid until the end of the forward pass.
     fn tmp(&self, n: usize) -> Result<u64, CudaError> {
         self.arena.lock().expect("arena lock").take(&self.dev, n)
+    }
+
+    /// Marks the arena (see [`Arena::release`]).
+    fn arena_mark(&self) -> (usize, usize) {
+        self.arena.lock().expect("arena lock").mark()
+    }
+
+    /// Frees the temporaries taken since `mark` for reuse, and forgets the cached 8-bit activations (they may
+    /// live in the freed memory).
+    fn arena_release(&self, mark: (usize, usize)) {
+        self.arena.lock().expect("arena lock").release(mark);
+        *self.q8_cache.lock().expect("q8 cache lock") = None;
     }
 
     /// The activation block of the 8-bit GEMV path for weights of type `ty` with `cols` columns (32 for the
@@ -1640,7 +1670,10 @@ impl CudaModel {
                 StackView { ptr: hybrid::stage_ptr(&stage.down, stream, 0), ..moe.down.view(dev) },
             ];
             let se = ptr(&hl.streamed_dev, stream, gi * group);
+            // The group's activations are dead once its kernels are queued: the next group reuses them.
+            let mark = self.arena_mark();
             self.grouped_ffn(views, experts.len(), se, offsets, perm, m, n, ys, true)?;
+            self.arena_release(mark);
             stage.free.record(stream)?;
             h.stats.pcie_bytes.fetch_add((experts.len() * (gb + ub + db)) as u64, std::sync::atomic::Ordering::Relaxed);
         }
@@ -1879,6 +1912,9 @@ impl CudaModel {
         self.get_rows(&self.embed, ids, n, x, dim, s)?;
         self.phase("embedding")?;
         for (li, layer) in self.layers.iter().enumerate() {
+            // A layer's temporaries are dead once its output is in `x`: the next layer reuses their memory, so a
+            // pass needs one layer's worth of scratch, not the sum over layers.
+            let mark = self.arena_mark();
             if let Some(ple) = &layer.ple {
                 let conv = st.ple_conv.as_ref().expect("PLE state exists with a PLE layer");
                 self.ple(ple, conv, x, ple_rows, n)?;
@@ -1905,6 +1941,7 @@ impl CudaModel {
             let y = self.moe(li, &layer.moe, m, n)?;
             self.hc_residual(x, y, a.expect("layers inject"), n)?;
             self.phase("moe")?;
+            self.arena_release(mark);
         }
         if rows == 0 {
             return Ok(());
