@@ -333,6 +333,30 @@ impl Qwen4Exp {
         self.placement.as_ref().map_or((0.9, 0.0), |p| p.hybrid_fractions())
     }
 
+    /// The decoded n-gram table rows `rows` (`[rows.len(), head_dim]` f32) from wherever the table lives (RAM or
+    /// SSD with a placement, else the model file): the hybrid GPU backend keeps the table on the host and uploads
+    /// only the rows a forward pass reads. `None` for a model without a PLE layer.
+    ///
+    /// Errors: [`ModelError::WeightRead`] when a row read from SSD fails.
+    pub(crate) fn gather_ngram_rows(&self, rows: &[u64]) -> Result<Option<Vec<f32>>, ModelError> {
+        let Some(ple) = self.layers.iter().find_map(|l| l.ple.as_ref()) else { return Ok(None) };
+        let cols = ple.ngram_embedding.cols();
+        let mut out = vec![0f32; rows.len() * cols];
+        match self.placement.as_ref().and_then(|p| p.table().and_then(|t| p.fetch_rows(rows).map(|f| (t, f)))) {
+            Some((table, fetch)) => {
+                table
+                    .gather(fetch, rows, &mut out)
+                    .map_err(|e| ModelError::WeightRead { what: "n-gram table rows".into(), detail: e.to_string() })?;
+            }
+            None => {
+                for (r, o) in rows.iter().zip(out.chunks_exact_mut(cols)) {
+                    ple.ngram_embedding.dequantize_row(*r as usize, o);
+                }
+            }
+        }
+        Ok(Some(out))
+    }
+
     /// Starts the SSD reads of those of `experts` of `layer` that live on SSD (see [`Qwen4Exp::host_expert`]).
     pub(crate) fn request_experts(&self, layer: usize, experts: &[usize]) {
         if let Some(p) = &self.placement {

@@ -141,7 +141,10 @@ struct DevPle {
     norm_query: CudaSlice<f32>,
     norm_conv: CudaSlice<f32>,
     conv: CudaSlice<f32>,
-    table: DevMatrix,
+    /// The n-gram table on the device; `None` in hybrid mode, where it stays on the host (RAM or SSD, it is far
+    /// larger than a consumer GPU: 29 GB in IQ4_NL for the real model) and each pass uploads the rows it reads.
+    table: Option<DevMatrix>,
+    table_rows: usize,
 }
 
 struct DevLayer {
@@ -578,7 +581,8 @@ impl CudaModel {
                     norm_query: up.vector(&p.norm_query)?,
                     norm_conv: up.vector(&p.norm_conv)?,
                     conv: up.vector(&p.conv1d)?,
-                    table: up.table(&p.ngram_embedding)?,
+                    table: if resident.is_some() { None } else { Some(up.table(&p.ngram_embedding)?) },
+                    table_rows: p.ngram_embedding.rows(),
                 }),
                 None => None,
             };
@@ -1821,15 +1825,35 @@ impl CudaModel {
     }
 
     /// The PLE block for `n` tokens whose table row ids are already on the device (`rows`, `[n][heads]`).
-    fn ple(&self, ple: &DevPle, conv_state: &CudaSlice<f32>, x: u64, rows: u64, n: usize) -> Result<(), CudaError> {
+    /// The PLE block on `x`: the n-gram rows `rows` gathered from the device table, or, in hybrid mode, `emb`
+    /// (the rows already decoded on the host and uploaded, `[n, heads * head_dim]`).
+    #[allow(clippy::too_many_arguments)]
+    fn ple(
+        &self,
+        ple: &DevPle,
+        conv_state: &CudaSlice<f32>,
+        x: u64,
+        rows: u64,
+        emb: Option<u64>,
+        n: usize,
+    ) -> Result<(), CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
         let (s, d) = (cfg.hc_count, cfg.hidden);
         let dim = s * d;
         let heads = ple.cfg.n_heads();
         let pe = heads * ple.cfg.head_dim;
-        let emb = self.tmp(n * pe)?;
-        self.get_rows(&ple.table, rows, n * heads, emb, ple.cfg.head_dim, 1)?;
+        let emb = match (emb, &ple.table) {
+            (Some(e), _) => e,
+            (None, Some(table)) => {
+                let e = self.tmp(n * pe)?;
+                self.get_rows(table, rows, n * heads, e, ple.cfg.head_dim, 1)?;
+                e
+            }
+            (None, None) => {
+                return Err(CudaError::Unsupported("the n-gram rows of a host-side table were not uploaded".into()));
+            }
+        };
         let key = self.tmp(n * dim)?;
         self.matmul(ple.key.r(dev), emb, n, key)?;
         let value = self.tmp(n * d)?;
@@ -1876,7 +1900,7 @@ impl CudaModel {
         let mut hist = st.ple_context.clone();
         hist.extend_from_slice(tokens);
         st.ple_context.copy_from_slice(&hist[hist.len() - ctx..]);
-        let table_rows = ple.table.rows as u64;
+        let table_rows = ple.table_rows as u64;
         rows.iter()
             .map(|&r| {
                 if r < table_rows {
@@ -1898,6 +1922,7 @@ impl CudaModel {
         n: usize,
         ids: u64,
         ple_rows: u64,
+        ple_emb: Option<u64>,
         r0: usize,
         rows: usize,
         logits: u64,
@@ -1917,7 +1942,7 @@ impl CudaModel {
             let mark = self.arena_mark();
             if let Some(ple) = &layer.ple {
                 let conv = st.ple_conv.as_ref().expect("PLE state exists with a PLE layer");
-                self.ple(ple, conv, x, ple_rows, n)?;
+                self.ple(ple, conv, x, ple_rows, ple_emb, n)?;
                 self.phase("ple")?;
             }
             let (m, a) = self.hc_mix(&layer.attn_hc, x, n)?;
@@ -2007,6 +2032,23 @@ impl CudaModel {
         }
         let stream = dev.stream().clone();
         let ple_rows = self.ple_rows(st, tokens)?;
+        // Hybrid: the n-gram table stays on the host; the rows this pass reads are decoded there and uploaded
+        // (n x heads rows of head_dim values: 10 KiB a token for the real model). Kept alive until the pass is
+        // queued; the free is stream-ordered.
+        let ple_emb: Option<CudaSlice<f32>> = match &self.hybrid {
+            Some(h) if !ple_rows.is_empty() => {
+                let rows: Vec<u64> = ple_rows.iter().map(|&r| r as u64).collect();
+                match h.host.gather_ngram_rows(&rows)? {
+                    Some(emb) => {
+                        h.stats.pcie_bytes.fetch_add((emb.len() * 4) as u64, std::sync::atomic::Ordering::Relaxed);
+                        Some(stream.clone_htod(&emb)?)
+                    }
+                    None => None,
+                }
+            }
+            _ => None,
+        };
+        let ple_emb_ptr = ple_emb.as_ref().map(|e| ptr(e, &stream, 0));
         stream.memcpy_htod(&[st.pos as i32], &mut st.pos_dev)?;
         let decode_step = n == 1 && want == LogitsFor::Last;
         if decode_step {
@@ -2030,7 +2072,7 @@ impl CudaModel {
                 if capture {
                     stream.begin_capture(driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
                 }
-                let pass = self.launch_pass(st, 1, ids, rows, 0, 1, logits);
+                let pass = self.launch_pass(st, 1, ids, rows, ple_emb_ptr, 0, 1, logits);
                 if capture {
                     let graph = stream.end_capture(driver_sys::CUgraphInstantiate_flags(0))?;
                     pass?;
@@ -2058,7 +2100,8 @@ impl CudaModel {
             LogitsFor::All => (0, n),
         };
         let logits = zeros(dev, (rows * cfg.vocab).max(1))?;
-        self.launch_pass(st, n, ptr(&ids_d, &stream, 0), ptr(&rows_d, &stream, 0), r0, rows, self.p(&logits, 0))?;
+        let (ids_p, rows_p) = (ptr(&ids_d, &stream, 0), ptr(&rows_d, &stream, 0));
+        self.launch_pass(st, n, ids_p, rows_p, ple_emb_ptr, r0, rows, self.p(&logits, 0))?;
         st.pos = needed;
         if rows == 0 {
             stream.synchronize()?;
@@ -2072,8 +2115,8 @@ impl CudaModel {
 
 /// Bytes of weights [`CudaModel::from_cpu`] uploads (checked against the VRAM budget before allocating): the
 /// dense trunk (every tensor of the file but the routed experts and the n-gram table; the MTP block, which the
-/// GPU does not load, is counted too), the embedding, the table, and the routed experts `resident` holds (all
-/// when `None`).
+/// GPU does not load, is counted too), the embedding, the table (all-GPU only), and the routed experts
+/// `resident` holds (all when `None`).
 fn estimate_weight_bytes(model: &Qwen4Exp, resident: Option<&[Vec<usize>]>) -> usize {
     let (dense, experts, table) = model.weight_bytes();
     let size =
@@ -2084,7 +2127,9 @@ fn estimate_weight_bytes(model: &Qwen4Exp, resident: Option<&[Vec<usize>]>) -> u
         }
         None => experts as usize,
     };
-    dense as usize + model.embed_tokens.bytes().len() + table as usize + held
+    // In hybrid mode (`resident` given) the n-gram table stays on the host.
+    let table = if resident.is_some() { 0 } else { table as usize };
+    dense as usize + model.embed_tokens.bytes().len() + table + held
 }
 
 /// Which layer kinds a model has (for reports).
