@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks of record, for a machine with an NVIDIA GPU (the `device` H200 has no Rust: build the
+# binaries elsewhere and pass them in). Runs, in order:
+#   1. the GPU tests (against the CPU engine and the reference logits),
+#   2. a 12-layer real-width synthetic model (`nebula synth --recipe nebula-q4 --no-mtp`),
+#   3. `nebula bench model` all on the GPU, then hybrid under the 12 GB / 128 GB and 8 GB / 32 GB profiles,
+#   4. llama.cpp's `llama-bench` on the same file when LLAMA_BENCH points at one (this script never builds it).
+#
+# Usage (from the repository root):
+#   NEBULA=path/to/nebula GPU_TESTS=path/to/gpu-test-binary [LLAMA_BENCH=path/to/llama-bench] \
+#     [WORK=/tmp/nebula-gpu] [LAYERS=12] scripts/gpu_check.sh
+# Build here with CUDA_HOME set: `cargo build --release -p nebula-service --features lean` (the `nebula`
+# binary) and `cargo test --release -p nebula-tests --test gpu --no-run` (prints the test binary's path).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+NEBULA=${NEBULA:?set NEBULA to the nebula binary}
+WORK=${WORK:-/tmp/nebula-gpu}
+LAYERS=${LAYERS:-12}
+mkdir -p "$WORK"
+
+if [ -n "${GPU_TESTS:-}" ]; then
+    echo "=== GPU tests"
+    (cd "$ROOT" && NEBULA_REPO_ROOT="$ROOT" "$GPU_TESTS" --ignored --nocapture --test-threads 1)
+fi
+
+MODEL="$WORK/synth-$LAYERS.gguf"
+if [ ! -f "$MODEL" ]; then
+    echo "=== nebula synth ($LAYERS layers, nebula-q4, no MTP block so llama.cpp 0.3.36 reads it)"
+    "$NEBULA" synth --out "$MODEL" --layers "$LAYERS" --recipe nebula-q4 --no-mtp \
+        --tokenizer-from "$ROOT/models/nebula-demo.gguf"
+fi
+
+echo "=== all weights on the GPU"
+"$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 2048,4096,8192 --decode 32
+
+P12="--gpu-experts 27 --ram-experts 512 --ngram-table ram --threads 14 --vram-budget-gib 12 --ram-budget-gib 128"
+echo "=== hybrid, 12 GB VRAM / 128 GB RAM profile"
+# shellcheck disable=SC2086
+"$NEBULA" bench model --model "$MODEL" --backend cuda $P12 --contexts 2048,4096,8192 --decode 32
+# shellcheck disable=SC2086
+"$NEBULA" bench model --model "$MODEL" --backend cuda $P12 --contexts 32768 --decode 8
+
+P8="--gpu-experts 11 --ram-experts 152 --ngram-table ssd --threads 14 --vram-budget-gib 8 --ram-budget-gib 32"
+echo "=== hybrid, 8 GB VRAM / 32 GB RAM profile (SSD tier, n-gram table on SSD)"
+# shellcheck disable=SC2086
+"$NEBULA" bench model --model "$MODEL" --backend cuda $P8 --contexts 1024 --decode 16 --prefill-chunk 1024
+
+if [ -n "${LLAMA_BENCH:-}" ]; then
+    echo "=== llama.cpp, every routed expert in RAM (--n-cpu-moe $LAYERS), 14 threads, same file"
+    "$LLAMA_BENCH" -m "$MODEL" -ngl 99 --n-cpu-moe "$LAYERS" -t 14 -p 2048,8192 -n 32 -r 1
+    "$LLAMA_BENCH" -m "$MODEL" -ngl 99 --n-cpu-moe "$LAYERS" -t 14 -p 0 -n 32 -d 4096 -r 1
+    echo "=== llama.cpp, all on the GPU"
+    "$LLAMA_BENCH" -m "$MODEL" -ngl 99 -p 512,2048 -n 64 -r 3
+fi
