@@ -31,7 +31,7 @@ if [ ! -f "$MODEL" ]; then
 fi
 
 echo "=== all weights on the GPU"
-"$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 2048,4096,8192 --decode 32
+"$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048,8192 --decode 64
 
 P12="--gpu-experts 27 --ram-experts 512 --ngram-table ram --threads 14 --vram-budget-gib 12 --ram-budget-gib 128"
 echo "=== hybrid, 12 GB VRAM / 128 GB RAM profile"

@@ -64,8 +64,9 @@ pub struct ServeArgs {
     /// OTLP/HTTP endpoint for traces (e.g. http://127.0.0.1:4318/v1/traces). Default: no tracing export.
     #[arg(long)]
     pub otlp_endpoint: Option<String>,
-    /// Where the forward pass runs: `cpu`, or `cuda` (every weight on one GPU; `placement.vram_budget_gib`
-    /// bounds it). Default: cpu.
+    /// Where the forward pass runs: `cpu`, or `cuda` (every weight on one GPU; with a placement, hybrid: the GPU
+    /// tier and the dense trunk on the GPU, the rest on the CPU; `placement.vram_budget_gib` bounds it). Default:
+    /// cpu.
     #[arg(long)]
     pub backend: Option<String>,
     /// GPU index for the cuda backend (as nvidia-smi lists them). Default: 0.

@@ -192,7 +192,7 @@ impl Metrics {
             ),
             handoffs: plain(
                 "nebula:expert_handoffs_total",
-                "Token-layers whose routed MoE ran on the CPU because GPU-resident experts covered < 90 % of the weight.",
+                "Token-layers whose routed MoE ran on the CPU: GPU-resident experts covered less than the handoff fraction.",
             ),
             omitted: plain(
                 "nebula:experts_omitted_total",

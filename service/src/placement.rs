@@ -205,12 +205,18 @@ pub struct PlacementFlags {
     pub prefetch_layers: Option<usize>,
     /// CUDA backend with a placement: hand a token's routed MoE to the CPU when GPU-resident experts cover less
     /// than this fraction of its router weight. Default: 0.9.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = fraction)]
     pub handoff: Option<f32>,
     /// CUDA backend with a placement: drop a token's lightest CPU-side experts within this fraction of its router
     /// weight (0 = strict). Default: 0.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = fraction)]
     pub omit_marginal: Option<f32>,
+}
+
+/// A fraction flag: a number in [0, 1] (NaN and infinities refused).
+fn fraction(s: &str) -> Result<f32, String> {
+    let v: f32 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if (0.0..=1.0).contains(&v) { Ok(v) } else { Err(format!("must be a fraction between 0 and 1, got {s}")) }
 }
 
 impl PlacementFlags {
