@@ -209,3 +209,74 @@ fn placements_that_do_not_fit_are_refused_before_allocating() {
     assert!(!model.placement_report().placed, "a refused placement leaves the model unplaced");
     run(&model, 1).unwrap();
 }
+
+/// The CPU half of the hybrid GPU backend: `cpu_routed` (routed experts only, any per-token subset) plus the
+/// gated shared expert is the layer's MoE output bit for bit, and gives the same bits from RAM and SSD tiers as
+/// from the memory map; `gather_ngram_rows` decodes the same rows wherever the table lives.
+#[test]
+fn the_hybrid_cpu_half_matches_the_moe_and_the_table() {
+    use crate::model::norm::sigmoid;
+    use crate::quant::dot_f32;
+    let mapped = Qwen4Exp::load(&demo_path()).unwrap();
+    let mut tiered = Qwen4Exp::load(&demo_path()).unwrap();
+    tiered
+        .place(&PlacementOptions {
+            gpu_experts: 4,
+            ram_experts: 12,
+            ngram_table: TablePlacement::Ssd,
+            lock_memory: false,
+            prefetch_layers: 1,
+            ..Default::default()
+        })
+        .unwrap();
+    let cfg = &mapped.config;
+    let (n, d) = (5, cfg.hidden);
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    let x: Vec<f32> = (0..n * d)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+        })
+        .collect();
+    for layer in 0..cfg.n_layer {
+        let moe = &mapped.layers[layer].mlp;
+        let routing = moe.route(&x, n);
+        let whole = moe.forward_routed(&x, n, &routing);
+        let routed = mapped.cpu_routed(layer, &x, n, &routing).unwrap();
+        let shared = crate::model::moe::run_expert(&moe.shared_expert, &x, n);
+        for t in 0..n {
+            let g = sigmoid(dot_f32(&moe.shared_expert_gate, &x[t * d..(t + 1) * d]));
+            for i in 0..d {
+                let sum = routed[t * d + i] + g * shared[t * d + i];
+                let want = whole[t * d + i];
+                assert!((sum - want).abs() <= 1e-5 * want.abs().max(1.0), "layer {layer}: {sum} vs {want}");
+            }
+        }
+        // The same experts from RAM and SSD tiers: the same bits.
+        assert_eq!(tiered.cpu_routed(layer, &x, n, &routing).unwrap(), routed, "layer {layer}: tiers changed bits");
+        // A subset per token (what the GPU leaves to the CPU), including a token with none.
+        let subset: Vec<Routing> = routing
+            .iter()
+            .enumerate()
+            .map(|(t, r)| Routing {
+                experts: r.experts[..t.min(r.experts.len())].to_vec(),
+                weights: r.weights[..t.min(r.experts.len())].to_vec(),
+            })
+            .collect();
+        let part = mapped.cpu_routed(layer, &x, n, &subset).unwrap();
+        assert!(part[..d].iter().all(|&v| v == 0.0), "a token with no CPU experts gets zeros");
+        assert_eq!(tiered.cpu_routed(layer, &x, n, &subset).unwrap(), part);
+    }
+    // n-gram rows: from the SSD-placed table and from the memory map, equal to the table's own decoding.
+    let ple = mapped.layers.iter().find_map(|l| l.ple.as_ref()).expect("the demo model has a PLE layer");
+    let rows: Vec<u64> = vec![0, 5, ple.ngram_embedding.rows() as u64 - 1, 5];
+    let a = mapped.gather_ngram_rows(&rows).unwrap().unwrap();
+    let b = tiered.gather_ngram_rows(&rows).unwrap().unwrap();
+    assert_eq!(a, b);
+    let cols = ple.ngram_embedding.cols();
+    let mut one = vec![0f32; cols];
+    ple.ngram_embedding.dequantize_row(rows[2] as usize, &mut one);
+    assert_eq!(&a[2 * cols..3 * cols], &one[..]);
+}
