@@ -45,6 +45,36 @@ fn compare(ours: &[f32], reference: &[f32], vocab: usize) -> (f32, Vec<usize>) {
     (worst / max_ref, differ)
 }
 
+/// In-distribution text for the demo model (a chat it was trained on, repeated: about 150 tokens, long enough
+/// that its QSA layer selects blocks, budget 64 tokens).
+fn demo_chat_prompt(cpu: &Qwen4Exp) -> Vec<u32> {
+    let engine_tok = nebula_engine::text::tokenizer::TextTokenizer::from_gguf_vocab(
+        &nebula_engine::text::tokenizer::GgufVocab::from_gguf(cpu.file()).unwrap().unwrap(),
+    )
+    .unwrap();
+    let chat = "<|im_start|>user\nWhat is Nebula?<|im_end|>\n<|im_start|>assistant\n<think>\nNebula is the inference server this model runs in.\n</think>\n\nNebula is an inference server for Qwen3.8-Flash-Next with an OpenAI-compatible API.<|im_end|>\n";
+    engine_tok.encode(&chat.repeat(4)).unwrap()
+}
+
+/// Share of `steps` decode steps, teacher-forced on `reference`'s greedy tokens after `prompt`, where `other`
+/// has the same top-1.
+fn teacher_forced_agreement(
+    reference: &mut dyn FnMut(&[u32]) -> Vec<f32>,
+    other: &mut dyn FnMut(&[u32]) -> Vec<f32>,
+    prompt: &[u32],
+    steps: usize,
+) -> f64 {
+    let (mut r_last, mut o_last) = (reference(prompt), other(prompt));
+    let mut same = 0;
+    for _ in 0..steps {
+        let t = argmax(&r_last);
+        same += usize::from(argmax(&o_last) == t);
+        r_last = reference(&[t as u32]);
+        o_last = other(&[t as u32]);
+    }
+    same as f64 / steps as f64
+}
+
 fn gpu_run(model: &CudaModel, ids: &[u32], prefill: usize) -> Vec<f32> {
     let mut st = model.new_state(ids.len()).expect("state");
     let mut out = model.forward(&mut st, &ids[..prefill], LogitsFor::All).expect("prefill");
@@ -160,29 +190,18 @@ fn demo_model_greedy_matches_the_cpu_on_the_gpu() {
     let gpu = CudaModel::from_cpu(&cpu, 0, None).unwrap();
     // In-distribution text (a chat the demo model was trained on, repeated so the prompt is long enough that its
     // QSA layer selects blocks: budget 64 tokens).
-    let engine_tok = nebula_engine::text::tokenizer::TextTokenizer::from_gguf_vocab(
-        &nebula_engine::text::tokenizer::GgufVocab::from_gguf(cpu.file()).unwrap().unwrap(),
-    )
-    .unwrap();
-    let chat = "<|im_start|>user\nWhat is Nebula?<|im_end|>\n<|im_start|>assistant\n<think>\nNebula is the inference server this model runs in.\n</think>\n\nNebula is an inference server for Qwen3.8-Flash-Next with an OpenAI-compatible API.<|im_end|>\n";
-    let prompt: Vec<u32> = engine_tok.encode(&chat.repeat(4)).unwrap();
+    let prompt = demo_chat_prompt(&cpu);
     let mut cs = cpu.new_state(400);
     let mut gs = gpu.new_state(400).unwrap();
-    let mut c_last = cpu.forward(&mut cs, &prompt, LogitsFor::Last).unwrap();
-    let mut g_last = gpu.forward(&mut gs, &prompt, LogitsFor::Last).unwrap();
     // Teacher-forced on the CPU's greedy tokens (Q8_0 weights: the CPU quantizes activations as ggml does, the
     // GPU keeps them f32, so the bar is top-1 agreement >= 99 %); the decode steps run as a CUDA Graph.
     let steps = 128;
-    let mut same = 0;
-    for _ in 0..steps {
-        let ct = argmax(&c_last);
-        if argmax(&g_last) == ct {
-            same += 1;
-        }
-        c_last = cpu.forward(&mut cs, &[ct as u32], LogitsFor::Last).unwrap();
-        g_last = gpu.forward(&mut gs, &[ct as u32], LogitsFor::Last).unwrap();
-    }
-    let agree = same as f64 / steps as f64;
+    let agree = teacher_forced_agreement(
+        &mut |t| cpu.forward(&mut cs, t, LogitsFor::Last).unwrap(),
+        &mut |t| gpu.forward(&mut gs, t, LogitsFor::Last).unwrap(),
+        &prompt,
+        steps,
+    );
     println!(
         "demo model: GPU/CPU top-1 agreement {:.1} % over {steps} decode steps after a 150-token prefill",
         agree * 100.0
@@ -365,28 +384,19 @@ fn hybrid_greedy_tokens_equal_the_cpu_and_all_gpu_runs() {
     // trained on, repeated: 150 tokens, so the prompt's experts are streamed), as the all-GPU test does.
     let path = nebula_tests::repo_root().join("models/nebula-demo.gguf");
     let cpu = Qwen4Exp::load(&path).unwrap();
-    let engine_tok = nebula_engine::text::tokenizer::TextTokenizer::from_gguf_vocab(
-        &nebula_engine::text::tokenizer::GgufVocab::from_gguf(cpu.file()).unwrap().unwrap(),
-    )
-    .unwrap();
-    let chat = "<|im_start|>user\nWhat is Nebula?<|im_end|>\n<|im_start|>assistant\n<think>\nNebula is the inference server this model runs in.\n</think>\n\nNebula is an inference server for Qwen3.8-Flash-Next with an OpenAI-compatible API.<|im_end|>\n";
-    let prompt: Vec<u32> = engine_tok.encode(&chat.repeat(4)).unwrap();
+    let prompt = demo_chat_prompt(&cpu);
     assert!(prompt.len() > default.cpu_max_tokens, "the prompt must take the streamed prefill path");
     for (label, params) in [("default", default), ("split", split)] {
         let hybrid = CudaModel::hybrid_with(placed(&path, 8), 0, None, params).unwrap();
         let mut cs = cpu.new_state(400);
         let mut hs = hybrid.new_state(400).unwrap();
-        let mut c_last = cpu.forward(&mut cs, &prompt, LogitsFor::Last).unwrap();
-        let mut h_last = hybrid.forward(&mut hs, &prompt, LogitsFor::Last).unwrap();
         let steps = 128;
-        let mut same = 0;
-        for _ in 0..steps {
-            let ct = argmax(&c_last);
-            same += usize::from(argmax(&h_last) == ct);
-            c_last = cpu.forward(&mut cs, &[ct as u32], LogitsFor::Last).unwrap();
-            h_last = hybrid.forward(&mut hs, &[ct as u32], LogitsFor::Last).unwrap();
-        }
-        let agree = same as f64 / steps as f64;
+        let agree = teacher_forced_agreement(
+            &mut |t| cpu.forward(&mut cs, t, LogitsFor::Last).unwrap(),
+            &mut |t| hybrid.forward(&mut hs, t, LogitsFor::Last).unwrap(),
+            &prompt,
+            steps,
+        );
         println!("demo model, hybrid {label}: top-1 agreement with the CPU {:.1} % over {steps} steps", agree * 100.0);
         assert!(agree >= 0.99, "hybrid {label}: top-1 agreement {agree:.3}");
     }

@@ -1610,7 +1610,7 @@ impl CudaModel {
     }
 
     /// Hybrid MoE for a long batch (prefill): the resident experts from the expert cache, every other expert of
-    /// the layer streamed from host RAM in groups through the two staging buffers (see [`hybrid`]).
+    /// the layer streamed from host RAM in groups through the ring of staging buffers (see [`hybrid`]).
     #[allow(clippy::too_many_arguments)]
     fn moe_streamed(
         &self,
