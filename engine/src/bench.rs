@@ -214,3 +214,64 @@ pub fn decode_bytes(cfg: &ModelConfig, dense_weight_bytes: u64, expert_bytes: u6
     }
     DecodeBytes { dense: dense_weight_bytes, experts: expert_bytes * (cfg.n_expert_used * cfg.n_layer) as u64, state }
 }
+
+/// Sum of 64-bit words, vectorized with AVX2 when the CPU has it.
+fn sum_words(v: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        fn sum_avx2(v: &[u64]) -> u64 {
+            sum_plain(v)
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { sum_avx2(v) };
+        }
+    }
+    sum_plain(v)
+}
+
+#[inline(always)]
+fn sum_plain(v: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    for c in v.chunks_exact(8) {
+        for i in 0..8 {
+            acc[i] = acc[i].wrapping_add(c[i]);
+        }
+    }
+    acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+}
+
+/// DRAM read bandwidth in bytes/s with `threads` threads: a buffer of `bytes` (much larger than the caches)
+/// summed for about `seconds` (a STREAM-like read pass; `nebula bench kernels`, the hybrid backend's cost model
+/// and `bench model`'s hybrid floor all use it).
+///
+/// Errors: the thread pool cannot be built.
+pub fn dram_read_bandwidth(threads: usize, bytes: usize, seconds: f64) -> Result<f64, rayon::ThreadPoolBuildError> {
+    use rayon::prelude::*;
+    let buf: Vec<u64> = (0..(bytes / 8) as u64).into_par_iter().collect();
+    read_bandwidth(&buf, threads, seconds)
+}
+
+/// Read bandwidth in bytes/s with `threads` threads over `buf`: passes over it for at least `seconds` (and at
+/// least two), each thread summing its share.
+///
+/// Errors: the thread pool cannot be built.
+pub fn read_bandwidth(buf: &[u64], threads: usize, seconds: f64) -> Result<f64, rayon::ThreadPoolBuildError> {
+    let p = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    let pass = || {
+        p.broadcast(|ctx| {
+            let n = buf.len();
+            let (i, k) = (ctx.index(), ctx.num_threads());
+            std::hint::black_box(sum_words(&buf[n * i / k..n * (i + 1) / k]))
+        });
+    };
+    pass();
+    let start = Instant::now();
+    let mut passes = 0u64;
+    while start.elapsed().as_secs_f64() < seconds || passes < 2 {
+        pass();
+        passes += 1;
+    }
+    Ok(passes as f64 * (buf.len() * 8) as f64 / start.elapsed().as_secs_f64())
+}

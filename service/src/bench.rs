@@ -21,10 +21,10 @@
 use std::time::Instant;
 
 use anyhow::{Context, bail};
+use nebula_engine::bench::read_bandwidth;
 use nebula_engine::gguf::GgmlType;
 use nebula_engine::quant::moe::{ExpertRef, ExpertWork, routed_experts};
 use nebula_engine::quant::{Isa, Matrix, WeightBytes, quantize, synthetic_blocks};
-use nebula_service::cli::bench::read_bandwidth;
 use rayon::prelude::*;
 
 /// Options of `nebula bench kernels`.

@@ -2,7 +2,6 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::Context;
 use nebula_engine::backend::{BackendKind, Runner};
@@ -131,7 +130,7 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         // The floor of hybrid decode (issue 5): CPU expert bytes / DRAM read bandwidth + the GPU's share + one
         // round trip per layer, each measured here.
         let threads = rayon::current_num_threads();
-        let dram = dram_read_bandwidth(threads)?;
+        let dram = nebula_engine::bench::dram_read_bandwidth(threads, 1 << 30, 1.0)?;
         let rtt = m.round_trip()?;
         println!(
             "hybrid: DRAM read {:.1} GB/s ({threads} threads), host-GPU-host round trip {:.1} us, expert {:.2} MiB; \
@@ -385,57 +384,4 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("nebula-bench-mtp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
-}
-
-/// Sum of 64-bit words, vectorized with AVX2 when the CPU has it.
-fn sum_words(v: &[u64]) -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2")]
-        fn sum_avx2(v: &[u64]) -> u64 {
-            sum_plain(v)
-        }
-        if is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { sum_avx2(v) };
-        }
-    }
-    sum_plain(v)
-}
-
-#[inline(always)]
-fn sum_plain(v: &[u64]) -> u64 {
-    let mut acc = [0u64; 8];
-    for c in v.chunks_exact(8) {
-        for i in 0..8 {
-            acc[i] = acc[i].wrapping_add(c[i]);
-        }
-    }
-    acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-}
-
-/// DRAM read bandwidth in bytes/s with `threads` threads: a 1 GiB buffer summed for about a second.
-pub fn dram_read_bandwidth(threads: usize) -> anyhow::Result<f64> {
-    let buf: Vec<u64> = (0..(1usize << 27) as u64).collect();
-    read_bandwidth(&buf, threads, 1.0)
-}
-
-/// Read bandwidth in bytes/s with `threads` threads over `buf`.
-pub fn read_bandwidth(buf: &[u64], threads: usize, seconds: f64) -> anyhow::Result<f64> {
-    let p = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
-    let pass = || {
-        p.broadcast(|ctx| {
-            let n = buf.len();
-            let (i, k) = (ctx.index(), ctx.num_threads());
-            std::hint::black_box(sum_words(&buf[n * i / k..n * (i + 1) / k]))
-        });
-    };
-    pass();
-    let start = Instant::now();
-    let mut passes = 0u64;
-    while start.elapsed().as_secs_f64() < seconds || passes < 2 {
-        pass();
-        passes += 1;
-    }
-    Ok(passes as f64 * (buf.len() * 8) as f64 / start.elapsed().as_secs_f64())
 }

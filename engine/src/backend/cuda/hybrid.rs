@@ -379,10 +379,17 @@ impl Drop for Hybrid {
     }
 }
 
-/// Bytes of one expert's three matrices.
-pub(crate) fn expert_bytes(model: &Qwen4Exp) -> [usize; 3] {
-    let e = &model.layers[0].mlp.experts[0];
+/// Bytes of one expert's three matrices (gate, up, down) in layer `li` (types may differ between layers).
+pub(crate) fn expert_bytes(model: &Qwen4Exp, li: usize) -> [usize; 3] {
+    let e = &model.layers[li].mlp.experts[0];
     [e.gate_proj.bytes().len(), e.up_proj.bytes().len(), e.down_proj.bytes().len()]
+}
+
+/// The largest [`expert_bytes`] of any layer, matrix by matrix: the size of a staging slot.
+pub(crate) fn max_expert_bytes(model: &Qwen4Exp) -> [usize; 3] {
+    (0..model.layers.len())
+        .map(|li| expert_bytes(model, li))
+        .fold([0; 3], |m, b| std::array::from_fn(|i| m[i].max(b[i])))
 }
 
 impl Hybrid {
@@ -395,7 +402,7 @@ impl Hybrid {
 
     /// VRAM of the staging buffers, bytes.
     pub(crate) fn stage_bytes(model: &Qwen4Exp, params: &HybridParams) -> usize {
-        params.stages.max(2) * params.stage_experts * expert_bytes(model).iter().sum::<usize>()
+        params.stages.max(2) * params.stage_experts * max_expert_bytes(model).iter().sum::<usize>()
     }
 
     /// Sets up the host half for `model` (its GPU-tier experts already uploaded as the slot stacks of `dev`'s
@@ -426,7 +433,7 @@ impl Hybrid {
                 streamed,
             });
         }
-        let [g, u, d] = expert_bytes(&model);
+        let [g, u, d] = max_expert_bytes(&model);
         let stage = || -> Result<Stage, CudaError> {
             Ok(Stage {
                 gate: stream.alloc_zeros::<u8>(params.stage_experts * g)?,
@@ -463,7 +470,8 @@ impl Hybrid {
                 Some(li) => {
                     let pcie =
                         upload_bandwidth(dev, &model, li, &layers[li].streamed, &stages[0], params.stage_experts)?;
-                    let dram = dram_read_bandwidth();
+                    let dram = crate::bench::dram_read_bandwidth(rayon::current_num_threads(), 256 << 20, 0.05)
+                        .map_err(|e| CudaError::Unsupported(format!("measuring DRAM bandwidth: {e}")))?;
                     let streamed = layers.iter().map(|l| l.streamed.len()).sum::<usize>() / layers.len().max(1);
                     let t = crossover_tokens(n_expert, k, streamed, pcie, dram * CPU_EXPERT_EFFICIENCY);
                     tracing::info!(
@@ -545,12 +553,7 @@ fn upload_bandwidth(
         let t = std::time::Instant::now();
         bytes = 0;
         for (j, &e) in experts.iter().enumerate() {
-            let x = model.host_expert(li, e)?;
-            for (buf, mat) in [(&stage.gate, &x.gate_proj), (&stage.up, &x.up_proj), (&stage.down, &x.down_proj)] {
-                let src = mat.bytes();
-                htod(stream, stage_ptr(buf, stream, j * src.len()), src.as_ptr(), src.len())?;
-                bytes += src.len();
-            }
+            bytes += stage_expert(stream, model, li, e, stage, j)?;
         }
         stream.synchronize()?;
         best = best.min(t.elapsed().as_secs_f64());
@@ -558,18 +561,36 @@ fn upload_bandwidth(
     Ok(bytes as f64 / best.max(1e-9))
 }
 
-/// DRAM read bandwidth in bytes/s: a 256 MiB buffer summed by the compute pool, best of three passes.
-fn dram_read_bandwidth() -> f64 {
-    use rayon::prelude::*;
-    let words: Vec<u64> = (0..(32usize << 20)).into_par_iter().map(|i| i as u64).collect();
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = std::time::Instant::now();
-        let s: u64 = words.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
-        std::hint::black_box(s);
-        best = best.min(t.elapsed().as_secs_f64());
+/// Queues the upload of expert `e` of layer `li` (its host weights: RAM tier, SSD tier read now, or the file)
+/// into slot `j` of `stage` on `stream`; returns the bytes copied.
+///
+/// Errors: an SSD read fails; the expert's matrices differ in size from the layer's first expert (the slots of
+/// one layer are that size apart, as the grouped kernels read them).
+pub(crate) fn stage_expert(
+    stream: &CudaStream,
+    model: &Qwen4Exp,
+    li: usize,
+    e: usize,
+    stage: &Stage,
+    j: usize,
+) -> Result<usize, CudaError> {
+    let x = model.host_expert(li, e)?;
+    let sizes = expert_bytes(model, li);
+    let mut copied = 0;
+    for ((buf, mat), bytes) in
+        [(&stage.gate, &x.gate_proj), (&stage.up, &x.up_proj), (&stage.down, &x.down_proj)].into_iter().zip(sizes)
+    {
+        let src = mat.bytes();
+        if src.len() != bytes {
+            return Err(CudaError::Unsupported(format!(
+                "expert {e} of layer {li}: {} bytes where the layer's experts have {bytes}",
+                src.len()
+            )));
+        }
+        htod(stream, stage_ptr(buf, stream, j * bytes), src.as_ptr(), bytes)?;
+        copied += bytes;
     }
-    (words.len() * 8) as f64 / best.max(1e-9)
+    Ok(copied)
 }
 
 /// Copies `bytes` host bytes at `src` to device address `dst` on `stream` (asynchronous for registered memory).

@@ -1636,7 +1636,6 @@ impl CudaModel {
             let se = ptr(&hl.resident_dev, stream, 0);
             self.grouped_ffn(views, hl.resident.len(), se, offsets, perm, m, n, ys, true)?;
         }
-        let [gb, ub, db] = [moe.gate.expert_bytes(), moe.up.expert_bytes(), moe.down.expert_bytes()];
         let group = h.params.stage_experts;
         let copy = &h.copy;
         let groups: Vec<&[usize]> = hl.streamed.chunks(group).collect();
@@ -1651,20 +1650,9 @@ impl CudaModel {
             let stage = &h.stages[h.stage_turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % h.stages.len()];
             // The copy waits until the kernels that last read this buffer have run.
             copy.wait(&stage.free)?;
+            let mut copied = 0;
             for (j, &e) in experts.iter().enumerate() {
-                let x = h.host.host_expert(li, e)?;
-                for (buf, bytes, mat) in
-                    [(&stage.gate, gb, &x.gate_proj), (&stage.up, ub, &x.up_proj), (&stage.down, db, &x.down_proj)]
-                {
-                    let src = mat.bytes();
-                    if src.len() != bytes {
-                        return Err(CudaError::Unsupported(format!(
-                            "expert {e} of layer {li}: {} bytes where the layer's experts have {bytes}",
-                            src.len()
-                        )));
-                    }
-                    hybrid::htod(copy, hybrid::stage_ptr(buf, copy, j * bytes), src.as_ptr(), bytes)?;
-                }
+                copied += hybrid::stage_expert(copy, &h.host, li, e, stage, j)?;
             }
             stage.ready.record(copy)?;
             stream.wait(&stage.ready)?;
@@ -1679,7 +1667,7 @@ impl CudaModel {
             self.grouped_ffn(views, experts.len(), se, offsets, perm, m, n, ys, true)?;
             self.arena_release(mark);
             stage.free.record(stream)?;
-            h.stats.pcie_bytes.fetch_add((experts.len() * (gb + ub + db)) as u64, std::sync::atomic::Ordering::Relaxed);
+            h.stats.pcie_bytes.fetch_add(copied as u64, std::sync::atomic::Ordering::Relaxed);
         }
         self.combine(ys, w, shared, sgate, 0, n)
     }
