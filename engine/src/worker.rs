@@ -368,21 +368,13 @@ impl Engine {
         }
         let placement = Arc::new(model.placement_report());
         let placement_stats = model.placement_stats();
-        let gpu = match opts.backend {
-            BackendKind::Cpu => None,
-            BackendKind::Cuda { .. } => None,
-        };
         let model = Arc::new(model);
         let gpu = match opts.backend {
-            BackendKind::Cpu => gpu,
+            BackendKind::Cpu => None,
             // A placed model runs hybrid: GPU-tier experts on the GPU, the rest on the CPU.
             BackendKind::Cuda { device, vram_budget } => Some(Box::new(
-                if model.expert_tiers().is_some() {
-                    CudaModel::hybrid(model.clone(), device, vram_budget)
-                } else {
-                    CudaModel::from_cpu(&model, device, vram_budget)
-                }
-                .map_err(|source| LoadError::Backend { path: shown.clone(), source })?,
+                CudaModel::for_model(model.clone(), device, vram_budget)
+                    .map_err(|source| LoadError::Backend { path: shown.clone(), source })?,
             )),
         };
         let config = model.config.clone();

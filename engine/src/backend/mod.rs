@@ -74,11 +74,8 @@ impl Runner {
     pub fn new(model: Qwen4Exp, kind: BackendKind) -> Result<Self, BackendError> {
         Ok(match kind {
             BackendKind::Cpu => Runner::Cpu(model),
-            BackendKind::Cuda { device, vram_budget } if model.expert_tiers().is_some() => {
-                Runner::Cuda(Box::new(cuda::CudaModel::hybrid(std::sync::Arc::new(model), device, vram_budget)?))
-            }
             BackendKind::Cuda { device, vram_budget } => {
-                Runner::Cuda(Box::new(cuda::CudaModel::from_cpu(&model, device, vram_budget)?))
+                Runner::Cuda(Box::new(cuda::CudaModel::for_model(std::sync::Arc::new(model), device, vram_budget)?))
             }
         })
     }

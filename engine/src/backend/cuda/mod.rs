@@ -448,6 +448,20 @@ impl CudaModel {
         Self::build(model, ordinal, vram_budget, None, 0)
     }
 
+    /// `model` on GPU `ordinal`: hybrid ([`CudaModel::hybrid`]) when it is placed, else every weight on the GPU
+    /// ([`CudaModel::from_cpu`]).
+    pub fn for_model(
+        model: std::sync::Arc<Qwen4Exp>,
+        ordinal: usize,
+        vram_budget: Option<u64>,
+    ) -> Result<Self, CudaError> {
+        if model.expert_tiers().is_some() {
+            Self::hybrid(model, ordinal, vram_budget)
+        } else {
+            Self::from_cpu(&model, ordinal, vram_budget)
+        }
+    }
+
     /// The hybrid model ([`hybrid`]): `model` must be placed ([`Qwen4Exp::place`]); its GPU-tier experts and the
     /// dense trunk go to GPU `ordinal`, the CPU model keeps the rest and computes them. `vram_budget` (bytes)
     /// covers the trunk, the GPU experts and the two staging buffers of streamed prefill.
