@@ -277,53 +277,14 @@ impl Sampler {
         weights.iter().rev().find(|w| w.1 > 0.0).map(|w| w.0)
     }
 
-    /// Chooses a token id from `logits` (one row, `vocab` values). `None` only if no token is possible.
+    /// Chooses a token id from `logits` (one row, `vocab` values): a draw from [`Sampler::distribution`] (greedy
+    /// takes the argmax without drawing). `None` only if no token is possible.
     pub fn sample(&mut self, logits: &[f32]) -> Option<u32> {
-        let p = self.params;
-        if p.is_greedy() {
+        if self.params.is_greedy() {
             return argmax(logits).map(|i| i as u32);
         }
-        let mut cand: Vec<(u32, f32)> =
-            logits.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v)).collect();
-        if cand.is_empty() {
-            return None;
-        }
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.select_nth_unstable_by(p.top_k - 1, by_logit);
-            cand.truncate(p.top_k);
-        }
-        cand.sort_unstable_by(by_logit);
-        // Softmax at temperature, in f64 for a stable cumulative sum.
-        let max = cand[0].1 as f64;
-        let t = p.temperature as f64;
-        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= total);
-        let mut keep = probs.len();
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            for (i, &q) in probs.iter().enumerate() {
-                acc += q;
-                if acc >= p.top_p as f64 {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        if p.min_p > 0.0 {
-            let floor = probs[0] * p.min_p as f64;
-            keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
-        }
-        let mass: f64 = probs[..keep].iter().sum();
-        let mut r = self.rng.random::<f64>() * mass;
-        for (c, &q) in cand[..keep].iter().zip(&probs[..keep]) {
-            if r < q {
-                return Some(c.0);
-            }
-            r -= q;
-        }
-        Some(cand[keep - 1].0)
+        let d = self.distribution(logits);
+        self.draw(&d)
     }
 }
 
