@@ -326,15 +326,26 @@ fn plan(opts: &SynthOptions, router: Init) -> Vec<Spec> {
     let (kd, vd) = (SSM_K * SSM_DIM, SSM_V * SSM_DIM);
     let conv_dim = 2 * kd + vd;
     let e = opts.experts;
-    for i in 0..opts.layers {
+    // The trunk's layers, then the MTP block as one more attention-type layer with its `nextn.*` tensors (the
+    // format's trailing block `blk.{layers}`).
+    for i in 0..opts.layers + usize::from(opts.mtp) {
         let b = format!("blk.{i}");
+        let is_mtp = i == opts.layers;
+        if is_mtp {
+            push(format!("{b}.nextn.eh_proj.weight"), vec![2 * D, D], mat(2 * D), noise(2 * D));
+            push(format!("{b}.nextn.enorm.weight"), vec![D], GgmlType::F32, ones);
+            push(format!("{b}.nextn.hnorm.weight"), vec![dd], GgmlType::F32, ones);
+            push(format!("{b}.nextn.hc_head_norm.weight"), vec![dd], GgmlType::F32, ones);
+            push(format!("{b}.nextn.hc_head_down.weight"), vec![dd, RANK], mat(dd), noise(dd));
+            push(format!("{b}.nextn.hc_head_up.weight"), vec![RANK, dd], nl(RANK), noise(RANK));
+        }
         for gg in ["hc_attn", "hc_ffn"] {
             push(format!("{b}.{gg}_norm.weight"), vec![dd], GgmlType::F32, ones);
             push(format!("{b}.{gg}_down.weight"), vec![dd, RANK], mat(dd), noise(dd));
             push(format!("{b}.{gg}_up.weight"), vec![RANK, dd], nl(RANK), noise(RANK));
             push(format!("{b}.{gg}_inject.weight"), vec![dd, HC], mat(dd), noise(dd));
         }
-        if (i + 1) % 4 != 0 {
+        if !is_mtp && (i + 1) % 4 != 0 {
             push(format!("{b}.attn_qkv.weight"), vec![D, conv_dim], mat(D), noise(D));
             push(format!("{b}.attn_gate.weight"), vec![D, vd], mat(D), noise(D));
             let ab = if q4 { GgmlType::F32 } else { mat(D) };
@@ -383,44 +394,6 @@ fn plan(opts: &SynthOptions, router: Init) -> Vec<Spec> {
             }
             push(format!("{b}.ple_conv1d.weight"), vec![4, dd], GgmlType::F32, Init::Noise { mean: 0.0, std: 0.3 });
         }
-    }
-    if opts.mtp {
-        let b = format!("blk.{}", opts.layers);
-        push(format!("{b}.nextn.eh_proj.weight"), vec![2 * D, D], mat(2 * D), noise(2 * D));
-        push(format!("{b}.nextn.enorm.weight"), vec![D], GgmlType::F32, ones);
-        push(format!("{b}.nextn.hnorm.weight"), vec![dd], GgmlType::F32, ones);
-        push(format!("{b}.nextn.hc_head_norm.weight"), vec![dd], GgmlType::F32, ones);
-        push(format!("{b}.nextn.hc_head_down.weight"), vec![dd, RANK], mat(dd), noise(dd));
-        push(format!("{b}.nextn.hc_head_up.weight"), vec![RANK, dd], nl(RANK), noise(RANK));
-        for gg in ["hc_attn", "hc_ffn"] {
-            push(format!("{b}.{gg}_norm.weight"), vec![dd], GgmlType::F32, ones);
-            push(format!("{b}.{gg}_down.weight"), vec![dd, RANK], mat(dd), noise(dd));
-            push(format!("{b}.{gg}_up.weight"), vec![RANK, dd], nl(RANK), noise(RANK));
-            push(format!("{b}.{gg}_inject.weight"), vec![dd, HC], mat(dd), noise(dd));
-        }
-        push(format!("{b}.attn_q.weight"), vec![D, HEADS * HEAD_DIM * 2], mat(D), noise(D));
-        push(format!("{b}.attn_k.weight"), vec![D, KV_HEADS * HEAD_DIM], mat(D), noise(D));
-        push(format!("{b}.attn_v.weight"), vec![D, KV_HEADS * HEAD_DIM], mat(D), noise(D));
-        push(
-            format!("{b}.attn_output.weight"),
-            vec![HEADS * HEAD_DIM, D],
-            mat(HEADS * HEAD_DIM),
-            resid(HEADS * HEAD_DIM),
-        );
-        push(format!("{b}.attn_q_norm.weight"), vec![HEAD_DIM], GgmlType::F32, ones);
-        push(format!("{b}.attn_k_norm.weight"), vec![HEAD_DIM], GgmlType::F32, ones);
-        push(format!("{b}.indexer.q_proj.weight"), vec![D, IDX_HEADS * IDX_DIM], idx_ty, noise(D));
-        push(format!("{b}.indexer.k_proj.weight"), vec![D, IDX_DIM], idx_ty, noise(D));
-        push(format!("{b}.indexer.q_norm.weight"), vec![IDX_DIM], GgmlType::F32, ones);
-        push(format!("{b}.indexer.k_norm.weight"), vec![IDX_DIM], GgmlType::F32, ones);
-        push(format!("{b}.ffn_gate_inp.weight"), vec![D, e], GgmlType::F32, router);
-        push(format!("{b}.ffn_gate_exps.weight"), vec![D, FF, e], mat(D), noise(D));
-        push(format!("{b}.ffn_up_exps.weight"), vec![D, FF, e], mat(D), noise(D));
-        push(format!("{b}.ffn_down_exps.weight"), vec![FF, D, e], nl(FF), resid(FF));
-        push(format!("{b}.ffn_gate_shexp.weight"), vec![D, FF], mat(D), noise(D));
-        push(format!("{b}.ffn_up_shexp.weight"), vec![D, FF], mat(D), noise(D));
-        push(format!("{b}.ffn_down_shexp.weight"), vec![FF, D], nl(FF), resid(FF));
-        push(format!("{b}.ffn_gate_inp_shexp.weight"), vec![D], GgmlType::F32, noise(D));
     }
     let table_rows = head_sizes(opts.ngram_rows_per_head, 16).iter().sum::<u64>().div_ceil(128) * 128;
     push(
