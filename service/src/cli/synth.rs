@@ -40,6 +40,13 @@ pub struct SynthArgs {
 
 /// Runs `nebula synth`.
 pub fn run(args: SynthArgs) -> anyhow::Result<()> {
+    // Each token routes to 10 experts (the real model's top-k), so a layer needs at least that many.
+    if args.experts < 10 {
+        anyhow::bail!("--experts {} is below the 10 experts each token is routed to", args.experts);
+    }
+    if args.layers == 0 {
+        anyhow::bail!("--layers must be at least 1");
+    }
     let tok = match &args.tokenizer_from {
         Some(p) => GgufFile::open(p).with_context(|| format!("reading the tokenizer of {}", p.display()))?,
         None => GgufFile::from_bytes("embedded demo model", crate::config::EMBEDDED_DEMO_MODEL.to_vec())
