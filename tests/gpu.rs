@@ -272,28 +272,56 @@ fn hybrid_matches_the_reference_on_the_golden_checkpoints() {
                 "handoff",
                 n_expert / 4,
                 usize::MAX,
-                HybridParams { handoff: 0.9, omit: 0.0, cpu_max_tokens: 4, stage_experts: 3, stages: 2 },
+                HybridParams {
+                    handoff: 0.9,
+                    omit: 0.0,
+                    cpu_max_tokens: 4,
+                    stage_experts: 3,
+                    stages: 2,
+                    verify_handoff: false,
+                },
             ),
             // Handoff off: resident experts on the GPU, the others on the CPU, prefill on the CPU too.
             (
                 "split",
                 n_expert / 2,
                 usize::MAX,
-                HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 1000, stage_experts: 8, stages: 3 },
+                HybridParams {
+                    handoff: 0.0,
+                    omit: 0.0,
+                    cpu_max_tokens: 1000,
+                    stage_experts: 8,
+                    stages: 3,
+                    verify_handoff: false,
+                },
             ),
             // No GPU experts at all: every routed expert on the CPU or streamed.
             (
                 "none",
                 0,
                 usize::MAX,
-                HybridParams { handoff: 0.9, omit: 0.0, cpu_max_tokens: 2, stage_experts: 5, stages: 4 },
+                HybridParams {
+                    handoff: 0.9,
+                    omit: 0.0,
+                    cpu_max_tokens: 2,
+                    stage_experts: 5,
+                    stages: 4,
+                    verify_handoff: false,
+                },
             ),
             // A quarter on the GPU, half in RAM, the rest read from SSD for both the CPU and the streamed prefill.
             (
                 "ssd",
                 n_expert / 4,
                 n_expert / 2,
-                HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 3, stage_experts: 4, stages: 3 },
+                HybridParams {
+                    handoff: 0.0,
+                    omit: 0.0,
+                    cpu_max_tokens: 3,
+                    stage_experts: 4,
+                    stages: 3,
+                    verify_handoff: false,
+                },
             ),
         ] {
             let model = placed_tiers(&path, gpu_experts, ram_experts);
@@ -333,8 +361,16 @@ fn hybrid_matches_the_reference_on_the_golden_checkpoints() {
 #[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
 fn hybrid_greedy_tokens_equal_the_cpu_and_all_gpu_runs() {
     use nebula_engine::backend::cuda::hybrid::HybridParams;
-    let default = HybridParams { handoff: 0.9, omit: 0.0, cpu_max_tokens: 96, stage_experts: 32, stages: 6 };
-    let split = HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 4, stage_experts: 7, stages: 2 };
+    let default = HybridParams {
+        handoff: 0.9,
+        omit: 0.0,
+        cpu_max_tokens: 96,
+        stage_experts: 32,
+        stages: 6,
+        verify_handoff: false,
+    };
+    let split =
+        HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 4, stage_experts: 7, stages: 2, verify_handoff: false };
     fn greedy(fwd: &mut dyn FnMut(&[u32]) -> Vec<f32>, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
         let mut last = fwd(prompt);
         let (mut out, mut logits) = (Vec::new(), Vec::new());
@@ -403,13 +439,176 @@ fn hybrid_greedy_tokens_equal_the_cpu_and_all_gpu_runs() {
     // Omission on: experts are dropped and counted.
     let model = placed(&path, 8);
     let stats = model.placement_stats();
-    let params = HybridParams { handoff: 0.0, omit: 0.3, cpu_max_tokens: 1000, stage_experts: 32, stages: 2 };
+    let params = HybridParams {
+        handoff: 0.0,
+        omit: 0.3,
+        cpu_max_tokens: 1000,
+        stage_experts: 32,
+        stages: 2,
+        verify_handoff: false,
+    };
     let hybrid = CudaModel::hybrid_with(model, 0, None, params).unwrap();
     let mut hs = hybrid.new_state(400).unwrap();
     hybrid.forward(&mut hs, &prompt, LogitsFor::Last).unwrap();
     let omitted = stats.snapshot().omitted;
     println!("omission at 0.3 of the mass: {omitted} expert uses dropped over a 150-token prompt");
     assert!(omitted > 0, "omission at 30 % of the mass dropped nothing");
+}
+
+/// A decode sink for the speculative decoder: collects `max` tokens.
+struct Collect {
+    out: Vec<u32>,
+    max: usize,
+}
+
+impl<S> nebula_engine::speculative::TokenSink<S> for Collect {
+    fn mask(&mut self, _logits: &mut [f32]) -> Result<(), String> {
+        Ok(())
+    }
+    fn commit(&mut self, token: u32, _logits: &[f32], room: bool) -> Result<nebula_engine::speculative::Flow, String> {
+        use nebula_engine::speculative::Flow;
+        self.out.push(token);
+        Ok(if self.out.len() >= self.max || !room {
+            Flow::Finish(nebula_engine::worker::FinishReason::Length)
+        } else {
+            Flow::Continue
+        })
+    }
+    fn remaining(&self) -> usize {
+        self.max.saturating_sub(self.out.len())
+    }
+}
+
+/// Greedy decoding of `n` tokens after `prompt` through the speculative decoder (`drafter` proposes; drafting
+/// off when `spec` is false): (tokens, report, the state it leaves).
+fn spec_greedy<M: nebula_engine::speculative::SpeculativeModel<State = nebula_engine::backend::cuda::CudaState>>(
+    gpu: &CudaModel,
+    drafter: &M,
+    prompt: &[u32],
+    n: usize,
+    spec: bool,
+) -> (Vec<u32>, nebula_engine::speculative::stats::DecodeReport, nebula_engine::backend::cuda::CudaState) {
+    use nebula_engine::sampling::{Sampler, SamplingParams};
+    use nebula_engine::speculative::{SpeculativeDecoder, SpeculativeOptions};
+    let limit = prompt.len() + n + 1;
+    let mut st = gpu.new_state(limit).unwrap();
+    let logits = gpu.forward(&mut st, prompt, LogitsFor::Last).unwrap();
+    let mut sampler = Sampler::new(SamplingParams::GREEDY);
+    let mut sink = Collect { out: Vec::new(), max: n };
+    let opts = SpeculativeOptions { enabled: spec, ..Default::default() };
+    let mut dec = SpeculativeDecoder::new(drafter, opts, None);
+    dec.run(&mut st, logits, &mut sampler, &mut sink, limit).unwrap();
+    (sink.out, dec.report, st)
+}
+
+/// Brings `st` to `tokens.len() - 1` consumed tokens with single steps, then steps the last token: its logits.
+fn catch_up_and_step(gpu: &CudaModel, st: &mut nebula_engine::backend::cuda::CudaState, tokens: &[u32]) -> Vec<f32> {
+    while st.pos + 1 < tokens.len() {
+        gpu.forward(st, &[tokens[st.pos]], LogitsFor::Last).unwrap();
+    }
+    assert_eq!(st.pos + 1, tokens.len(), "the state consumed more tokens than were emitted");
+    gpu.forward(st, &[tokens[st.pos]], LogitsFor::Last).unwrap()
+}
+
+/// MTP speculative decoding on the GPU (issue 9, SPEC §4), all-GPU and hybrid:
+/// - the GPU MTP block's chained drafts equal the outside reference's (`scripts/make_mtp_golden.py`, a PyTorch
+///   MTP head after SGLang's module) after a prefill;
+/// - level 3 with MTP drafting produces exactly plain greedy decoding's tokens (all-GPU; hybrid with the SPEC's
+///   resident-expert verify and case B; hybrid with the verify handoff), on the reference MTP checkpoint and on
+///   golden checkpoints with random MTP blocks (QSA, PLE);
+/// - after a run of the scripted drafter (rate 0.6: many case-C rollbacks), the state is bit for bit the state of
+///   plain single-step decoding: the next step's logits are identical.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn mtp_on_the_gpu_drafts_verifies_and_rolls_back_exactly() {
+    use nebula_engine::backend::cuda::hybrid::HybridParams;
+    use nebula_engine::speculative::scripted::{DraftPlan, ScriptedDrafter};
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    };
+    let base = HybridParams {
+        handoff: 0.9,
+        omit: 0.0,
+        cpu_max_tokens: 96,
+        stage_experts: 8,
+        stages: 2,
+        verify_handoff: false,
+    };
+    let backends = |path: &std::path::Path, cpu: &Qwen4Exp| -> Vec<(&'static str, CudaModel)> {
+        let half = cpu.config.n_expert / 2;
+        vec![
+            ("all-GPU", CudaModel::from_cpu(cpu, 0, None).unwrap()),
+            ("hybrid", CudaModel::hybrid_with(placed(path, half), 0, None, base).unwrap()),
+            (
+                "hybrid verify-handoff",
+                CudaModel::hybrid_with(placed(path, half), 0, None, HybridParams { verify_handoff: true, ..base })
+                    .unwrap(),
+            ),
+        ]
+    };
+
+    // Drafts against the reference implementation.
+    let ref_path = nebula_tests::reference_mtp_gguf(tmp.path());
+    let cpu = Qwen4Exp::load(&ref_path).unwrap();
+    let fx = nebula_tests::repo_root().join("tests/fixtures/golden_mtp/hc4_mtp/golden.json");
+    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fx).unwrap()).unwrap();
+    let tokens = ids(&meta["token_ids"]);
+    let want = ids(&meta["drafts"]);
+    let (p, k) = (meta["prefill"].as_u64().unwrap() as usize, meta["chain"].as_u64().unwrap() as usize);
+    for (label, gpu) in backends(&ref_path, &cpu) {
+        assert!(gpu.has_mtp());
+        let mut st = gpu.new_state(p + k + 4).unwrap();
+        gpu.forward(&mut st, &tokens[..p], LogitsFor::None).unwrap();
+        let drafts = gpu.draft_tokens(&mut st, tokens[p], k).unwrap();
+        println!("hc4_mtp {label}: GPU drafts {drafts:?}, reference {want:?}");
+        assert_eq!(drafts, want, "{label}: the GPU MTP block's drafts differ from the reference's");
+    }
+
+    // Level 3 equals plain greedy; the scripted drafter leaves exact states.
+    let mut models = vec![("hc4_mtp".to_string(), ref_path.clone())];
+    for name in ["qsa_budget", "ple_eos"] {
+        models.push((name.to_string(), nebula_tests::golden_with_random_mtp_gguf(name, tmp.path())));
+    }
+    for (name, path) in &models {
+        let cpu = Qwen4Exp::load(path).unwrap();
+        let (gold, _, _, _) = golden(if name == "hc4_mtp" { "hc4_moe" } else { name });
+        let prompt = &gold[..24];
+        let n = 160;
+        for (label, gpu) in backends(path, &cpu) {
+            let (plain, _, plain_state) = spec_greedy(&gpu, &gpu, prompt, n, false);
+            let (spec, r, _) = spec_greedy(&gpu, &gpu, prompt, n, true);
+            println!(
+                "{name} {label}: level 3 {} tokens, {} drafted, {} accepted, chains A/B/C {:?}, {} plain steps",
+                spec.len(),
+                r.drafted,
+                r.accepted,
+                r.chains,
+                r.plain_steps
+            );
+            assert_eq!(spec, plain, "{name} {label}: level 3 with MTP differs from plain greedy decoding");
+            assert!(r.drafted > 0, "{name} {label}: nothing was drafted");
+            let mut reference = prompt.to_vec();
+            reference.extend_from_slice(&plain);
+            let plan = DraftPlan::Rate { rate: 0.6, seed: 11 };
+            let drafter = ScriptedDrafter::new(&gpu, reference.clone(), plan, true);
+            let (out, r, mut st) = spec_greedy(&gpu, &drafter, prompt, n, true);
+            assert_eq!(out, plain, "{name} {label}: the scripted run differs from plain greedy decoding");
+            let mut ps = plain_state;
+            let a = catch_up_and_step(&gpu, &mut st, &reference);
+            let b = catch_up_and_step(&gpu, &mut ps, &reference);
+            println!(
+                "{name} {label}: scripted rate 0.6: chains A/B/C {:?}, {} accepted of {}; state after the run steps \
+                 bit-identically to plain decoding's: {}",
+                r.chains,
+                r.accepted,
+                r.drafted,
+                a == b
+            );
+            assert!(r.chains[1] + r.chains[2] > 0, "{name} {label}: no chain was cut (cases B, C)");
+            assert!(a == b, "{name} {label}: the state after rollbacks differs from plain decoding's");
+        }
+    }
 }
 
 #[test]

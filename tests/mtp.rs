@@ -12,7 +12,6 @@
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 
-use nebula_engine::convert::{ConvertOptions, OutType, convert};
 use nebula_engine::model::{LogitsFor, Qwen4Exp, SequenceState};
 use nebula_engine::sampling::{Sampler, SamplingParams, argmax};
 use nebula_engine::speculative::SpeculativeModel;
@@ -35,31 +34,12 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 
 /// The `hc4_moe` golden trunk with the reference MTP block, converted to F32.
 fn reference_mtp_model(tmp: &Path) -> Qwen4Exp {
-    let ckpt = tmp.join("hc4_mtp");
-    std::fs::create_dir_all(&ckpt).unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(root().join("tests/fixtures/golden/hc4_moe").join(f), ckpt.join(f)).unwrap();
-    }
-    std::fs::copy(root().join("tests/fixtures/golden_mtp/hc4_mtp/mtp.safetensors"), ckpt.join("mtp.safetensors"))
-        .unwrap();
-    let out = tmp.join("hc4_mtp.gguf");
-    let report = convert(&ckpt, &out, &ConvertOptions { out_type: OutType::F32, ..Default::default() }).unwrap();
-    assert!(report.mtp);
-    Qwen4Exp::load(&out).unwrap()
+    Qwen4Exp::load(&nebula_tests::reference_mtp_gguf(tmp)).unwrap()
 }
 
 /// A golden checkpoint converted to F32 with a random MTP block appended.
 fn golden_with_random_mtp(name: &str, tmp: &Path) -> Qwen4Exp {
-    let plain = tmp.join(format!("{name}.gguf"));
-    convert(
-        &root().join("tests/fixtures/golden").join(name),
-        &plain,
-        &ConvertOptions { out_type: OutType::F32, ..Default::default() },
-    )
-    .unwrap();
-    let with = tmp.join(format!("{name}-mtp.gguf"));
-    append_random_mtp(&plain, &with, 7).unwrap();
-    let m = Qwen4Exp::load(&with).unwrap();
+    let m = Qwen4Exp::load(&nebula_tests::golden_with_random_mtp_gguf(name, tmp)).unwrap();
     assert!(m.mtp().is_some());
     m
 }

@@ -103,7 +103,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float
 extern "C" __global__ void hybrid_split(const float* __restrict__ m, const int* __restrict__ ids,
                                         const float* __restrict__ w, const int* __restrict__ slot_of, int n, int k,
                                         int d, float handoff, float omit, int* gpu_slot, float* w_gpu,
-                                        float* pack) {
+                                        float* pack, float* coverage) {
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx < (long long)n * d) pack[idx] = m[idx];
     if (idx >= n) return;
@@ -114,7 +114,24 @@ extern "C" __global__ void hybrid_split(const float* __restrict__ m, const int* 
     float cov = 0.f;
     for (int j = 0; j < k; j++)
         if (slot_of[ids[t * k + j]] >= 0) cov += w[t * k + j];
-    const bool to_cpu = cov < handoff;
+    // Verify pass (coverage != null, MTP case B): a row whose coverage, or an earlier row's, is below the threshold
+    // at this or an earlier layer is not trusted (the decoder cuts the chain at the first such row): it keeps its
+    // resident experts only (flag 2, no CPU work); the others run as in a decode step. coverage[t] is the row's
+    // minimum over the layers so far.
+    bool untrusted = false;
+    if (coverage != nullptr) {
+        float prior = 1.f;
+        for (int u = 0; u <= t; u++) {
+            float cu = 0.f;
+            for (int j = 0; j < k; j++)
+                if (slot_of[ids[u * k + j]] >= 0) cu += w[u * k + j];
+            prior = fminf(prior, fminf(coverage[u], cu));
+        }
+        untrusted = prior < handoff;
+    }
+    // (Row u's thread may already have lowered coverage[u] to min(old, cu): the same minimum as read above.)
+    if (coverage != nullptr) coverage[t] = fminf(coverage[t], cov);
+    const bool to_cpu = !untrusted && cov < handoff;
     for (int j = 0; j < k; j++) {
         const int e = ids[t * k + j];
         const float wj = w[t * k + j];
@@ -123,7 +140,7 @@ extern "C" __global__ void hybrid_split(const float* __restrict__ m, const int* 
         const bool on_gpu = !to_cpu && s >= 0;
         gpu_slot[t * k + j] = on_gpu ? s : -1;
         w_gpu[t * k + j] = on_gpu ? wj : 0.f;
-        w_cpu[t * k + j] = on_gpu ? 0.f : wj;
+        w_cpu[t * k + j] = (on_gpu || untrusted) ? 0.f : wj;
     }
     // Omission: drop the lightest CPU experts (ties to the later slot) while the dropped mass stays <= omit.
     float dropped = 0.f;
@@ -137,7 +154,7 @@ extern "C" __global__ void hybrid_split(const float* __restrict__ m, const int* 
         dropped += w_cpu[t * k + best];
         w_cpu[t * k + best] = 0.f;
     }
-    flags[t] = to_cpu ? 1 : 0;
+    flags[t] = untrusted ? 2 : (to_cpu ? 1 : 0);
 }
 
 // dst[j] = src[idx[j]] (rows of `width`): gathers the tokens routed to one expert.

@@ -109,3 +109,15 @@ extern "C" __global__ void copy_rows_at(const float* __restrict__ src, float* ds
     const int pos = pos_dev ? *pos_dev : pos0;
     dst[(long long)pos * width + idx] = src[idx];
 }
+
+// The MTP block's eh_proj input (engine/src/model/mtp.rs, shared/design/mtp.md 3.2): row (t, s) of [n*S][2d] is
+// [en[t] ; hn[t][s]], the normalised next-token embedding beside stream s of the normalised hidden bank.
+extern "C" __global__ void mtp_eh_input(const float* __restrict__ en, const float* __restrict__ hn, float* out, int n,
+                                        int S, int d) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * S * 2 * d) return;
+    const int c = (int)(i % (2 * d));
+    const long long ts = i / (2 * d);
+    const long long t = ts / S, s = ts % S;
+    out[i] = c < d ? en[t * d + c] : hn[t * S * d + s * d + (c - d)];
+}

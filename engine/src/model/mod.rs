@@ -296,8 +296,8 @@ impl Qwen4Exp {
         n: usize,
         routing: &[moe::Routing],
     ) -> Result<Vec<f32>, ModelError> {
-        let mlp = &self.layers[layer].mlp;
-        match &self.placement {
+        let mlp = self.routed_moe(layer);
+        match self.placement.as_ref().filter(|_| layer < self.layers.len()) {
             Some(p) => {
                 let ahead: Vec<&moe::SparseMoe> =
                     self.layers.iter().skip(layer + 1).take(p.prefetch_layers()).map(|l| &l.mlp).collect();
@@ -318,11 +318,22 @@ impl Qwen4Exp {
         }
     }
 
+    /// The routed-expert MoE of `layer`: a trunk layer's, or the MTP block's for `layer == n_layer` (the hybrid
+    /// GPU backend numbers the block after the trunk; its experts are never placed, they stay in the model file).
+    ///
+    /// Panics: `layer` past the trunk without an MTP block (callers only pass layers they hold).
+    pub(crate) fn routed_moe(&self, layer: usize) -> &moe::SparseMoe {
+        match self.layers.get(layer) {
+            Some(l) => &l.mlp,
+            None => &self.mtp.as_ref().expect("layer n_layer is the MTP block").mlp,
+        }
+    }
+
     /// Expert `e` of `layer`'s host weights (RAM tier, SSD tier read now, or the model file): what hybrid prefill
     /// uploads. Errors: [`ModelError::WeightRead`] when the SSD read fails.
     pub(crate) fn host_expert(&self, layer: usize, e: usize) -> Result<crate::placement::HostExpert<'_>, ModelError> {
-        let mlp = &self.layers[layer].mlp;
-        match &self.placement {
+        let mlp = self.routed_moe(layer);
+        match self.placement.as_ref().filter(|_| layer < self.layers.len()) {
             Some(p) => p.host_expert(layer, e, mlp),
             None => Ok(crate::placement::HostExpert::Borrowed(&mlp.experts[e])),
         }
@@ -359,7 +370,7 @@ impl Qwen4Exp {
 
     /// Starts the SSD reads of those of `experts` of `layer` that live on SSD (see [`Qwen4Exp::host_expert`]).
     pub(crate) fn request_experts(&self, layer: usize, experts: &[usize]) {
-        if let Some(p) = &self.placement {
+        if let Some(p) = self.placement.as_ref().filter(|_| layer < self.layers.len()) {
             p.request_experts(layer, experts);
         }
     }

@@ -1,5 +1,5 @@
 //! `nebula bench mtp`: decode speed with MTP off and on, per accuracy level, and the machinery's own cost at fixed
-//! acceptance rates (the scripted test drafter), measured in one run on the CPU model.
+//! acceptance rates (the scripted test drafter), measured in one run on the CPU model or the GPU model (all-GPU or hybrid).
 //!
 //! Every run prefills the same random prompt and decodes the same number of tokens (no stop tokens), timing the
 //! decode only. Rows:
@@ -105,7 +105,7 @@ struct Collect {
     max: usize,
 }
 
-impl TokenSink<SequenceState> for Collect {
+impl<S> TokenSink<S> for Collect {
     fn mask(&mut self, _logits: &mut [f32]) -> Result<(), String> {
         Ok(())
     }
@@ -133,31 +133,65 @@ fn prompt(vocab: usize, n: usize, seed: u64) -> Vec<u32> {
 }
 
 /// Prefills `tokens` in chunks of 512; returns the state and the last logits.
-fn prefill(model: &Qwen4Exp, tokens: &[u32], cap: usize) -> Result<(SequenceState, Vec<f32>), ModelError> {
-    let mut s = model.new_state(cap);
-    let mut logits = Vec::new();
-    let chunks: Vec<&[u32]> = tokens.chunks(512).collect();
-    for (i, c) in chunks.iter().enumerate() {
-        let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
-        logits = model.forward(&mut s, c, want)?;
-    }
-    Ok((s, logits))
+/// A model `nebula bench mtp` can measure: the CPU model or the GPU model (all-GPU or hybrid).
+pub trait BenchTarget: SpeculativeModel {
+    /// Whether the model has an MTP block to draft with.
+    fn has_mtp(&self) -> bool;
+    /// A fresh state for `cap` tokens after prefilling `tokens` (chunks of 512), with the last row's logits.
+    ///
+    /// Errors: as the model's forward pass.
+    fn prefill(&self, tokens: &[u32], cap: usize) -> Result<(Self::State, Vec<f32>), ModelError>;
 }
 
-/// One decode run of `model` from a fresh prefill.
-fn decode_run<M: SpeculativeModel<State = SequenceState>>(
-    target: &Qwen4Exp,
+impl BenchTarget for Qwen4Exp {
+    fn has_mtp(&self) -> bool {
+        self.mtp().is_some()
+    }
+    fn prefill(&self, tokens: &[u32], cap: usize) -> Result<(SequenceState, Vec<f32>), ModelError> {
+        let mut s = self.new_state(cap);
+        let mut logits = Vec::new();
+        let chunks: Vec<&[u32]> = tokens.chunks(512).collect();
+        for (i, c) in chunks.iter().enumerate() {
+            let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
+            logits = self.forward(&mut s, c, want)?;
+        }
+        Ok((s, logits))
+    }
+}
+
+impl BenchTarget for crate::backend::cuda::CudaModel {
+    fn has_mtp(&self) -> bool {
+        crate::backend::cuda::CudaModel::has_mtp(self)
+    }
+    fn prefill(&self, tokens: &[u32], cap: usize) -> Result<(Self::State, Vec<f32>), ModelError> {
+        let err = |e: crate::backend::cuda::CudaError| match e {
+            crate::backend::cuda::CudaError::Model(m) => m,
+            other => ModelError::WeightRead { what: "CUDA prefill".into(), detail: other.to_string() },
+        };
+        let mut s = self.new_state(cap).map_err(err)?;
+        let mut logits = Vec::new();
+        let chunks: Vec<&[u32]> = tokens.chunks(512).collect();
+        for (i, c) in chunks.iter().enumerate() {
+            let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
+            logits = self.forward(&mut s, c, want).map_err(err)?;
+        }
+        Ok((s, logits))
+    }
+}
+
+fn decode_run<T: BenchTarget, M: SpeculativeModel<State = T::State>>(
+    target: &T,
     model: &M,
     prompt: &[u32],
     n: usize,
     params: SamplingParams,
     opts: SpeculativeOptions,
 ) -> Result<(Vec<u32>, f64, DecodeReport), ModelError> {
-    let (mut state, logits) = prefill(target, prompt, prompt.len() + n + 1)?;
+    let (mut state, logits) = target.prefill(prompt, prompt.len() + n + 1)?;
     let mut sampler = Sampler::new(params);
     let mut sink = Collect { out: Vec::with_capacity(n), max: n };
     let mut dec = SpeculativeDecoder::new(model, opts, None);
-    let limit = state.max_len;
+    let limit = prompt.len() + n + 1;
     let t = Instant::now();
     dec.run(&mut state, logits, &mut sampler, &mut sink, limit)
         .map_err(|reason| ModelError::MtpUnavailable { reason })?;
@@ -167,16 +201,16 @@ fn decode_run<M: SpeculativeModel<State = SequenceState>>(
 /// Runs the benchmark (see the module doc). `progress` is called with each row as it finishes.
 ///
 /// Errors: a model error (bad prompt length for the model's context, no MTP block loaded).
-pub fn run_mtp_bench(
-    model: &Qwen4Exp,
+pub fn run_mtp_bench<T: BenchTarget>(
+    model: &T,
     opts: &MtpBenchOptions,
     mut progress: impl FnMut(&MtpBenchRow),
 ) -> Result<Vec<MtpBenchRow>, ModelError> {
-    if model.mtp().is_none() {
+    if !model.has_mtp() {
         return Err(ModelError::MtpUnavailable { reason: "the model has no MTP block loaded".into() });
     }
     let n = opts.decode_tokens.max(1);
-    let p = prompt(model.config.vocab, opts.prompt_tokens.max(1), opts.seed);
+    let p = prompt(model.vocab(), opts.prompt_tokens.max(1), opts.seed);
     let greedy = SamplingParams::GREEDY;
     let mut rows = Vec::new();
     let mut push = |label: String, out: &[u32], secs: f64, report: DecodeReport, base: Option<f64>| {

@@ -114,11 +114,20 @@ pub trait SpeculativeModel {
     fn rollback(&self, state: &mut Self::State, record: &Self::Record, keep: usize) -> Result<Rollback, ModelError>;
 }
 
-/// The GPU model decodes plain steps only for now (no MTP block on the device yet): `can_draft` is false, so the
-/// decoder never asks it to draft, verify or roll back, and those calls are errors.
+/// A CUDA error as the model error the decoder reports.
+fn model_error(e: crate::backend::cuda::CudaError, what: &str) -> ModelError {
+    match e {
+        crate::backend::cuda::CudaError::Model(m) => m,
+        other => ModelError::WeightRead { what: what.into(), detail: other.to_string() },
+    }
+}
+
+/// The GPU model (all-GPU or hybrid), with the MTP block on the device: drafts, a batch-invariant verify pass
+/// and exact rollback ([`crate::backend::cuda`]'s `mtp` module). In hybrid mode the verify pass reports each
+/// row's resident-expert coverage, which drives case B.
 impl SpeculativeModel for crate::backend::cuda::CudaModel {
     type State = crate::backend::cuda::CudaState;
-    type Record = ();
+    type Record = crate::backend::cuda::CudaChain;
 
     fn vocab(&self) -> usize {
         self.config.vocab
@@ -129,26 +138,25 @@ impl SpeculativeModel for crate::backend::cuda::CudaModel {
     }
 
     fn step(&self, state: &mut Self::State, token: u32) -> Result<Vec<f32>, ModelError> {
-        self.forward(state, &[token], crate::model::LogitsFor::Last).map_err(|e| match e {
-            crate::backend::cuda::CudaError::Model(m) => m,
-            other => ModelError::WeightRead { what: "CUDA decode step".into(), detail: other.to_string() },
-        })
+        self.forward(state, &[token], crate::model::LogitsFor::Last).map_err(|e| model_error(e, "CUDA decode step"))
     }
 
-    fn can_draft(&self, _state: &Self::State) -> bool {
-        false
+    fn can_draft(&self, state: &Self::State) -> bool {
+        crate::backend::cuda::CudaModel::can_draft(self, state)
     }
 
-    fn draft(&self, _state: &mut Self::State, _pending: u32, _n: usize) -> Result<Vec<u32>, ModelError> {
-        Err(ModelError::MtpUnavailable { reason: "the CUDA backend has no MTP block yet".into() })
+    fn draft(&self, state: &mut Self::State, pending: u32, n: usize) -> Result<Vec<u32>, ModelError> {
+        let n = n.min(crate::backend::cuda::MAX_CHAIN_ROWS - 1);
+        self.draft_tokens(state, pending, n).map_err(|e| model_error(e, "CUDA MTP draft"))
     }
 
-    fn verify(&self, _state: &mut Self::State, _chain: &[u32]) -> Result<Verified<()>, ModelError> {
-        Err(ModelError::MtpUnavailable { reason: "the CUDA backend has no MTP block yet".into() })
+    fn verify(&self, state: &mut Self::State, chain: &[u32]) -> Result<Verified<Self::Record>, ModelError> {
+        self.verify_chain(state, chain).map_err(|e| model_error(e, "CUDA verify pass"))
     }
 
-    fn rollback(&self, _state: &mut Self::State, _record: &(), _keep: usize) -> Result<Rollback, ModelError> {
-        Err(ModelError::MtpUnavailable { reason: "the CUDA backend has no MTP block yet".into() })
+    fn rollback(&self, state: &mut Self::State, record: &Self::Record, keep: usize) -> Result<Rollback, ModelError> {
+        let realign_s = self.rollback_chain(state, record, keep).map_err(|e| model_error(e, "CUDA rollback"))?;
+        Ok(Rollback { realign_s })
     }
 }
 

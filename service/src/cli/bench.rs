@@ -280,6 +280,18 @@ pub struct BenchMtpArgs {
     /// Write the rows as CSV here.
     #[arg(long)]
     pub csv: Option<PathBuf>,
+    /// cpu or cuda (the GPU model: all-GPU, or hybrid with a placement, drafting with the MTP block on the GPU).
+    #[arg(long, default_value = "cpu")]
+    pub backend: BackendKind,
+    /// GPU index for the cuda backend.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+    /// Hardware profile file to emulate (as `nebula bench model --profile`); the placement flags override it.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Expert placement and emulation.
+    #[command(flatten)]
+    pub placement: crate::placement::PlacementFlags,
 }
 
 /// Runs `nebula bench mtp`.
@@ -303,6 +315,10 @@ pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
             p
         }
     };
+    let placement = crate::placement::resolve(args.profile.as_deref(), &args.placement).map_err(anyhow::Error::msg)?;
+    if let Some(threads) = placement.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().context("setting the compute threads")?;
+    }
     let t = std::time::Instant::now();
     let mut model = Qwen4Exp::load(&source).with_context(|| format!("loading {}", source.display()))?;
     if model.mtp().is_none() {
@@ -315,11 +331,25 @@ pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
             source.display()
         );
     }
-    let cfg = &model.config;
+    let source_name = args.profile.as_ref().map_or("flags".to_owned(), |p| format!("profile {}", p.display()));
+    if let Some(opts) = placement.to_options(&source_name).map_err(anyhow::Error::msg)? {
+        model.place(&opts).context("placing the experts")?;
+        println!("{}", model.placement_report().summary());
+    }
+    let cfg = model.config.clone();
+    let backend = match args.backend {
+        BackendKind::Cuda { vram_budget, .. } => BackendKind::Cuda {
+            device: args.gpu,
+            vram_budget: vram_budget.or(placement.vram_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64)),
+        },
+        other => other,
+    };
+    let runner = Runner::new(model, backend)?;
     println!(
-        "model: {} layers + MTP, vocab {}, loaded in {:.1} s; CPU, {} threads; prompt {} tokens, {} decoded per run",
+        "model: {} layers + MTP, vocab {}, loaded on {} in {:.1} s; {} CPU threads; prompt {} tokens, {} decoded per run",
         cfg.n_layer,
         cfg.vocab,
+        runner.describe(),
         t.elapsed().as_secs_f64(),
         rayon::current_num_threads(),
         args.prompt,
@@ -348,7 +378,7 @@ pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
         rates: args.rates.clone(),
         ..Default::default()
     };
-    let rows = run_mtp_bench(&model, &opts, |r: &MtpBenchRow| {
+    let print = |r: &MtpBenchRow| {
         let p = &r.report;
         let pct = |x: f64| x / r.decode_s.max(1e-12) * 100.0;
         println!(
@@ -367,7 +397,11 @@ pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
             pct(p.exact_s),
             pct(p.plain_s)
         );
-    })?;
+    };
+    let rows = match &runner {
+        Runner::Cpu(m) => run_mtp_bench(m, &opts, print)?,
+        Runner::Cuda(m) => run_mtp_bench(&**m, &opts, print)?,
+    };
     if let Some(path) = &args.csv {
         let mut f = std::fs::File::create(path)?;
         writeln!(f, "{}", MtpBenchRow::CSV_HEADER)?;

@@ -52,6 +52,10 @@ pub struct HybridParams {
     /// minus one ahead of the experts' kernels, across layer boundaries, so transfers overlap the next layer's
     /// token mixer too.
     pub stages: usize,
+    /// MTP verify passes hand a low-coverage row's experts to the CPU like a decode step (every row exact,
+    /// coverage 1) instead of verifying it with the resident experts only and reporting it for case B (SPEC §4,
+    /// the default). `NEBULA_MTP_VERIFY_HANDOFF=1`.
+    pub verify_handoff: bool,
 }
 
 impl HybridParams {
@@ -66,6 +70,7 @@ impl HybridParams {
             cpu_max_tokens: env("NEBULA_HYBRID_CPU_MAX_TOKENS", 0),
             stage_experts: env("NEBULA_HYBRID_STAGE_EXPERTS", 32),
             stages: env("NEBULA_HYBRID_STAGES", 6).max(2),
+            verify_handoff: std::env::var("NEBULA_MTP_VERIFY_HANDOFF").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -381,13 +386,13 @@ impl Drop for Hybrid {
 
 /// Bytes of one expert's three matrices (gate, up, down) in layer `li` (types may differ between layers).
 pub(crate) fn expert_bytes(model: &Qwen4Exp, li: usize) -> [usize; 3] {
-    let e = &model.layers[li].mlp.experts[0];
+    let e = &model.routed_moe(li).experts[0];
     [e.gate_proj.bytes().len(), e.up_proj.bytes().len(), e.down_proj.bytes().len()]
 }
 
 /// The largest [`expert_bytes`] of any layer, matrix by matrix: the size of a staging slot.
 pub(crate) fn max_expert_bytes(model: &Qwen4Exp) -> [usize; 3] {
-    (0..model.layers.len())
+    (0..model.layers.len() + usize::from(model.mtp().is_some()))
         .map(|li| expert_bytes(model, li))
         .fold([0; 3], |m, b| std::array::from_fn(|i| m[i].max(b[i])))
 }
@@ -415,7 +420,12 @@ impl Hybrid {
     ) -> Result<Self, CudaError> {
         let stream = dev.stream();
         let n_expert = model.config.n_expert;
-        let mut layers = Vec::with_capacity(resident.len());
+        let mut layers = Vec::with_capacity(resident.len() + 1);
+        let mut resident = resident;
+        if model.mtp().is_some() {
+            // The MTP block (layer index n_layer): none of its experts on the GPU, all computed on the host.
+            resident.push(Vec::new());
+        }
         for res in resident {
             let mut slot_of = vec![-1i32; n_expert];
             for (s, &e) in res.iter().enumerate() {
@@ -466,13 +476,14 @@ impl Hybrid {
         let d_model = model.config.hidden;
         let k = model.config.n_expert_used;
         if params.cpu_max_tokens == 0 {
-            params.cpu_max_tokens = match layers.iter().position(|l| !l.streamed.is_empty()) {
+            params.cpu_max_tokens = match layers[..model.layers.len()].iter().position(|l| !l.streamed.is_empty()) {
                 Some(li) => {
                     let pcie =
                         upload_bandwidth(dev, &model, li, &layers[li].streamed, &stages[0], params.stage_experts)?;
-                    let dram = crate::bench::dram_read_bandwidth(rayon::current_num_threads(), 256 << 20, 0.05)
+                    let dram = crate::bench::dram_read_bandwidth(rayon::current_num_threads(), 1 << 30, 0.2)
                         .map_err(|e| CudaError::Unsupported(format!("measuring DRAM bandwidth: {e}")))?;
-                    let streamed = layers.iter().map(|l| l.streamed.len()).sum::<usize>() / layers.len().max(1);
+                    let trunk = &layers[..model.layers.len()];
+                    let streamed = trunk.iter().map(|l| l.streamed.len()).sum::<usize>() / trunk.len().max(1);
                     let t = crossover_tokens(n_expert, k, streamed, pcie, dram * CPU_EXPERT_EFFICIENCY);
                     tracing::info!(
                         "hybrid: PCIe upload {:.1} GB/s, DRAM read {:.1} GB/s: batches up to {t} tokens run their \
@@ -485,8 +496,9 @@ impl Hybrid {
                 None => 96,
             };
         }
-        let t = params.cpu_max_tokens.min(CPU_PATH_MAX_TOKENS);
-        params.cpu_max_tokens = t;
+        params.cpu_max_tokens = params.cpu_max_tokens.min(CPU_PATH_MAX_TOKENS);
+        // MTP verify passes take the CPU path whatever the crossover (their rows must be decode steps' rows).
+        let t = params.cpu_max_tokens.max(super::MAX_CHAIN_ROWS);
         let bufs = HostBufs { pack: Pinned::new(t * d_model + 2 * t * k + t)?, upload: Pinned::new(t * d_model)? };
         let stats = model.placement_stats();
         let cpu_ns: Arc<AtomicU64> = Arc::default();

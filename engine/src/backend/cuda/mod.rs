@@ -9,7 +9,10 @@
 //! host round trip, larger batches group tokens by expert.
 
 pub mod hybrid;
+mod mtp;
 mod ops;
+
+pub use mtp::{CudaChain, MAX_CHAIN_ROWS};
 
 use std::sync::Mutex;
 
@@ -173,6 +176,10 @@ struct StepBuffers {
 struct DecodeGraph {
     graph: CudaGraph,
     arena_generation: u64,
+    /// Where the step leaves its pre-mixer bank (an arena address, valid after each replay).
+    bank: u64,
+    /// Arena values the captured step uses (after a replay, later temporaries go past them).
+    arena_used: usize,
 }
 
 /// The state of one sequence on the GPU (KV caches sized for `max_len` tokens up front).
@@ -188,6 +195,10 @@ pub struct CudaState {
     pos_dev: CudaSlice<i32>,
     step: StepBuffers,
     graph: Option<DecodeGraph>,
+    /// The MTP block's cache (`None` without a block on the device).
+    mtp: Option<mtp::MtpDevState>,
+    /// Rollback buffers of speculative chains (allocated with the first chain).
+    chain: Option<mtp::ChainBufs>,
     /// Decode steps run so far (a graph is captured on the second, once the arena holds its size).
     decode_steps: usize,
 }
@@ -218,6 +229,13 @@ pub struct CudaModel {
     /// The host half when only the placement's GPU-tier experts are on the device (hybrid decode and streamed
     /// prefill, [`hybrid`]); `None`: every expert is on the GPU.
     hybrid: Option<hybrid::Hybrid>,
+    /// The MTP draft block (when the model has one loaded).
+    mtp: Option<mtp::DevMtp>,
+    /// Set during a verify pass: every kernel choice is the one a single decode step makes, so each row's result
+    /// is bit for bit a decode step's (batch-invariant GEMVs, per-token expert GEMVs, split attention).
+    exact_rows: std::sync::atomic::AtomicBool,
+    /// During a hybrid verify pass, the device address of the per-row coverage buffer (0 otherwise).
+    coverage_out: std::sync::atomic::AtomicU64,
 }
 
 /// Accumulated wall time per phase of the forward pass, for `nebula bench model`'s breakdown.
@@ -352,6 +370,59 @@ impl Uploader<'_> {
             cols: first.cols(),
             row_bytes: first.row_bytes(),
             data: self.dev.stream().clone_htod(&all)?,
+        })
+    }
+    fn attn(&mut self, a: &crate::model::self_attn::Attention, what: &str) -> Result<DevAttn, CudaError> {
+        Ok(DevAttn {
+            q: self.matrix(&a.q_proj, what)?,
+            k: self.matrix(&a.k_proj, what)?,
+            v: self.matrix(&a.v_proj, what)?,
+            o: self.matrix(&a.o_proj, what)?,
+            q_norm: self.vector(&a.q_norm)?,
+            k_norm: self.vector(&a.k_norm)?,
+            indexer: match &a.indexer {
+                Some(ix) => Some(DevIndexer {
+                    q: self.matrix(&ix.q_proj, what)?,
+                    k: self.matrix(&ix.k_proj, what)?,
+                    q_norm: self.vector(&ix.q_norm)?,
+                    k_norm: self.vector(&ix.k_norm)?,
+                    ratio: ix.compress_ratio,
+                }),
+                None => None,
+            },
+        })
+    }
+    /// A MoE block with the routed experts `held` (all when `None`) as slot stacks.
+    fn moe(
+        &mut self,
+        m: &crate::model::moe::SparseMoe,
+        held: Option<&[usize]>,
+        what: &str,
+    ) -> Result<DevMoe, CudaError> {
+        let held: Vec<&crate::model::moe::Expert> = match held {
+            Some(r) => r.iter().map(|&e| &m.experts[e]).collect(),
+            None => m.experts.iter().collect(),
+        };
+        let gates: Vec<&Matrix> = held.iter().map(|e| &e.gate_proj).collect();
+        let ups: Vec<&Matrix> = held.iter().map(|e| &e.up_proj).collect();
+        let downs: Vec<&Matrix> = held.iter().map(|e| &e.down_proj).collect();
+        let e0 = &m.experts[0];
+        let sg = Matrix::new(
+            GgmlType::F32,
+            1,
+            m.shared_expert_gate.len(),
+            crate::quant::WeightBytes::from_vec(m.shared_expert_gate.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        )
+        .map_err(|e| CudaError::Unsupported(e.to_string()))?;
+        Ok(DevMoe {
+            router: self.matrix(&m.gate, what)?,
+            gate: self.stack(&gates, &e0.gate_proj, what)?,
+            up: self.stack(&ups, &e0.up_proj, what)?,
+            down: self.stack(&downs, &e0.down_proj, what)?,
+            sh_gate: self.matrix(&m.shared_expert.gate_proj, what)?,
+            sh_up: self.matrix(&m.shared_expert.up_proj, what)?,
+            sh_down: self.matrix(&m.shared_expert.down_proj, what)?,
+            sh_gate_inp: self.matrix(&sg, what)?,
         })
     }
     fn hc(&mut self, g: &GatedResidual, what: &str) -> Result<DevHc, CudaError> {
@@ -539,53 +610,9 @@ impl CudaModel {
                     out: up.matrix(&g.out_proj, &what)?,
                     silu_gate: g.gate == crate::model::GateActivation::Silu,
                 }),
-                TokenMixer::SelfAttention(a) => DevMixer::Attn(DevAttn {
-                    q: up.matrix(&a.q_proj, &what)?,
-                    k: up.matrix(&a.k_proj, &what)?,
-                    v: up.matrix(&a.v_proj, &what)?,
-                    o: up.matrix(&a.o_proj, &what)?,
-                    q_norm: up.vector(&a.q_norm)?,
-                    k_norm: up.vector(&a.k_norm)?,
-                    indexer: match &a.indexer {
-                        Some(ix) => Some(DevIndexer {
-                            q: up.matrix(&ix.q_proj, &what)?,
-                            k: up.matrix(&ix.k_proj, &what)?,
-                            q_norm: up.vector(&ix.q_norm)?,
-                            k_norm: up.vector(&ix.k_norm)?,
-                            ratio: ix.compress_ratio,
-                        }),
-                        None => None,
-                    },
-                }),
+                TokenMixer::SelfAttention(a) => DevMixer::Attn(up.attn(a, &what)?),
             };
-            let m = &l.mlp;
-            let held: Vec<&crate::model::moe::Expert> = match resident {
-                Some(r) => r[i].iter().map(|&e| &m.experts[e]).collect(),
-                None => m.experts.iter().collect(),
-            };
-            let gates: Vec<&Matrix> = held.iter().map(|e| &e.gate_proj).collect();
-            let ups: Vec<&Matrix> = held.iter().map(|e| &e.up_proj).collect();
-            let downs: Vec<&Matrix> = held.iter().map(|e| &e.down_proj).collect();
-            let e0 = &m.experts[0];
-            let sg = Matrix::new(
-                GgmlType::F32,
-                1,
-                m.shared_expert_gate.len(),
-                crate::quant::WeightBytes::from_vec(
-                    m.shared_expert_gate.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                ),
-            )
-            .map_err(|e| CudaError::Unsupported(e.to_string()))?;
-            let moe = DevMoe {
-                router: up.matrix(&m.gate, &what)?,
-                gate: up.stack(&gates, &e0.gate_proj, &what)?,
-                up: up.stack(&ups, &e0.up_proj, &what)?,
-                down: up.stack(&downs, &e0.down_proj, &what)?,
-                sh_gate: up.matrix(&m.shared_expert.gate_proj, &what)?,
-                sh_up: up.matrix(&m.shared_expert.up_proj, &what)?,
-                sh_down: up.matrix(&m.shared_expert.down_proj, &what)?,
-                sh_gate_inp: up.matrix(&sg, &what)?,
-            };
+            let moe = up.moe(&l.mlp, resident.map(|r| &r[i][..]), &what)?;
             let ple = match &l.ple {
                 Some(p) => Some(DevPle {
                     cfg: p.cfg.clone(),
@@ -608,6 +635,7 @@ impl CudaModel {
                 moe,
             });
         }
+        let mtp = mtp::DevMtp::upload(&mut up, model, resident.is_some())?;
         let embed = up.matrix(&model.embed_tokens, "token_embd")?;
         let lm_head = up.matrix(&model.lm_head, "output")?;
         let mixer = up.hc(&model.hyper_connection_mixer, "output_hc")?;
@@ -635,6 +663,9 @@ impl CudaModel {
                 .then(|| Mutex::new(PhaseTimes::default())),
             weight_bytes,
             hybrid: None,
+            mtp,
+            exact_rows: Default::default(),
+            coverage_out: Default::default(),
         })
     }
 
@@ -752,6 +783,8 @@ impl CudaModel {
                 logits: zeros(dev, cfg.vocab)?,
             },
             graph: None,
+            mtp: self.new_mtp_state(max_len)?,
+            chain: None,
             decode_steps: 0,
         })
     }
@@ -801,6 +834,11 @@ impl CudaModel {
     }
 
     /// A temporary of `n` f32 (or i32) values from the arena, valid until the end of the forward pass.
+    /// Whether a verify pass is running (every kernel choice a decode step's, see `exact_rows`).
+    fn exact(&self) -> bool {
+        self.exact_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn tmp(&self, n: usize) -> Result<u64, CudaError> {
         self.arena.lock().expect("arena lock").take(&self.dev, n)
     }
@@ -863,7 +901,7 @@ impl CudaModel {
     fn matmul(&self, w: MatRef, x: u64, n: usize, y: u64) -> Result<(), CudaError> {
         let dev = &self.dev;
         let sfx = type_suffix(w.ty)?;
-        if n <= GEMV_MAX_TOKENS {
+        if n <= GEMV_MAX_TOKENS || self.exact() {
             // 8-bit activations where the type has an integer path (`gemvq_*`: x is (qx, dx)), else f32 (`gemv_*`).
             let xa = self.acts(w.ty, x, n, w.cols)?;
             // About four tasks per thread, 128-thread blocks: short rows (routers, 640-wide expert rows) still
@@ -1053,12 +1091,20 @@ impl CudaModel {
         Ok(())
     }
 
-    fn gdn(&self, g: &DevGdn, st: &DevLayerState, m: u64, n: usize) -> Result<u64, CudaError> {
+    /// Gated DeltaNet for `n` tokens `m`, updating the layer's conv and recurrent state in place. With `rec`
+    /// (a verify pass), the recurrences' inputs are copied there: pre-conv `qkv` `[n, C]`, `beta` and `g` `[n, Hv]`.
+    fn gdn(
+        &self,
+        g: &DevGdn,
+        st: &DevLayerState,
+        m: u64,
+        n: usize,
+        rec: Option<mtp::GdnRec>,
+    ) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
-        let DevLayerState::Gdn { conv, s } = st else { unreachable!("state follows the layer kinds") };
-        let (nk, nv, dk) = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_dim);
-        let (kd, vd, c) = (nk * dk, nv * dk, cfg.ssm_conv_dim());
+        let (nv, dk) = (cfg.ssm_v_heads, cfg.ssm_head_dim);
+        let (vd, c) = (nv * dk, cfg.ssm_conv_dim());
         let qkv = self.tmp(n * c)?;
         self.matmul(g.qkv.r(dev), m, n, qkv)?;
         let z = self.tmp(n * vd)?;
@@ -1067,6 +1113,64 @@ impl CudaModel {
         self.matmul(g.b.r(dev), m, n, b)?;
         let a = self.tmp(n * nv)?;
         self.matmul(g.a.r(dev), m, n, a)?;
+        let beta = self.tmp(n * nv)?;
+        let gg = self.tmp(n * nv)?;
+        dev.launch_1d(
+            "gdn_gates",
+            n * nv,
+            &[
+                Arg::Ptr(b),
+                Arg::Ptr(a),
+                Arg::Ptr(self.p(&g.a_neg_exp, 0)),
+                Arg::Ptr(self.p(&g.dt_bias, 0)),
+                Arg::Ptr(beta),
+                Arg::Ptr(gg),
+                Arg::I32(n as i32),
+                Arg::I32(nv as i32),
+            ],
+        )?;
+        if let Some((rq, rb, rg)) = rec {
+            self.dtod(rq, qkv, n * c)?;
+            self.dtod(rb, beta, n * nv)?;
+            self.dtod(rg, gg, n * nv)?;
+        }
+        let o = self.gdn_mix(g, st, qkv, beta, gg, n)?;
+        dev.launch(
+            "gdn_gated_norm",
+            ((n * nv) as u32, 1, 1),
+            128,
+            &[
+                Arg::Ptr(o),
+                Arg::Ptr(z),
+                Arg::Ptr(self.p(&g.norm, 0)),
+                Arg::I32((n * nv) as i32),
+                Arg::I32(dk as i32),
+                Arg::F32(cfg.rms_eps),
+                Arg::I32(g.silu_gate as i32),
+            ],
+        )?;
+        let y = self.tmp(n * cfg.hidden)?;
+        self.matmul(g.out.r(dev), o, n, y)?;
+        Ok(y)
+    }
+
+    /// The recurrent part of Gated DeltaNet over `n` tokens: causal conv + SiLU on the pre-conv `qkv` (`[n, C]`,
+    /// in place, conv state updated), the q/k L2 norms, and the delta-rule recurrence from `beta`/`g` (`[n, Hv]`)
+    /// updating the state; returns the per-head outputs `[n, Hv * dk]`. A verify rollback replays exactly this.
+    fn gdn_mix(
+        &self,
+        g: &DevGdn,
+        st: &DevLayerState,
+        qkv: u64,
+        beta: u64,
+        gg: u64,
+        n: usize,
+    ) -> Result<u64, CudaError> {
+        let dev = &self.dev;
+        let cfg = &self.config;
+        let DevLayerState::Gdn { conv, s } = st else { unreachable!("state follows the layer kinds") };
+        let (nk, nv, dk) = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_dim);
+        let (kd, vd, c) = (nk * dk, nv * dk, cfg.ssm_conv_dim());
         dev.launch(
             "gdn_conv",
             (c.div_ceil(256) as u32, 1, 1),
@@ -1097,22 +1201,6 @@ impl CudaModel {
                 ],
             )?;
         }
-        let beta = self.tmp(n * nv)?;
-        let gg = self.tmp(n * nv)?;
-        dev.launch_1d(
-            "gdn_gates",
-            n * nv,
-            &[
-                Arg::Ptr(b),
-                Arg::Ptr(a),
-                Arg::Ptr(self.p(&g.a_neg_exp, 0)),
-                Arg::Ptr(self.p(&g.dt_bias, 0)),
-                Arg::Ptr(beta),
-                Arg::Ptr(gg),
-                Arg::I32(n as i32),
-                Arg::I32(nv as i32),
-            ],
-        )?;
         let o = self.tmp(n * vd)?;
         let kernel = match dk {
             128 => "gdn_recurrent_128",
@@ -1140,23 +1228,7 @@ impl CudaModel {
                 Arg::I32(c as i32),
             ],
         )?;
-        dev.launch(
-            "gdn_gated_norm",
-            ((n * nv) as u32, 1, 1),
-            128,
-            &[
-                Arg::Ptr(o),
-                Arg::Ptr(z),
-                Arg::Ptr(self.p(&g.norm, 0)),
-                Arg::I32((n * nv) as i32),
-                Arg::I32(dk as i32),
-                Arg::F32(cfg.rms_eps),
-                Arg::I32(g.silu_gate as i32),
-            ],
-        )?;
-        let y = self.tmp(n * cfg.hidden)?;
-        self.matmul(g.out.r(dev), o, n, y)?;
-        Ok(y)
+        Ok(o)
     }
 
     /// Gated attention for `n` tokens at the position in `pos_dev`; `capacity` is the state's token capacity
@@ -1303,7 +1375,7 @@ impl CudaModel {
             Arg::I32(0),
             Arg::Ptr(pos_dev),
         ];
-        if n <= GEMV_MAX_TOKENS && hd % 4 == 0 {
+        if (n <= GEMV_MAX_TOKENS || self.exact()) && hd % 4 == 0 {
             // Decode: few queries, so the keys are split over ATTN_SPLITS blocks per query and merged after.
             let splits = ATTN_SPLITS;
             let pm = self.tmp(n * nh * splits)?;
@@ -1360,7 +1432,7 @@ impl CudaModel {
             &[Arg::Ptr(logits), Arg::I32(e as i32), Arg::I32(k as i32), Arg::Ptr(ids), Arg::Ptr(w)],
         )?;
         if let Some(h) = &self.hybrid {
-            return if n <= h.params.cpu_max_tokens {
+            return if n <= h.params.cpu_max_tokens || self.exact() {
                 self.moe_hybrid_cpu(h, li, moe, m, n, ids, w)
             } else {
                 self.moe_streamed(h, li, moe, m, n, ids, w)
@@ -1369,7 +1441,7 @@ impl CudaModel {
         let (shared, sgate) = self.shared_expert(moe, m, n)?;
         let slots = n * k;
         let ys = self.tmp(slots * d)?;
-        if n <= GEMV_MAX_TOKENS / 2 {
+        if n <= GEMV_MAX_TOKENS / 2 || self.exact() {
             // Decode: one GEMV per (token, expert) slot, expert ids read on the device.
             self.routed_gemv(moe, ids, m, n, ys)?;
         } else {
@@ -1540,6 +1612,7 @@ impl CudaModel {
                 Arg::Ptr(gpu_slot),
                 Arg::Ptr(w_gpu),
                 Arg::Ptr(pack),
+                Arg::Ptr(self.coverage_out.load(std::sync::atomic::Ordering::Relaxed)),
             ],
         )?;
         let mut bufs = h.bufs.lock().expect("hybrid buffers lock");
@@ -1566,7 +1639,9 @@ impl CudaModel {
         let mut routing = Vec::with_capacity(n);
         let (mut on_gpu, mut omitted, mut handoffs) = (0u64, 0u64, 0u64);
         for (t, flag) in flags.iter().enumerate() {
-            let handoff = flag.to_bits() != 0;
+            // 1: handed off; 2: a verify row below the handoff threshold (not trusted, no CPU experts).
+            let untrusted = flag.to_bits() == 2;
+            let handoff = flag.to_bits() == 1;
             handoffs += u64::from(handoff);
             let mut r = crate::model::moe::Routing { experts: Vec::new(), weights: Vec::new() };
             for j in t * k..(t + 1) * k {
@@ -1576,7 +1651,7 @@ impl CudaModel {
                     r.weights.push(w_cpu[j]);
                 } else if !handoff && hl.resident.binary_search(&e).is_ok() {
                     on_gpu += 1;
-                } else {
+                } else if !untrusted {
                     omitted += 1;
                 }
             }
@@ -1587,10 +1662,10 @@ impl CudaModel {
         h.trips.fetch_add(1, Relaxed);
         h.stats.hit(crate::placement::Tier::Gpu, on_gpu);
         // Experts the CPU computes count by where their weights are read from (a GPU-tier expert from its RAM copy).
-        if let Some(tiers) = h.host.expert_tiers() {
+        if let Some(tiers) = h.host.expert_tiers().and_then(|t| t.get(li)) {
             for r in &routing {
                 for &e in &r.experts {
-                    let t = tiers[li][e];
+                    let t = tiers[e];
                     h.stats.hit(if t == crate::placement::Tier::Gpu { crate::placement::Tier::Ram } else { t }, 1);
                 }
             }
@@ -1838,6 +1913,7 @@ impl CudaModel {
         rows: u64,
         emb: Option<u64>,
         n: usize,
+        rec: Option<u64>,
     ) -> Result<(), CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
@@ -1872,10 +1948,29 @@ impl CudaModel {
         )?;
         let nrm = self.tmp(n * dim)?;
         self.rms_norm(u, self.p(&ple.norm_conv, 0), nrm, n * s, d, s)?;
+        if let Some(r) = rec {
+            self.dtod(r, nrm, n * dim)?;
+        }
+        self.ple_conv_rows(ple, conv_state, nrm, u, n)?;
+        dev.launch_1d("add_inplace", n * dim, &[Arg::Ptr(x), Arg::Ptr(u), Arg::I64((n * dim) as i64)])?;
+        Ok(())
+    }
+
+    /// The PLE causal conv over `n` normalised rows `nrm` (`[n, S*d]`) into `u`, updating the conv state (the
+    /// part of the PLE block a verify rollback replays).
+    fn ple_conv_rows(
+        &self,
+        ple: &DevPle,
+        conv_state: &CudaSlice<f32>,
+        nrm: u64,
+        u: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let dim = self.config.hc_dim();
         if ple.cfg.conv_state_len() + 1 > 32 {
             return Err(CudaError::Unsupported("PLE conv history over 31 steps".into()));
         }
-        dev.launch(
+        self.dev.launch(
             "ple_conv",
             (dim.div_ceil(256) as u32, 1, 1),
             256,
@@ -1890,7 +1985,26 @@ impl CudaModel {
                 Arg::I32(ple.cfg.ngram_size as i32),
             ],
         )?;
-        dev.launch_1d("add_inplace", n * dim, &[Arg::Ptr(x), Arg::Ptr(u), Arg::I64((n * dim) as i64)])?;
+        Ok(())
+    }
+
+    /// Sets the masked vocabulary ids of `rows` logits rows at `logits` to -inf.
+    fn mask_logits(&self, logits: u64, rows: usize) -> Result<(), CudaError> {
+        if self.n_masked == 0 {
+            return Ok(());
+        }
+        let cfg = &self.config;
+        self.dev.launch_1d(
+            "mask_logits",
+            rows * cfg.vocab,
+            &[
+                Arg::Ptr(logits),
+                Arg::I32(rows as i32),
+                Arg::I32(cfg.vocab as i32),
+                Arg::Ptr(ptr(&self.masked, self.dev.stream(), 0)),
+                Arg::I32(self.n_masked as i32),
+            ],
+        )?;
         Ok(())
     }
 
@@ -1928,7 +2042,8 @@ impl CudaModel {
         r0: usize,
         rows: usize,
         logits: u64,
-    ) -> Result<(), CudaError> {
+        rec: Option<&mtp::ChainBufs>,
+    ) -> Result<u64, CudaError> {
         let cfg = &self.config;
         let dev = &self.dev;
         let (s, d) = (cfg.hc_count, cfg.hidden);
@@ -1944,7 +2059,7 @@ impl CudaModel {
             let mark = self.arena_mark();
             if let Some(ple) = &layer.ple {
                 let conv = st.ple_conv.as_ref().expect("PLE state exists with a PLE layer");
-                self.ple(ple, conv, x, ple_rows, ple_emb, n)?;
+                self.ple(ple, conv, x, ple_rows, ple_emb, n, rec.and_then(|r| r.ple_rec(self)))?;
                 self.phase("ple")?;
             }
             let (m, a) = self.hc_mix(&layer.attn_hc, x, n)?;
@@ -1952,7 +2067,7 @@ impl CudaModel {
             let ls = &st.layers[li];
             let y = match &layer.mixer {
                 DevMixer::Gdn(g) => {
-                    let y = self.gdn(g, ls, m, n)?;
+                    let y = self.gdn(g, ls, m, n, rec.and_then(|r| r.gdn_rec(self, li)))?;
                     self.phase("gated deltanet")?;
                     y
                 }
@@ -1970,26 +2085,17 @@ impl CudaModel {
             self.phase("moe")?;
             self.arena_release(mark);
         }
+        if let Some(r) = rec {
+            self.dtod(r.banks_rec(self), x, n * dim)?;
+        }
         if rows == 0 {
-            return Ok(());
+            return Ok(x);
         }
         let (h, _) = self.hc_mix(&self.mixer, x + (r0 * dim * 4) as u64, rows)?;
         self.matmul(self.lm_head.r(dev), h, rows, logits)?;
         self.phase("head")?;
-        if self.n_masked > 0 {
-            dev.launch_1d(
-                "mask_logits",
-                rows * cfg.vocab,
-                &[
-                    Arg::Ptr(logits),
-                    Arg::I32(rows as i32),
-                    Arg::I32(cfg.vocab as i32),
-                    Arg::Ptr(ptr(&self.masked, dev.stream(), 0)),
-                    Arg::I32(self.n_masked as i32),
-                ],
-            )?;
-        }
-        Ok(())
+        self.mask_logits(logits, rows)?;
+        Ok(x)
     }
 
     /// Runs `tokens` through the model on the GPU, continuing `st`, and returns the logits asked for
@@ -1997,7 +2103,27 @@ impl CudaModel {
     /// want the last logits run as a CUDA Graph captured on the state's second such step (disable with
     /// `NEBULA_CUDA_GRAPHS=0`).
     pub fn forward(&self, st: &mut CudaState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, CudaError> {
-        let out = self.forward_inner(st, tokens, want);
+        self.forward_guarded(st, tokens, want, None)
+    }
+
+    /// [`CudaModel::forward`], recording into `rec` for a verify pass (see [`mtp`]).
+    fn forward_guarded(
+        &self,
+        st: &mut CudaState,
+        tokens: &[u32],
+        want: LogitsFor,
+        rec: Option<&mtp::ChainBufs>,
+    ) -> Result<Vec<f32>, CudaError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if let Some(r) = rec {
+            self.exact_rows.store(true, Relaxed);
+            if self.hybrid.as_ref().is_some_and(|h| !h.params.verify_handoff) {
+                self.coverage_out.store(r.coverage_rec(self), Relaxed);
+            }
+        }
+        let out = self.forward_inner(st, tokens, want, rec);
+        self.exact_rows.store(false, Relaxed);
+        self.coverage_out.store(0, Relaxed);
         // A failed CPU job of hybrid decode (an SSD read error) fails the call; its state must be discarded.
         if let Some(e) = self.hybrid.as_ref().and_then(|h| h.cpu.as_ref()).and_then(|c| c.take_error()) {
             if out.is_err() {
@@ -2013,7 +2139,13 @@ impl CudaModel {
         out
     }
 
-    fn forward_inner(&self, st: &mut CudaState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, CudaError> {
+    fn forward_inner(
+        &self,
+        st: &mut CudaState,
+        tokens: &[u32],
+        want: LogitsFor,
+        rec: Option<&mtp::ChainBufs>,
+    ) -> Result<Vec<f32>, CudaError> {
         let cfg = &self.config;
         if let Some(h) = &self.hybrid {
             // The GPU's critical path of this step starts here.
@@ -2052,7 +2184,8 @@ impl CudaModel {
         };
         let ple_emb_ptr = ple_emb.as_ref().map(|e| ptr(e, &stream, 0));
         stream.memcpy_htod(&[st.pos as i32], &mut st.pos_dev)?;
-        let decode_step = n == 1 && want == LogitsFor::Last;
+        let pos0 = st.pos;
+        let decode_step = n == 1 && want == LogitsFor::Last && rec.is_none();
         if decode_step {
             stream.memcpy_htod(&[tokens[0] as i32], &mut st.step.token)?;
             if !ple_rows.is_empty() {
@@ -2064,8 +2197,12 @@ impl CudaModel {
                 arena.generation
             };
             let fresh = st.graph.as_ref().is_some_and(|g| g.arena_generation == generation);
+            let bank;
             if self.graphs && fresh {
-                st.graph.as_ref().expect("checked").graph.launch()?;
+                let g = st.graph.as_ref().expect("checked");
+                g.graph.launch()?;
+                bank = g.bank;
+                self.arena.lock().expect("arena lock").used = g.arena_used;
             } else {
                 let ids = ptr(&st.step.token, &stream, 0);
                 let rows = ptr(&st.step.ple_rows, &stream, 0);
@@ -2074,21 +2211,25 @@ impl CudaModel {
                 if capture {
                     stream.begin_capture(driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
                 }
-                let pass = self.launch_pass(st, 1, ids, rows, ple_emb_ptr, 0, 1, logits);
+                let pass = self.launch_pass(st, 1, ids, rows, ple_emb_ptr, 0, 1, logits, None);
                 if capture {
                     let graph = stream.end_capture(driver_sys::CUgraphInstantiate_flags(0))?;
-                    pass?;
-                    let generation = self.arena.lock().expect("arena lock").generation;
+                    bank = pass?;
+                    let (generation, arena_used) = {
+                        let a = self.arena.lock().expect("arena lock");
+                        (a.generation, a.used)
+                    };
                     if let Some(graph) = graph {
                         graph.launch()?;
-                        st.graph = Some(DecodeGraph { graph, arena_generation: generation });
+                        st.graph = Some(DecodeGraph { graph, arena_generation: generation, bank, arena_used });
                     }
                 } else {
-                    pass?;
+                    bank = pass?;
                 }
             }
             st.decode_steps += 1;
             st.pos = needed;
+            self.mtp_extend(st, bank, tokens, pos0)?;
             return Ok(stream.clone_dtoh(&st.step.logits)?);
         }
         // Prefill (or a multi-token step): eager launches on fresh temporaries.
@@ -2103,8 +2244,12 @@ impl CudaModel {
         };
         let logits = zeros(dev, (rows * cfg.vocab).max(1))?;
         let (ids_p, rows_p) = (ptr(&ids_d, &stream, 0), ptr(&rows_d, &stream, 0));
-        self.launch_pass(st, n, ids_p, rows_p, ple_emb_ptr, r0, rows, self.p(&logits, 0))?;
+        let bank = self.launch_pass(st, n, ids_p, rows_p, ple_emb_ptr, r0, rows, self.p(&logits, 0), rec)?;
         st.pos = needed;
+        if rec.is_none() {
+            // A verify pass's MTP rows wait for its rollback, which knows the kept rows.
+            self.mtp_extend(st, bank, tokens, pos0)?;
+        }
         if rows == 0 {
             stream.synchronize()?;
             return Ok(Vec::new());
@@ -2116,8 +2261,8 @@ impl CudaModel {
 }
 
 /// Bytes of weights [`CudaModel::from_cpu`] uploads (checked against the VRAM budget before allocating): the
-/// dense trunk (every tensor of the file but the routed experts and the n-gram table; the MTP block, which the
-/// GPU does not load, is counted too), the embedding, the table (all-GPU only), and the routed experts
+/// dense trunk (every tensor of the file but the routed experts and the n-gram table; the MTP block with its
+/// experts, which the hybrid model keeps on the host), the embedding, the table (all-GPU only), and the routed experts
 /// `resident` holds (all when `None`).
 fn estimate_weight_bytes(model: &Qwen4Exp, resident: Option<&[Vec<usize>]>) -> usize {
     let (dense, experts, table) = model.weight_bytes();
@@ -2129,9 +2274,13 @@ fn estimate_weight_bytes(model: &Qwen4Exp, resident: Option<&[Vec<usize>]>) -> u
         }
         None => experts as usize,
     };
-    // In hybrid mode (`resident` given) the n-gram table stays on the host.
+    // In hybrid mode (`resident` given) the n-gram table and the MTP block's routed experts stay on the host.
     let table = if resident.is_some() { 0 } else { table as usize };
-    dense as usize + model.embed_tokens.bytes().len() + table + held
+    let mtp_experts: usize = match (resident, model.mtp()) {
+        (Some(_), Some(b)) => b.mlp.experts.iter().map(size).sum(),
+        _ => 0,
+    };
+    (dense as usize + model.embed_tokens.bytes().len() + table + held).saturating_sub(mtp_experts)
 }
 
 /// Which layer kinds a model has (for reports).
