@@ -230,7 +230,11 @@ impl Sampler {
             cand.select_nth_unstable_by(p.top_k - 1, by_logit);
             cand.truncate(p.top_k);
         }
-        cand.sort_unstable_by(by_logit);
+        if cand.len() > 4096 {
+            sort_by_logit_desc(&mut cand);
+        } else {
+            cand.sort_unstable_by(by_logit);
+        }
         let max = cand[0].1 as f64;
         let t = p.temperature as f64;
         let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
@@ -288,8 +292,71 @@ impl Sampler {
     }
 }
 
+/// Sorts `(token, finite logit)` pairs by logit descending, ties by token ascending (the order of
+/// [`Sampler::distribution`]'s comparison), with a 16-bit LSD radix sort on one 64-bit key per pair: a full
+/// vocabulary (248,320 candidates) sorts in about a millisecond, where a comparison sort takes ten times that on
+/// every sampled token.
+fn sort_by_logit_desc(cand: &mut [(u32, f32)]) {
+    // f32 total order as an unsigned integer (ascending), inverted for descending; the token id below it.
+    let ordered = |v: f32| {
+        let b = v.to_bits();
+        if b >> 31 == 1 { !b } else { b | 0x8000_0000 }
+    };
+    let unordered = |o: u32| f32::from_bits(if o >> 31 == 1 { o & 0x7fff_ffff } else { !o });
+    let mut keys: Vec<u64> = cand.iter().map(|&(t, v)| (u64::from(!ordered(v)) << 32) | u64::from(t)).collect();
+    let mut tmp = vec![0u64; keys.len()];
+    let mut counts = vec![0usize; 1 << 16];
+    for shift in [0u32, 16, 32, 48] {
+        counts.iter_mut().for_each(|c| *c = 0);
+        for &k in &keys {
+            counts[((k >> shift) & 0xffff) as usize] += 1;
+        }
+        if counts.iter().any(|&c| c == keys.len()) {
+            continue; // every key has the same digit here
+        }
+        let mut sum = 0;
+        for c in counts.iter_mut() {
+            let n = *c;
+            *c = sum;
+            sum += n;
+        }
+        for &k in &keys {
+            let d = ((k >> shift) & 0xffff) as usize;
+            tmp[counts[d]] = k;
+            counts[d] += 1;
+        }
+        std::mem::swap(&mut keys, &mut tmp);
+    }
+    for (c, &k) in cand.iter_mut().zip(&keys) {
+        *c = (k as u32, unordered(!((k >> 32) as u32)));
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_radix_sort_orders_as_the_comparison_does() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut cand: Vec<(u32, f32)> = (0..20_000u32)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Few distinct values (ties), both signs, zeros of both signs.
+                let v = match x % 7 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    _ => ((x >> 20) % 64) as f32 / 4.0 - 8.0,
+                };
+                (i, v)
+            })
+            .collect();
+        let mut want = cand.clone();
+        want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        super::sort_by_logit_desc(&mut cand);
+        assert!(cand.iter().zip(&want).all(|(a, b)| a.0 == b.0 && a.1.to_bits() == b.1.to_bits()));
+    }
+
     use super::*;
 
     fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {

@@ -758,7 +758,7 @@ impl Worker {
 
 impl Worker {
     /// [`Worker::generate`] on the GPU model: prefill in chunks, then the same decode loop, sampler, grammar and
-    /// stop rules as on the CPU (through [`SpeculativeDecoder`] with drafting off). No prefix cache: its
+    /// stop rules as on the CPU (through [`SpeculativeDecoder`], drafting with the GPU's MTP block when loaded). No prefix cache: its
     /// checkpoints are CPU states.
     fn generate_on_gpu(&self, gpu: &CudaModel, job: Job) {
         let Job { req, events, queued } = job;
@@ -810,7 +810,11 @@ impl Worker {
         }
         usage.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         let t1 = Instant::now();
-        let opts = SpeculativeOptions { enabled: false, level: req.accuracy_level, ..SpeculativeOptions::default() };
+        let opts = SpeculativeOptions {
+            enabled: req.speculative && gpu.has_mtp(),
+            level: req.accuracy_level,
+            ..SpeculativeOptions::default()
+        };
         let mut decoder = SpeculativeDecoder::new(gpu, opts, Some(&self.stats.speculative));
         let mut checkpoints = Vec::new();
         let mut sink = RequestSink {
@@ -827,6 +831,8 @@ impl Worker {
         };
         let outcome = decoder.run(&mut state, logits, &mut sampler, &mut sink, limit);
         usage.completion_tokens = sink.completion_tokens;
+        usage.draft_tokens = decoder.report.drafted;
+        usage.accepted_draft_tokens = decoder.report.accepted;
         match outcome {
             Ok(o) => {
                 usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;

@@ -199,6 +199,8 @@ pub struct CudaState {
     mtp: Option<mtp::MtpDevState>,
     /// Rollback buffers of speculative chains (allocated with the first chain).
     chain: Option<mtp::ChainBufs>,
+    /// Verify-pass graphs by chain length, with their use counts.
+    verify_graphs: Vec<(Option<DecodeGraph>, usize)>,
     /// Decode steps run so far (a graph is captured on the second, once the arena holds its size).
     decode_steps: usize,
 }
@@ -785,6 +787,7 @@ impl CudaModel {
             graph: None,
             mtp: self.new_mtp_state(max_len)?,
             chain: None,
+            verify_graphs: (0..=mtp::MAX_CHAIN_ROWS).map(|_| (None, 0)).collect(),
             decode_steps: 0,
         })
     }
@@ -2049,6 +2052,9 @@ impl CudaModel {
         let (s, d) = (cfg.hc_count, cfg.hidden);
         let dim = s * d;
         let pos_dev = ptr(&st.pos_dev, dev.stream(), 0);
+        if let Some(r) = rec {
+            self.save_chain_states(st, r)?;
+        }
         self.phase("start")?;
         let x = self.tmp(n * dim)?;
         self.get_rows(&self.embed, ids, n, x, dim, s)?;
@@ -2096,6 +2102,48 @@ impl CudaModel {
         self.phase("head")?;
         self.mask_logits(logits, rows)?;
         Ok(x)
+    }
+
+    /// Enqueues a pass on fresh arena space: eagerly on its first use, captured as a CUDA Graph into `slot` on the
+    /// next (`seen` counts uses) and replayed from there while the arena keeps its buffers. `enqueue` returns an
+    /// address the caller reads after the pass (kept with the graph and returned on replays); it must issue no host
+    /// synchronisation and use only buffers whose addresses do not change between uses.
+    fn run_graphed(
+        &self,
+        slot: &mut Option<DecodeGraph>,
+        seen: &mut usize,
+        enqueue: impl FnOnce() -> Result<u64, CudaError>,
+    ) -> Result<u64, CudaError> {
+        let stream = self.dev.stream().clone();
+        let generation = {
+            let mut arena = self.arena.lock().expect("arena lock");
+            arena.reset(&self.dev)?;
+            arena.generation
+        };
+        if self.graphs
+            && let Some(g) = slot.as_ref().filter(|g| g.arena_generation == generation)
+        {
+            g.graph.launch()?;
+            self.arena.lock().expect("arena lock").used = g.arena_used;
+            return Ok(g.bank);
+        }
+        let capture = self.graphs && *seen >= 1;
+        *seen += 1;
+        if !capture {
+            return enqueue();
+        }
+        stream.begin_capture(driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let out = enqueue();
+        let graph = stream.end_capture(driver_sys::CUgraphInstantiate_flags(0))?;
+        let bank = out?;
+        let (arena_generation, arena_used) = {
+            let a = self.arena.lock().expect("arena lock");
+            (a.generation, a.used)
+        };
+        let graph = graph.ok_or_else(|| CudaError::Unsupported("a captured pass produced no graph".into()))?;
+        graph.launch()?;
+        *slot = Some(DecodeGraph { graph, arena_generation, bank, arena_used });
+        Ok(bank)
     }
 
     /// Runs `tokens` through the model on the GPU, continuing `st`, and returns the logits asked for
@@ -2191,46 +2239,41 @@ impl CudaModel {
             if !ple_rows.is_empty() {
                 stream.memcpy_htod(&ple_rows, &mut st.step.ple_rows)?;
             }
-            let generation = {
-                let mut arena = self.arena.lock().expect("arena lock");
-                arena.reset(dev)?;
-                arena.generation
-            };
-            let fresh = st.graph.as_ref().is_some_and(|g| g.arena_generation == generation);
-            let bank;
-            if self.graphs && fresh {
-                let g = st.graph.as_ref().expect("checked");
-                g.graph.launch()?;
-                bank = g.bank;
-                self.arena.lock().expect("arena lock").used = g.arena_used;
-            } else {
-                let ids = ptr(&st.step.token, &stream, 0);
-                let rows = ptr(&st.step.ple_rows, &stream, 0);
-                let logits = ptr(&st.step.logits, &stream, 0);
-                let capture = self.graphs && st.decode_steps >= 1;
-                if capture {
-                    stream.begin_capture(driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-                }
-                let pass = self.launch_pass(st, 1, ids, rows, ple_emb_ptr, 0, 1, logits, None);
-                if capture {
-                    let graph = stream.end_capture(driver_sys::CUgraphInstantiate_flags(0))?;
-                    bank = pass?;
-                    let (generation, arena_used) = {
-                        let a = self.arena.lock().expect("arena lock");
-                        (a.generation, a.used)
-                    };
-                    if let Some(graph) = graph {
-                        graph.launch()?;
-                        st.graph = Some(DecodeGraph { graph, arena_generation: generation, bank, arena_used });
-                    }
-                } else {
-                    bank = pass?;
-                }
-            }
+            let ids = ptr(&st.step.token, &stream, 0);
+            let rows = ptr(&st.step.ple_rows, &stream, 0);
+            let logits = ptr(&st.step.logits, &stream, 0);
+            let mut slot = st.graph.take();
+            let mut seen = st.decode_steps;
+            let bank = self.run_graphed(&mut slot, &mut seen, || {
+                self.launch_pass(st, 1, ids, rows, ple_emb_ptr, 0, 1, logits, None)
+            });
+            st.graph = slot;
+            let bank = bank?;
             st.decode_steps += 1;
             st.pos = needed;
             self.mtp_extend(st, bank, tokens, pos0)?;
             return Ok(stream.clone_dtoh(&st.step.logits)?);
+        }
+        if let Some(bufs) = rec.filter(|_| self.graphs && want == LogitsFor::All && n <= mtp::MAX_CHAIN_ROWS) {
+            // A verify pass: fixed buffers, so it replays as a CUDA Graph per chain length.
+            let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+            let (ids_p, rows_p, logits_p) = bufs.pass_buffers(self);
+            hybrid::htod(&stream, ids_p, ids.as_ptr() as *const u8, n * 4)?;
+            if !ple_rows.is_empty() {
+                hybrid::htod(&stream, rows_p, ple_rows.as_ptr() as *const u8, ple_rows.len() * 4)?;
+            }
+            let mut graphs = std::mem::take(&mut st.verify_graphs);
+            let out = {
+                let (slot, seen) = &mut graphs[n];
+                self.run_graphed(slot, seen, || self.launch_pass(st, n, ids_p, rows_p, None, 0, n, logits_p, rec))
+            };
+            st.verify_graphs = graphs;
+            out?;
+            st.pos = needed;
+            let mut logits = vec![0f32; n * cfg.vocab];
+            hybrid::dtoh(&stream, logits.as_mut_ptr() as *mut std::ffi::c_void, logits_p, n * cfg.vocab * 4)?;
+            stream.synchronize()?;
+            return Ok(logits);
         }
         // Prefill (or a multi-token step): eager launches on fresh temporaries.
         self.arena.lock().expect("arena lock").reset(dev)?;

@@ -79,6 +79,10 @@ pub(crate) struct MtpDevState {
     draft_bank: CudaSlice<f32>,
     /// Draft token ids: the pending token, then each step's argmax.
     ids: CudaSlice<i32>,
+    /// Each draft step's rope position.
+    pos: CudaSlice<i32>,
+    /// Draft-chain graphs by chain length, with their use counts.
+    graphs: Vec<(Option<super::DecodeGraph>, usize)>,
 }
 
 /// One GDN layer's rollback material: the states before the chain and the recurrences' inputs per row.
@@ -100,6 +104,10 @@ pub(crate) struct ChainBufs {
     banks: CudaSlice<f32>,
     /// Per row, the resident experts' smallest share of the router weight over the layers.
     coverage: CudaSlice<f32>,
+    /// The chain's token ids, PLE table rows and logits (fixed addresses: the pass replays as a graph).
+    ids: CudaSlice<i32>,
+    ple_rows: CudaSlice<i32>,
+    logits: CudaSlice<f32>,
     saved_from: CudaEvent,
     saved_to: CudaEvent,
 }
@@ -127,6 +135,11 @@ impl ChainBufs {
     /// Where the banks go.
     pub(crate) fn banks_rec(&self, m: &CudaModel) -> u64 {
         m.p(&self.banks, 0)
+    }
+    /// The pass's (token ids, PLE rows, logits) buffers.
+    pub(crate) fn pass_buffers(&self, m: &CudaModel) -> (u64, u64, u64) {
+        let stream = m.dev.stream();
+        (ptr(&self.ids, stream, 0), ptr(&self.ple_rows, stream, 0), m.p(&self.logits, 0))
     }
     /// The per-row coverage buffer.
     pub(crate) fn coverage_rec(&self, m: &CudaModel) -> u64 {
@@ -160,6 +173,8 @@ impl CudaModel {
             drafted_with: None,
             draft_bank: zeros(dev, cfg.hc_dim())?,
             ids: dev.stream().alloc_zeros::<i32>(MAX_CHAIN_ROWS + 1)?,
+            pos: dev.stream().alloc_zeros::<i32>(MAX_CHAIN_ROWS)?,
+            graphs: (0..MAX_CHAIN_ROWS).map(|_| (None, 0)).collect(),
         }))
     }
 
@@ -190,6 +205,25 @@ impl CudaModel {
         logits: Option<u64>,
     ) -> Result<u64, CudaError> {
         let mtp = self.mtp.as_ref().expect("callers check the block");
+        // Chain-sized batches take the batch-invariant kernels (cheaper than the prefill path for a few rows).
+        let exact = self.exact_rows.swap(n <= MAX_CHAIN_ROWS, std::sync::atomic::Ordering::Relaxed);
+        let out = self.mtp_layers(mtp, ms, banks, ids, n, pos_dev, capacity, logits);
+        self.exact_rows.store(exact, std::sync::atomic::Ordering::Relaxed);
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn mtp_layers(
+        &self,
+        mtp: &DevMtp,
+        ms: &MtpDevState,
+        banks: u64,
+        ids: u64,
+        n: usize,
+        pos_dev: u64,
+        capacity: usize,
+        logits: Option<u64>,
+    ) -> Result<u64, CudaError> {
         let cfg = &self.config;
         let dev = &self.dev;
         let (s, d) = (cfg.hc_count, cfg.hidden);
@@ -310,25 +344,35 @@ impl CudaModel {
         let dev = &self.dev;
         let stream = dev.stream().clone();
         let dim = cfg.hc_dim();
-        self.arena.lock().expect("arena lock").reset(dev)?;
         let positions: Vec<i32> = (0..n).map(|i| (pos - 1 + i) as i32).collect();
-        let pos_d = stream.clone_htod(&positions)?;
+        stream.memcpy_htod(&positions, &mut ms.pos)?;
         stream.memcpy_htod(&[pending as i32], &mut ms.ids)?;
-        let logits = self.tmp(cfg.vocab)?;
-        for i in 0..n {
-            let mark = self.arena_mark();
-            let bank = if i == 0 { self.p(&ms.last_bank, 0) } else { self.p(&ms.draft_bank, 0) };
-            let ids = ptr(&ms.ids, &stream, i);
-            let x = self.mtp_pass(ms, bank, ids, 1, ptr(&pos_d, &stream, i), capacity, Some(logits))?;
-            dev.launch(
-                "argmax_rows",
-                (1, 1, 1),
-                256,
-                &[Arg::Ptr(logits), Arg::I32(cfg.vocab as i32), Arg::Ptr(ids + 4)],
-            )?;
-            self.dtod(self.p(&ms.draft_bank, 0), x, dim)?;
-            self.arena_release(mark);
-        }
+        let mut graphs = std::mem::take(&mut ms.graphs);
+        let ms_ref: &MtpDevState = ms;
+        let chain = {
+            let (slot, seen) = &mut graphs[n];
+            self.run_graphed(slot, seen, || {
+                let logits = self.tmp(cfg.vocab)?;
+                for i in 0..n {
+                    let mark = self.arena_mark();
+                    let bank = if i == 0 { self.p(&ms_ref.last_bank, 0) } else { self.p(&ms_ref.draft_bank, 0) };
+                    let ids = ptr(&ms_ref.ids, &stream, i);
+                    let at = ptr(&ms_ref.pos, &stream, i);
+                    let x = self.mtp_pass(ms_ref, bank, ids, 1, at, capacity, Some(logits))?;
+                    dev.launch(
+                        "argmax_rows",
+                        (1, 1, 1),
+                        256,
+                        &[Arg::Ptr(logits), Arg::I32(cfg.vocab as i32), Arg::Ptr(ids + 4)],
+                    )?;
+                    self.dtod(self.p(&ms_ref.draft_bank, 0), x, dim)?;
+                    self.arena_release(mark);
+                }
+                Ok(0)
+            })
+        };
+        ms.graphs = graphs;
+        chain?;
         let mut out = vec![0i32; n + 1];
         stream.memcpy_dtoh(&ms.ids.slice(0..n + 1), &mut out)?;
         stream.synchronize()?;
@@ -382,7 +426,19 @@ impl CudaModel {
     ) -> Result<(Vec<f32>, Vec<f32>, f64), CudaError> {
         let stream = self.dev.stream().clone();
         let n = chain.len();
-        bufs.saved_from.record(&stream)?;
+        let logits = self.forward_guarded(st, chain, LogitsFor::All, Some(bufs))?;
+        let mut coverage = vec![1f32; n];
+        stream.memcpy_dtoh(&bufs.coverage.slice(0..n), &mut coverage)?;
+        stream.synchronize()?;
+        let save_s = bufs.saved_from.elapsed_ms(&bufs.saved_to).map_or(0.0, |ms| ms as f64 * 1e-3);
+        Ok((logits, coverage, save_s))
+    }
+
+    /// Copies the GDN and PLE states aside before a verify pass (inside the pass, so a captured verify graph
+    /// includes it), between two timing events.
+    pub(crate) fn save_chain_states(&self, st: &CudaState, bufs: &ChainBufs) -> Result<(), CudaError> {
+        let stream = self.dev.stream();
+        bufs.saved_from.record(stream)?;
         for (ls, rec) in st.layers.iter().zip(&bufs.gdn) {
             if let (DevLayerState::Gdn { conv, s }, Some(g)) = (ls, rec) {
                 self.dtod(self.p(&g.conv, 0), self.p(conv, 0), conv.len())?;
@@ -392,13 +448,8 @@ impl CudaModel {
         if let (Some(state), Some(saved)) = (&st.ple_conv, &bufs.ple_conv) {
             self.dtod(self.p(saved, 0), self.p(state, 0), state.len())?;
         }
-        bufs.saved_to.record(&stream)?;
-        let logits = self.forward_guarded(st, chain, LogitsFor::All, Some(bufs))?;
-        let mut coverage = vec![1f32; n];
-        stream.memcpy_dtoh(&bufs.coverage.slice(0..n), &mut coverage)?;
-        stream.synchronize()?;
-        let save_s = bufs.saved_from.elapsed_ms(&bufs.saved_to).map_or(0.0, |ms| ms as f64 * 1e-3);
-        Ok((logits, coverage, save_s))
+        bufs.saved_to.record(stream)?;
+        Ok(())
     }
 
     fn new_chain_bufs(&self) -> Result<ChainBufs, CudaError> {
@@ -427,6 +478,9 @@ impl CudaModel {
             ple_nrm: ple.map(|_| zeros(dev, rows * cfg.hc_dim())).transpose()?,
             banks: zeros(dev, rows * cfg.hc_dim())?,
             coverage: zeros(dev, rows)?,
+            ids: dev.stream().alloc_zeros::<i32>(rows)?,
+            ple_rows: dev.stream().alloc_zeros::<i32>(rows * ple.map_or(1, |p| p.cfg.n_heads()))?,
+            logits: zeros(dev, rows * cfg.vocab)?,
             saved_from: dev.gpu.ctx.new_event(timing)?,
             saved_to: dev.gpu.ctx.new_event(timing)?,
         })
@@ -457,7 +511,6 @@ impl CudaModel {
         bufs: &ChainBufs,
     ) -> Result<f64, CudaError> {
         let n = record.tokens.len();
-        let stream = self.dev.stream().clone();
         if keep < n {
             // The verify pass's temporaries are dead: replay in fresh arena space.
             self.arena.lock().expect("arena lock").reset(&self.dev)?;
@@ -493,7 +546,7 @@ impl CudaModel {
             let banks = self.p(&bufs.banks, 0);
             self.mtp_extend(st, banks, &record.tokens[..keep], record.pos0)?;
         }
-        stream.synchronize()?;
+        // (Host time: the realignment's kernels are queued; the next draft waits for them.)
         Ok(t.elapsed().as_secs_f64())
     }
 }
