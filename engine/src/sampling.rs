@@ -213,7 +213,8 @@ impl Sampler {
     }
 
     /// The distribution [`Sampler::sample`] draws from for `logits` (after top-k, temperature, top-p and min-p),
-    /// as `(token, probability)` pairs summing to 1, most likely first; a greedy sampler gives its one token with
+    /// as `(token, probability)` pairs summing to 1, the most likely first (with top-p all by probability, else
+    /// the others in token order); a greedy sampler gives its one token with
     /// probability 1. Empty only if no token is possible. Speculative sampling accepts drafts against it.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
         let p = self.params;
@@ -230,10 +231,18 @@ impl Sampler {
             cand.select_nth_unstable_by(p.top_k - 1, by_logit);
             cand.truncate(p.top_k);
         }
-        if cand.len() > 4096 {
-            sort_by_logit_desc(&mut cand);
+        if p.top_p < 1.0 {
+            // The nucleus is a prefix of the tokens by probability: sort them all.
+            if cand.len() > 4096 {
+                sort_by_logit_desc(&mut cand);
+            } else {
+                cand.sort_unstable_by(by_logit);
+            }
         } else {
-            cand.sort_unstable_by(by_logit);
+            // Without top-p only the most likely token's place matters (first); the rest stay in token order, which
+            // spares a sort of the whole vocabulary on every sampled token.
+            let best = (0..cand.len()).min_by(|&a, &b| by_logit(&cand[a], &cand[b])).expect("cand is not empty");
+            cand[..=best].rotate_right(1);
         }
         let max = cand[0].1 as f64;
         let t = p.temperature as f64;
@@ -251,12 +260,10 @@ impl Sampler {
                 }
             }
         }
-        if p.min_p > 0.0 {
-            let floor = probs[0] * p.min_p as f64;
-            keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
-        }
-        let mass: f64 = probs[..keep].iter().sum();
-        cand[..keep].iter().zip(&probs[..keep]).map(|(c, &q)| (c.0, q / mass)).collect()
+        let floor = if p.min_p > 0.0 { probs[0] * p.min_p as f64 } else { 0.0 };
+        let kept = || cand[..keep].iter().zip(&probs[..keep]).filter(|(_, q)| **q >= floor);
+        let mass: f64 = kept().map(|(_, q)| q).sum();
+        kept().map(|(c, &q)| (c.0, q / mass)).collect()
     }
 
     /// A uniform draw in `[0, 1)` from the request's random stream.
@@ -293,9 +300,8 @@ impl Sampler {
 }
 
 /// Sorts `(token, finite logit)` pairs by logit descending, ties by token ascending (the order of
-/// [`Sampler::distribution`]'s comparison), with a 16-bit LSD radix sort on one 64-bit key per pair: a full
-/// vocabulary (248,320 candidates) sorts in about a millisecond, where a comparison sort takes ten times that on
-/// every sampled token.
+/// [`Sampler::distribution`]'s comparison), with a 16-bit LSD radix sort on one 64-bit key per pair (a full
+/// 248,320-token vocabulary: 3.6 ms against 5.2 ms for the comparison sort on the 2-core development VM).
 fn sort_by_logit_desc(cand: &mut [(u32, f32)]) {
     // f32 total order as an unsigned integer (ascending), inverted for descending; the token id below it.
     let ordered = |v: f32| {
