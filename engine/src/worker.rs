@@ -772,7 +772,7 @@ impl Worker {
         let fail = |message: String| {
             let _ = events.send(GenerationEvent::Failed(message));
         };
-        let mut state = match gpu.new_state(limit) {
+        let mut state = match gpu.new_state_with(limit, req.speculative && gpu.has_mtp()) {
             Ok(s) => s,
             Err(e) => return fail(e.to_string()),
         };

@@ -119,11 +119,12 @@ impl Runner {
         }
     }
 
-    /// A fresh state for at most `max_len` tokens.
+    /// A fresh state for at most `max_len` tokens, for plain decoding (on the GPU without an MTP cache).
     pub fn new_state(&self, max_len: usize) -> Result<RunnerState, BackendError> {
         Ok(match self {
             Runner::Cpu(m) => RunnerState::Cpu(m.new_state(max_len)),
-            Runner::Cuda(m) => RunnerState::Cuda(Box::new(m.new_state(max_len)?)),
+            // Plain decoding: no MTP cache to keep aligned.
+            Runner::Cuda(m) => RunnerState::Cuda(Box::new(m.new_state_with(max_len, false)?)),
         })
     }
 

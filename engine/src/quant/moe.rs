@@ -56,6 +56,37 @@ const DOWN_ROWS: usize = 32;
 /// Output rows per combining work item.
 const COMBINE_ROWS: usize = 64;
 
+/// Rows ahead of the one being multiplied whose bytes are prefetched into the cache (`NEBULA_CPU_PREFETCH`, 0 =
+/// none; default 8, twice that for the short down-projection rows). A work item's rows are one contiguous run,
+/// but items are taken from a shared counter, so each thread's stream of weight bytes restarts every few KiB and
+/// the hardware prefetchers barely get going; asking for the next rows explicitly keeps more reads in flight per
+/// core. Measured on the H200 machine's 16-core host (`nebula bench kernels`, the MoE kernel on the `nebula-q4`
+/// types, one token, 14 threads): 43.6 % of the read bandwidth without, 53.3 % at 4 rows, 59.6 % at 8.
+fn prefetch_rows() -> usize {
+    static ROWS_AHEAD: OnceLock<usize> = OnceLock::new();
+    *ROWS_AHEAD.get_or_init(|| std::env::var("NEBULA_CPU_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(8))
+}
+
+/// Asks the cache hierarchy for every 64-byte line of `bytes` (no effect on the result; a no-op off x86-64).
+#[inline(always)]
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut off = 0;
+        while off < bytes.len() {
+            // SAFETY: the address lies inside `bytes`; a prefetch never faults and changes no state.
+            unsafe {
+                core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                    bytes.as_ptr().add(off) as *const i8
+                )
+            };
+            off += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// `x / (1 + e^-x)`.
 #[inline(always)]
 fn silu(x: f32) -> f32 {
@@ -262,12 +293,21 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
             let h = unsafe { h_shared.range(h_offsets[e] + r0 * nt, (r1 - r0) * nt) };
             let mut gv = [0f32; 4];
             let mut uv = [0f32; 4];
+            let ahead = prefetch_rows();
+            for r in r0..(r0 + ahead).min(r1) {
+                prefetch(w.expert.gate.row_bytes_of(r));
+                prefetch(w.expert.up.row_bytes_of(r));
+            }
             // Token tiles outside, rows inside: the tile's views are built once, the item's rows stay in cache.
             for (c, tile) in w.tokens.chunks(4).enumerate() {
                 let m = tile.len();
                 let tg: [ActRow<'_>; 4] = std::array::from_fn(|i| ga.row(tile[i.min(m - 1)].0));
                 let tu: [ActRow<'_>; 4] = std::array::from_fn(|i| ua.row(tile[i.min(m - 1)].0));
                 for (k, r) in (r0..r1).enumerate() {
+                    if c == 0 && ahead > 0 && r + ahead < r1 {
+                        prefetch(w.expert.gate.row_bytes_of(r + ahead));
+                        prefetch(w.expert.up.row_bytes_of(r + ahead));
+                    }
                     (w.expert.gate.kernels().dot)(w.expert.gate.row_bytes_of(r), &tg[..m], &mut gv[..m]);
                     (w.expert.up.kernels().dot)(w.expert.up.row_bytes_of(r), &tu[..m], &mut uv[..m]);
                     for i in 0..m {
@@ -313,10 +353,18 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
             // SAFETY: rows r0..r1 of expert e's output block belong to this item alone.
             let y = unsafe { y_shared.range(y_offsets[e] + r0 * nt, (r1 - r0) * nt) };
             let mut v = [0f32; 4];
+            // Down rows are short (640 values): twice as many rows ahead.
+            let ahead = 2 * prefetch_rows();
+            for r in r0..(r0 + ahead).min(r1) {
+                prefetch(w.expert.down.row_bytes_of(r));
+            }
             for (c, tile) in w.tokens.chunks(4).enumerate() {
                 let m = tile.len();
                 let tx: [ActRow<'_>; 4] = std::array::from_fn(|i| da.row(4 * c + i.min(m - 1)));
                 for (k, r) in (r0..r1).enumerate() {
+                    if c == 0 && ahead > 0 && r + ahead < r1 {
+                        prefetch(w.expert.down.row_bytes_of(r + ahead));
+                    }
                     (w.expert.down.kernels().dot)(w.expert.down.row_bytes_of(r), &tx[..m], &mut v[..m]);
                     y[k * nt + 4 * c..k * nt + 4 * c + m].copy_from_slice(&v[..m]);
                 }

@@ -745,8 +745,15 @@ impl CudaModel {
     }
 
     /// A fresh state for at most `max_len` tokens (KV caches allocated now: an out-of-memory is reported here,
-    /// never in the middle of a request).
+    /// never in the middle of a request), with an MTP cache that every forward keeps aligned when the model has
+    /// the block ([`CudaModel::new_state_with`] without it).
     pub fn new_state(&self, max_len: usize) -> Result<CudaState, CudaError> {
+        self.new_state_with(max_len, true)
+    }
+
+    /// [`CudaModel::new_state`]; `draft` false leaves out the MTP cache (no MTP pass after each forward: for
+    /// sequences that never draft), and drafting then refuses.
+    pub fn new_state_with(&self, max_len: usize, draft: bool) -> Result<CudaState, CudaError> {
         let cfg = &self.config;
         let dev = &self.dev;
         let mut layers = Vec::new();
@@ -785,7 +792,7 @@ impl CudaModel {
                 logits: zeros(dev, cfg.vocab)?,
             },
             graph: None,
-            mtp: self.new_mtp_state(max_len)?,
+            mtp: if draft { self.new_mtp_state(max_len)? } else { None },
             chain: None,
             verify_graphs: (0..=mtp::MAX_CHAIN_ROWS).map(|_| (None, 0)).collect(),
             decode_steps: 0,
