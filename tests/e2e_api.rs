@@ -321,6 +321,13 @@ async fn text_completions() {
     assert_eq!(status, StatusCode::BAD_REQUEST, "{resp}");
     assert_eq!(resp["error"]["param"], "prompt");
     assert!(resp["error"]["message"].as_str().unwrap().contains("999999999"), "{resp}");
+
+    // `accuracy_level` as in chat: 1-3 accepted, anything else a 400 naming it.
+    let (status, resp) = post(&base, "/v1/completions", &json!({"prompt": prompt, "accuracy_level": 2})).await;
+    assert_eq!(status, StatusCode::OK, "{resp}");
+    let (status, resp) = post(&base, "/v1/completions", &json!({"prompt": prompt, "accuracy_level": 9})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{resp}");
+    assert_eq!(resp["error"]["param"], "accuracy_level");
 }
 
 /// Prefilled-token counts through `/metrics`: an exact repeat prefills nothing, a follow-up turn only the new

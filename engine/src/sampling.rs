@@ -317,7 +317,7 @@ fn sort_by_logit_desc(cand: &mut [(u32, f32)]) {
         for &k in &keys {
             counts[((k >> shift) & 0xffff) as usize] += 1;
         }
-        if counts.iter().any(|&c| c == keys.len()) {
+        if counts.contains(&keys.len()) {
             continue; // every key has the same digit here
         }
         let mut sum = 0;

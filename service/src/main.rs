@@ -80,7 +80,7 @@ enum BenchCommand {
     /// CPU kernels: memory read bandwidth and expert matrix-vector throughput of each weight type.
     Kernels(bench::KernelBenchArgs),
     /// MTP speculative decoding: tok/s off and on per accuracy level, acceptance, time split, and the machinery's
-    /// cost at fixed acceptance rates (CPU).
+    /// cost at fixed acceptance rates (CPU, or the GPU with `--backend cuda`).
     Mtp(nebula_service::cli::bench::BenchMtpArgs),
 }
 

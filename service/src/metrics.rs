@@ -346,7 +346,9 @@ impl Metrics {
             let spec = &stats.speculative;
             let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as usize;
             self.mtp_enabled.set(i64::from(engine.has_mtp()));
-            self.draft_acceptance.set(spec.recent_acceptance());
+            // A decayed average below 1e-9 is 0 (Prometheus text would print hundreds of digits of it).
+            let recent = spec.recent_acceptance();
+            self.draft_acceptance.set(if recent < 1e-9 { 0.0 } else { recent });
             set(&self.draft_tokens, load(&spec.drafted));
             set(&self.draft_accepted, load(&spec.accepted));
             for (case, n) in ["A", "B", "C"].iter().zip(&spec.chains) {

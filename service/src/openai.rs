@@ -585,6 +585,8 @@ pub struct CompletionRequest {
     pub best_of: Option<i64>,
     /// Keep generating past the end of text until `max_tokens`.
     pub ignore_eos: Option<bool>,
+    /// Nebula: MTP verification level, 1 (fastest) to 3 (exact greedy; default), as in chat completions.
+    pub accuracy_level: Option<i64>,
     /// End-user id (accepted, unused).
     pub user: Option<String>,
 }

@@ -297,7 +297,6 @@ pub struct BenchMtpArgs {
 /// Runs `nebula bench mtp`.
 pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
     use nebula_engine::speculative::AccuracyLevel;
-    use nebula_engine::speculative::bench::{MtpBenchOptions, MtpBenchRow, run_mtp_bench};
     let levels = args
         .levels
         .iter()
@@ -306,7 +305,23 @@ pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
     if let Some(r) = args.rates.iter().find(|r| !(0.0..=1.0).contains(*r)) {
         anyhow::bail!("acceptance rate {r} is not within [0, 1]");
     }
+    if args.tokens == 0 {
+        anyhow::bail!("--tokens must be at least 1 (tokens decoded per run)");
+    }
     let tmp = tempfile_dir()?;
+    // The temporary models go whatever happens below (a failed GPU load included).
+    let out = run_mtp_in(&args, levels, &tmp);
+    let _ = std::fs::remove_dir_all(&tmp);
+    out
+}
+
+/// [`run_mtp`] with the temporary folder `tmp` for the models it writes.
+fn run_mtp_in(
+    args: &BenchMtpArgs,
+    levels: Vec<nebula_engine::speculative::AccuracyLevel>,
+    tmp: &std::path::Path,
+) -> anyhow::Result<()> {
+    use nebula_engine::speculative::bench::{MtpBenchOptions, MtpBenchRow, run_mtp_bench};
     let source = match &args.model {
         Some(p) => p.clone(),
         None => {
@@ -409,7 +424,6 @@ pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
             writeln!(f, "{}", r.csv())?;
         }
     }
-    let _ = std::fs::remove_dir_all(&tmp);
     Ok(())
 }
 

@@ -114,6 +114,15 @@ pub async fn completions(
         None => None,
         Some(n) => Some(positive(n, "max_tokens")?),
     };
+    let accuracy_level = match req.accuracy_level {
+        None => None,
+        Some(level) => Some(nebula_engine::speculative::AccuracyLevel::from_number(level).ok_or_else(|| {
+            ApiError::invalid(
+                format!("`accuracy_level` must be 1, 2 or 3 (3: exact greedy verification), got {level}."),
+                "accuracy_level",
+            )
+        })?),
+    };
     let stop = stop_strings(req.stop.clone())?;
     let fields = SamplingFields {
         temperature: req.temperature,
@@ -161,6 +170,9 @@ pub async fn completions(
     request.logprobs = logprobs;
     request.prefill_chunk = Some(model.max_prefill);
     request.repetition_guard = repetition_guard(defaults, ignore_eos);
+    if let Some(level) = accuracy_level {
+        request.accuracy_level = level;
+    }
     let generation =
         Generation { request, parse: ParseOptions::default(), stop, constraint: None, model: model.clone() };
     let settings = DriveSettings {

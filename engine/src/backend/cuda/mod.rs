@@ -763,16 +763,7 @@ impl CudaModel {
                     conv: zeros(dev, (cfg.ssm_conv_kernel - 1) * cfg.ssm_conv_dim())?,
                     s: zeros(dev, cfg.ssm_v_heads * cfg.ssm_head_dim * cfg.ssm_head_dim)?,
                 },
-                DevMixer::Attn(a) => {
-                    let kvw = cfg.n_head_kv * cfg.head_dim;
-                    let (ihd, ratio) = a.indexer.as_ref().map_or((0, 0), |i| (cfg.indexer.head_dim, i.ratio));
-                    DevLayerState::Attn {
-                        k: zeros(dev, max_len * kvw)?,
-                        v: zeros(dev, max_len * kvw)?,
-                        raw: zeros(dev, max_len * ihd)?,
-                        pooled: zeros(dev, if ratio > 0 { (max_len / ratio + 1) * ihd } else { 1 })?,
-                    }
-                }
+                DevMixer::Attn(a) => self.attn_state(a, max_len)?,
             });
         }
         let ple = self.layers.iter().find_map(|l| l.ple.as_ref());
@@ -796,6 +787,20 @@ impl CudaModel {
             chain: None,
             verify_graphs: (0..=mtp::MAX_CHAIN_ROWS).map(|_| (None, 0)).collect(),
             decode_steps: 0,
+        })
+    }
+
+    /// An attention layer's empty cache for `max_len` tokens: K and V, and with the QSA indexer its raw and
+    /// block-pooled keys.
+    fn attn_state(&self, a: &DevAttn, max_len: usize) -> Result<DevLayerState, CudaError> {
+        let (cfg, dev) = (&self.config, &self.dev);
+        let kvw = cfg.n_head_kv * cfg.head_dim;
+        let (ihd, blocks) = a.indexer.as_ref().map_or((0, 1), |i| (cfg.indexer.head_dim, max_len / i.ratio.max(1) + 1));
+        Ok(DevLayerState::Attn {
+            k: zeros(dev, max_len * kvw)?,
+            v: zeros(dev, max_len * kvw)?,
+            raw: zeros(dev, max_len * ihd)?,
+            pooled: zeros(dev, blocks * ihd)?,
         })
     }
 

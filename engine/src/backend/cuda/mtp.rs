@@ -158,15 +158,8 @@ impl CudaModel {
         let Some(mtp) = &self.mtp else { return Ok(None) };
         let cfg = &self.config;
         let dev = &self.dev;
-        let kvw = cfg.n_head_kv * cfg.head_dim;
-        let (ihd, ratio) = mtp.attn.indexer.as_ref().map_or((0, 0), |i| (cfg.indexer.head_dim, i.ratio));
         Ok(Some(MtpDevState {
-            attn: DevLayerState::Attn {
-                k: zeros(dev, max_len * kvw)?,
-                v: zeros(dev, max_len * kvw)?,
-                raw: zeros(dev, max_len * ihd)?,
-                pooled: zeros(dev, if ratio > 0 { (max_len / ratio + 1) * ihd } else { 1 })?,
-            },
+            attn: self.attn_state(&mtp.attn, max_len)?,
             rows: 0,
             last_bank: zeros(dev, cfg.hc_dim())?,
             has_bank: false,
