@@ -214,7 +214,7 @@ impl Sampler {
 
     /// The distribution [`Sampler::sample`] draws from for `logits` (after top-k, temperature, top-p and min-p),
     /// as `(token, probability)` pairs summing to 1, the most likely first (with top-p all by probability, else
-    /// the others in token order); a greedy sampler gives its one token with
+    /// the others in a fixed order); a greedy sampler gives its one token with
     /// probability 1. Empty only if no token is possible. Speculative sampling accepts drafts against it.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
         let p = self.params;
@@ -239,15 +239,36 @@ impl Sampler {
                 cand.sort_unstable_by(by_logit);
             }
         } else {
-            // Without top-p only the most likely token's place matters (first); the rest stay in token order, which
-            // spares a sort of the whole vocabulary on every sampled token.
+            // Without top-p only the most likely token's place matters (first, swapped there); the rest keep a fixed
+            // order, which spares a sort of the whole vocabulary on every sampled token.
             let best = (0..cand.len()).min_by(|&a, &b| by_logit(&cand[a], &cand[b])).expect("cand is not empty");
-            cand[..=best].rotate_right(1);
+            cand.swap(0, best);
         }
         let max = cand[0].1 as f64;
         let t = p.temperature as f64;
-        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
-        let total: f64 = probs.iter().sum();
+        // A whole vocabulary is exponentiated in fixed chunks on the compute pool, the chunk sums added in order
+        // (the same result whatever the thread count): a serial pass costs milliseconds on every sampled token.
+        let mut probs: Vec<f64>;
+        let total: f64;
+        if cand.len() > 4 * PAR_CHUNK {
+            use rayon::prelude::*;
+            let parts: Vec<(Vec<f64>, f64)> = cand
+                .par_chunks(PAR_CHUNK)
+                .map(|c| {
+                    let v: Vec<f64> = c.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
+                    let s = v.iter().sum();
+                    (v, s)
+                })
+                .collect();
+            total = parts.iter().map(|p| p.1).sum();
+            probs = Vec::with_capacity(cand.len());
+            for (v, _) in parts {
+                probs.extend_from_slice(&v);
+            }
+        } else {
+            probs = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
+            total = probs.iter().sum();
+        }
         probs.iter_mut().for_each(|x| *x /= total);
         let mut keep = probs.len();
         if p.top_p < 1.0 {
@@ -259,6 +280,10 @@ impl Sampler {
                     break;
                 }
             }
+        }
+        if keep == probs.len() && p.min_p <= 0.0 {
+            // Nothing cut: the distribution is the normalised softmax itself.
+            return cand.iter().zip(&probs).map(|(c, &q)| (c.0, q)).collect();
         }
         let floor = if p.min_p > 0.0 { probs[0] * p.min_p as f64 } else { 0.0 };
         let kept = || cand[..keep].iter().zip(&probs[..keep]).filter(|(_, q)| **q >= floor);
@@ -298,6 +323,9 @@ impl Sampler {
         self.draw(&d)
     }
 }
+
+/// Candidates per chunk of the parallel softmax in [`Sampler::distribution`].
+const PAR_CHUNK: usize = 16384;
 
 /// Sorts `(token, finite logit)` pairs by logit descending, ties by token ascending (the order of
 /// [`Sampler::distribution`]'s comparison), with a 16-bit LSD radix sort on one 64-bit key per pair (a full
