@@ -42,6 +42,17 @@ pub struct BenchModelArgs {
     pub placement: crate::placement::PlacementFlags,
 }
 
+/// The backend of a benchmark: `kind` on GPU `gpu`, its VRAM budget from the flag or else the emulated profile's.
+fn bench_backend(kind: BackendKind, gpu: usize, placement: &crate::placement::PlacementConfig) -> BackendKind {
+    match kind {
+        BackendKind::Cuda { vram_budget, .. } => BackendKind::Cuda {
+            device: gpu,
+            vram_budget: vram_budget.or(placement.vram_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64)),
+        },
+        other => other,
+    }
+}
+
 /// Runs `nebula bench model`.
 pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
     let placement = crate::placement::resolve(args.profile.as_deref(), &args.placement).map_err(anyhow::Error::msg)?;
@@ -68,14 +79,7 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         println!("{}", model.placement_report().summary());
     }
     let stats = model.placement_stats();
-    let backend = match args.backend {
-        BackendKind::Cuda { vram_budget, .. } => BackendKind::Cuda {
-            device: args.gpu,
-            vram_budget: vram_budget.or(placement.vram_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64)),
-        },
-        other => other,
-    };
-    let runner = Runner::new(model, backend)?;
+    let runner = Runner::new(model, bench_backend(args.backend, args.gpu, &placement))?;
     println!("model: {} layers, loaded on {} in {:.1} s", cfg.n_layer, runner.describe(), t.elapsed().as_secs_f64());
     let per_expert = experts / (cfg.n_layer * cfg.n_expert) as u64;
     let bw = match &runner {
@@ -352,14 +356,7 @@ fn run_mtp_in(
         println!("{}", model.placement_report().summary());
     }
     let cfg = model.config.clone();
-    let backend = match args.backend {
-        BackendKind::Cuda { vram_budget, .. } => BackendKind::Cuda {
-            device: args.gpu,
-            vram_budget: vram_budget.or(placement.vram_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64)),
-        },
-        other => other,
-    };
-    let runner = Runner::new(model, backend)?;
+    let runner = Runner::new(model, bench_backend(args.backend, args.gpu, &placement))?;
     println!(
         "model: {} layers + MTP, vocab {}, loaded on {} in {:.1} s; {} CPU threads; prompt {} tokens, {} decoded per run",
         cfg.n_layer,
