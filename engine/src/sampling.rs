@@ -221,8 +221,16 @@ impl Sampler {
         if p.is_greedy() {
             return argmax(logits).map(|i| vec![(i as u32, 1.0)]).unwrap_or_default();
         }
-        let mut cand: Vec<(u32, f32)> =
-            logits.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v)).collect();
+        // A whole vocabulary (248,320 logits) is handled on the compute pool: every pass below is memory-bound and
+        // its result does not depend on the thread count (order-preserving collects, chunk sums added in order).
+        let big = logits.len() > 4 * PAR_CHUNK;
+        let finite = |(i, &v): (usize, &f32)| v.is_finite().then_some((i as u32, v));
+        let mut cand: Vec<(u32, f32)> = if big {
+            use rayon::prelude::*;
+            logits.par_iter().enumerate().filter_map(finite).collect()
+        } else {
+            logits.iter().enumerate().filter_map(finite).collect()
+        };
         if cand.is_empty() {
             return Vec::new();
         }
@@ -241,11 +249,17 @@ impl Sampler {
         } else {
             // Without top-p only the most likely token's place matters (first, swapped there); the rest keep a fixed
             // order, which spares a sort of the whole vocabulary on every sampled token.
-            let best = (0..cand.len()).min_by(|&a, &b| by_logit(&cand[a], &cand[b])).expect("cand is not empty");
-            cand.swap(0, best);
+            let best = if big {
+                use rayon::prelude::*;
+                (0..cand.len()).into_par_iter().min_by(|&a, &b| by_logit(&cand[a], &cand[b]))
+            } else {
+                (0..cand.len()).min_by(|&a, &b| by_logit(&cand[a], &cand[b]))
+            };
+            cand.swap(0, best.expect("cand is not empty"));
         }
         let max = cand[0].1 as f64;
         let t = p.temperature as f64;
+        let keep_all = p.top_p >= 1.0 && p.min_p <= 0.0;
         // A whole vocabulary is exponentiated in fixed chunks on the compute pool, the chunk sums added in order
         // (the same result whatever the thread count): a serial pass costs milliseconds on every sampled token.
         let mut probs: Vec<f64>;
@@ -269,6 +283,11 @@ impl Sampler {
             probs = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
             total = probs.iter().sum();
         }
+        if keep_all && big {
+            // Nothing will be cut (see below): normalise straight into the result.
+            use rayon::prelude::*;
+            return cand.par_iter().zip(probs.par_iter()).map(|(c, &q)| (c.0, q / total)).collect();
+        }
         probs.iter_mut().for_each(|x| *x /= total);
         let mut keep = probs.len();
         if p.top_p < 1.0 {
@@ -281,7 +300,7 @@ impl Sampler {
                 }
             }
         }
-        if keep == probs.len() && p.min_p <= 0.0 {
+        if keep_all {
             // Nothing cut: the distribution is the normalised softmax itself.
             return cand.iter().zip(&probs).map(|(c, &q)| (c.0, q)).collect();
         }
