@@ -317,19 +317,26 @@ impl Sampler {
 
     /// Draws a token from `(token, weight)` pairs (weights need not sum to 1); `None` when every weight is 0.
     pub fn draw(&mut self, weights: &[(u32, f64)]) -> Option<u32> {
-        let mass: f64 = weights.iter().map(|w| w.1.max(0.0)).sum();
+        self.draw_excluding(weights, None)
+    }
+
+    /// [`Sampler::draw`] from `weights` without the entries of token `skip` (exactly a draw from the filtered list,
+    /// without building it: speculative sampling's residual distribution).
+    pub fn draw_excluding(&mut self, weights: &[(u32, f64)], skip: Option<u32>) -> Option<u32> {
+        let kept = || weights.iter().filter(move |w| Some(w.0) != skip);
+        let mass: f64 = kept().map(|w| w.1.max(0.0)).sum();
         if mass.is_nan() || mass <= 0.0 {
             return None;
         }
         let mut r = self.uniform() * mass;
-        for &(t, w) in weights {
+        for &(t, w) in kept() {
             let w = w.max(0.0);
             if r < w {
                 return Some(t);
             }
             r -= w;
         }
-        weights.iter().rev().find(|w| w.1 > 0.0).map(|w| w.0)
+        kept().filter(|w| w.1 > 0.0).last().map(|w| w.0)
     }
 
     /// Chooses a token id from `logits` (one row, `vocab` values): a draw from [`Sampler::distribution`] (greedy

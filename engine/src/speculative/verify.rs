@@ -128,9 +128,9 @@ pub fn verify_sampled(sampler: &mut Sampler, logits: &[f32], draft: u32) -> Opti
     if sampler.uniform() < p_draft {
         return Some(RowVerdict::Accept { greedy: dist[0].0 == draft });
     }
-    let residual: Vec<(u32, f64)> = dist.iter().copied().filter(|c| c.0 != draft).collect();
-    // p(draft) = 1 means the residual is empty; then the draw above always accepted.
-    let replacement = sampler.draw(&residual).unwrap_or(dist[0].0);
+    // The residual: the distribution without the draft (p(draft) = 1 leaves it empty; the draw above then always
+    // accepted).
+    let replacement = sampler.draw_excluding(&dist, Some(draft)).unwrap_or(dist[0].0);
     Some(RowVerdict::Reject { replacement })
 }
 
