@@ -394,6 +394,65 @@ fn sort_by_logit_desc(cand: &mut [(u32, f32)]) {
 
 #[cfg(test)]
 mod tests {
+    /// A vocabulary-sized row (the parallel path of `distribution`) against a plain serial softmax computed here:
+    /// the same tokens, the same probabilities (to f64 rounding), the arg-max first; with top-p, sorted, a prefix
+    /// reaching `top_p`.
+    #[test]
+    fn a_whole_vocabulary_distribution_is_the_softmax() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut logits: Vec<f32> = (0..248_320)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 24.0 - 12.0
+            })
+            .collect();
+        logits[1234] = f32::NEG_INFINITY;
+        logits[200_000] = 15.0;
+        let t = 0.8f32 as f64; // the temperature as the sampler holds it
+        let max = 15.0f64;
+        let mut want: Vec<f64> =
+            logits.iter().map(|&l| if l.is_finite() { ((l as f64 - max) / t).exp() } else { 0.0 }).collect();
+        let total: f64 = want.iter().sum();
+        want.iter_mut().for_each(|w| *w /= total);
+        let s = super::Sampler::new(super::SamplingParams { temperature: 0.8, ..super::SamplingParams::GREEDY });
+        let d = s.distribution(&logits);
+        assert_eq!(d.len(), logits.len() - 1, "every finite token is a candidate");
+        assert_eq!(d[0].0, 200_000, "the most likely token first");
+        let mut seen = vec![false; logits.len()];
+        for &(tok, q) in &d {
+            assert!(!seen[tok as usize], "token {tok} twice");
+            seen[tok as usize] = true;
+            assert!((q - want[tok as usize]).abs() <= 1e-12 * want[tok as usize].max(1e-300) + 1e-300, "token {tok}");
+        }
+        assert!(!seen[1234], "-inf is never a candidate");
+        let s = super::Sampler::new(super::SamplingParams {
+            temperature: 0.8,
+            top_p: 0.5,
+            ..super::SamplingParams::GREEDY
+        });
+        let d = s.distribution(&logits);
+        assert!(d.windows(2).all(|w| logits[w[0].0 as usize] >= logits[w[1].0 as usize]), "top-p: sorted");
+        let head: f64 = d.iter().map(|&(tok, _)| want[tok as usize]).sum();
+        let without_last = head - want[d.last().unwrap().0 as usize];
+        assert!(head >= 0.5 - 1e-9 && without_last < 0.5, "top-p: the shortest prefix reaching 0.5");
+    }
+
+    /// `draw_excluding` is a draw from the list without the skipped token, for the same random numbers.
+    #[test]
+    fn drawing_without_a_token_equals_drawing_from_the_filtered_list() {
+        let weights: Vec<(u32, f64)> = (0..50u32).map(|i| (i, ((i * 37) % 11) as f64 / 10.0)).collect();
+        let filtered: Vec<(u32, f64)> = weights.iter().copied().filter(|w| w.0 != 7).collect();
+        let params = super::SamplingParams { temperature: 1.0, seed: Some(42), ..super::SamplingParams::GREEDY };
+        let (mut a, mut b) = (super::Sampler::new(params), super::Sampler::new(params));
+        for _ in 0..2000 {
+            let x = a.draw_excluding(&weights, Some(7));
+            assert_eq!(x, b.draw(&filtered));
+            assert_ne!(x, Some(7));
+        }
+    }
+
     #[test]
     fn the_radix_sort_orders_as_the_comparison_does() {
         let mut x = 0x2545_f491_4f6c_dd1du64;
