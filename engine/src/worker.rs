@@ -772,7 +772,9 @@ impl Worker {
         let fail = |message: String| {
             let _ = events.send(GenerationEvent::Failed(message));
         };
-        let mut state = match gpu.new_state_with(limit, req.speculative && gpu.has_mtp()) {
+        // Drafting with the GPU's MTP block; without it the state needs no MTP cache.
+        let drafting = req.speculative && gpu.has_mtp();
+        let mut state = match gpu.new_state_with(limit, drafting) {
             Ok(s) => s,
             Err(e) => return fail(e.to_string()),
         };
@@ -810,11 +812,7 @@ impl Worker {
         }
         usage.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         let t1 = Instant::now();
-        let opts = SpeculativeOptions {
-            enabled: req.speculative && gpu.has_mtp(),
-            level: req.accuracy_level,
-            ..SpeculativeOptions::default()
-        };
+        let opts = SpeculativeOptions { enabled: drafting, level: req.accuracy_level, ..SpeculativeOptions::default() };
         let mut decoder = SpeculativeDecoder::new(gpu, opts, Some(&self.stats.speculative));
         let mut checkpoints = Vec::new();
         let mut sink = RequestSink {

@@ -297,7 +297,7 @@ impl Qwen4Exp {
         routing: &[moe::Routing],
     ) -> Result<Vec<f32>, ModelError> {
         let mlp = self.routed_moe(layer);
-        match self.placement.as_ref().filter(|_| layer < self.layers.len()) {
+        match self.trunk_placement(layer) {
             Some(p) => {
                 let ahead: Vec<&moe::SparseMoe> =
                     self.layers.iter().skip(layer + 1).take(p.prefetch_layers()).map(|l| &l.mlp).collect();
@@ -318,6 +318,12 @@ impl Qwen4Exp {
         }
     }
 
+    /// The placement of `layer`'s experts: `None` unplaced, and for the MTP block (`layer == n_layer`), whose
+    /// experts are never placed.
+    fn trunk_placement(&self, layer: usize) -> Option<&Placement> {
+        self.placement.as_deref().filter(|_| layer < self.layers.len())
+    }
+
     /// The routed-expert MoE of `layer`: a trunk layer's, or the MTP block's for `layer == n_layer` (the hybrid
     /// GPU backend numbers the block after the trunk; its experts are never placed, they stay in the model file).
     ///
@@ -333,7 +339,7 @@ impl Qwen4Exp {
     /// uploads. Errors: [`ModelError::WeightRead`] when the SSD read fails.
     pub(crate) fn host_expert(&self, layer: usize, e: usize) -> Result<crate::placement::HostExpert<'_>, ModelError> {
         let mlp = self.routed_moe(layer);
-        match self.placement.as_ref().filter(|_| layer < self.layers.len()) {
+        match self.trunk_placement(layer) {
             Some(p) => p.host_expert(layer, e, mlp),
             None => Ok(crate::placement::HostExpert::Borrowed(&mlp.experts[e])),
         }
@@ -370,7 +376,7 @@ impl Qwen4Exp {
 
     /// Starts the SSD reads of those of `experts` of `layer` that live on SSD (see [`Qwen4Exp::host_expert`]).
     pub(crate) fn request_experts(&self, layer: usize, experts: &[usize]) {
-        if let Some(p) = self.placement.as_ref().filter(|_| layer < self.layers.len()) {
+        if let Some(p) = self.trunk_placement(layer) {
             p.request_experts(layer, experts);
         }
     }

@@ -137,25 +137,38 @@ fn prompt(vocab: usize, n: usize, seed: u64) -> Vec<u32> {
 pub trait BenchTarget: SpeculativeModel {
     /// Whether the model has an MTP block to draft with.
     fn has_mtp(&self) -> bool;
+    /// A fresh state for `cap` tokens.
+    ///
+    /// Errors: the state cannot be allocated.
+    fn fresh_state(&self, cap: usize) -> Result<Self::State, ModelError>;
+    /// Runs `tokens` on `state` (the model's forward pass).
+    ///
+    /// Errors: as the model's forward pass.
+    fn run(&self, state: &mut Self::State, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, ModelError>;
     /// A fresh state for `cap` tokens after prefilling `tokens` (chunks of 512), with the last row's logits.
     ///
     /// Errors: as the model's forward pass.
-    fn prefill(&self, tokens: &[u32], cap: usize) -> Result<(Self::State, Vec<f32>), ModelError>;
+    fn prefill(&self, tokens: &[u32], cap: usize) -> Result<(Self::State, Vec<f32>), ModelError> {
+        let mut s = self.fresh_state(cap)?;
+        let mut logits = Vec::new();
+        let chunks: Vec<&[u32]> = tokens.chunks(512).collect();
+        for (i, c) in chunks.iter().enumerate() {
+            let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
+            logits = self.run(&mut s, c, want)?;
+        }
+        Ok((s, logits))
+    }
 }
 
 impl BenchTarget for Qwen4Exp {
     fn has_mtp(&self) -> bool {
         self.mtp().is_some()
     }
-    fn prefill(&self, tokens: &[u32], cap: usize) -> Result<(SequenceState, Vec<f32>), ModelError> {
-        let mut s = self.new_state(cap);
-        let mut logits = Vec::new();
-        let chunks: Vec<&[u32]> = tokens.chunks(512).collect();
-        for (i, c) in chunks.iter().enumerate() {
-            let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
-            logits = self.forward(&mut s, c, want)?;
-        }
-        Ok((s, logits))
+    fn fresh_state(&self, cap: usize) -> Result<SequenceState, ModelError> {
+        Ok(self.new_state(cap))
+    }
+    fn run(&self, state: &mut SequenceState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, ModelError> {
+        self.forward(state, tokens, want)
     }
 }
 
@@ -163,19 +176,11 @@ impl BenchTarget for crate::backend::cuda::CudaModel {
     fn has_mtp(&self) -> bool {
         crate::backend::cuda::CudaModel::has_mtp(self)
     }
-    fn prefill(&self, tokens: &[u32], cap: usize) -> Result<(Self::State, Vec<f32>), ModelError> {
-        let err = |e: crate::backend::cuda::CudaError| match e {
-            crate::backend::cuda::CudaError::Model(m) => m,
-            other => ModelError::WeightRead { what: "CUDA prefill".into(), detail: other.to_string() },
-        };
-        let mut s = self.new_state(cap).map_err(err)?;
-        let mut logits = Vec::new();
-        let chunks: Vec<&[u32]> = tokens.chunks(512).collect();
-        for (i, c) in chunks.iter().enumerate() {
-            let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
-            logits = self.forward(&mut s, c, want).map_err(err)?;
-        }
-        Ok((s, logits))
+    fn fresh_state(&self, cap: usize) -> Result<Self::State, ModelError> {
+        self.new_state(cap).map_err(|e| super::model_error(e, "CUDA state"))
+    }
+    fn run(&self, state: &mut Self::State, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, ModelError> {
+        self.forward(state, tokens, want).map_err(|e| super::model_error(e, "CUDA prefill"))
     }
 }
 

@@ -115,7 +115,7 @@ pub trait SpeculativeModel {
 }
 
 /// A CUDA error as the model error the decoder reports.
-fn model_error(e: crate::backend::cuda::CudaError, what: &str) -> ModelError {
+pub(crate) fn model_error(e: crate::backend::cuda::CudaError, what: &str) -> ModelError {
     match e {
         crate::backend::cuda::CudaError::Model(m) => m,
         other => ModelError::WeightRead { what: what.into(), detail: other.to_string() },

@@ -2177,7 +2177,7 @@ impl CudaModel {
         use std::sync::atomic::Ordering::Relaxed;
         if let Some(r) = rec {
             self.exact_rows.store(true, Relaxed);
-            if self.hybrid.as_ref().is_some_and(|h| !h.params.verify_handoff) {
+            if self.verify_reports_coverage() {
                 self.coverage_out.store(r.coverage_rec(self), Relaxed);
             }
         }

@@ -148,6 +148,12 @@ impl ChainBufs {
 }
 
 impl CudaModel {
+    /// Whether a verify pass writes per-row coverage (hybrid under SPEC §4's rule); otherwise every row is exact
+    /// and its coverage is 1.
+    pub(crate) fn verify_reports_coverage(&self) -> bool {
+        self.hybrid.as_ref().is_some_and(|h| !h.params.verify_handoff)
+    }
+
     /// Whether the model has an MTP block on the device.
     pub fn has_mtp(&self) -> bool {
         self.mtp.is_some()
@@ -200,53 +206,47 @@ impl CudaModel {
         let mtp = self.mtp.as_ref().expect("callers check the block");
         // Chain-sized batches take the batch-invariant kernels (cheaper than the prefill path for a few rows).
         let exact = self.exact_rows.swap(n <= MAX_CHAIN_ROWS, std::sync::atomic::Ordering::Relaxed);
-        let out = self.mtp_layers(mtp, ms, banks, ids, n, pos_dev, capacity, logits);
+        let out = (|| {
+            let cfg = &self.config;
+            let dev = &self.dev;
+            let (s, d) = (cfg.hc_count, cfg.hidden);
+            let dim = s * d;
+            let e = self.tmp(n * d)?;
+            self.get_rows(&self.embed, ids, n, e, d, 1)?;
+            self.rms_norm(e, self.p(&mtp.enorm, 0), e, n, d, 1)?;
+            // One RMS over the whole bank (ungrouped), see mtp.rs.
+            let hn = self.tmp(n * dim)?;
+            self.rms_norm(banks, self.p(&mtp.hnorm, 0), hn, n, dim, 1)?;
+            let input = self.tmp(n * s * 2 * d)?;
+            dev.launch_1d(
+                "mtp_eh_input",
+                n * s * 2 * d,
+                &[
+                    Arg::Ptr(e),
+                    Arg::Ptr(hn),
+                    Arg::Ptr(input),
+                    Arg::I32(n as i32),
+                    Arg::I32(s as i32),
+                    Arg::I32(d as i32),
+                ],
+            )?;
+            let x = self.tmp(n * dim)?;
+            self.matmul(mtp.eh_proj.r(dev), input, n * s, x)?;
+            let (m, a) = self.hc_mix(&mtp.attn_hc, x, n)?;
+            let y = self.attn(&mtp.attn, &ms.attn, m, n, pos_dev, capacity)?;
+            self.hc_residual(x, y, a.expect("the MTP layer injects"), n)?;
+            let (m, a) = self.hc_mix(&mtp.mlp_hc, x, n)?;
+            let y = self.moe(self.layers.len(), &mtp.moe, m, n)?;
+            self.hc_residual(x, y, a.expect("the MTP layer injects"), n)?;
+            if let Some(out) = logits {
+                let (h, _) = self.hc_mix(&mtp.mixer, x + ((n - 1) * dim * 4) as u64, 1)?;
+                self.matmul(self.lm_head.r(dev), h, 1, out)?;
+                self.mask_logits(out, 1)?;
+            }
+            Ok(x)
+        })();
         self.exact_rows.store(exact, std::sync::atomic::Ordering::Relaxed);
         out
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn mtp_layers(
-        &self,
-        mtp: &DevMtp,
-        ms: &MtpDevState,
-        banks: u64,
-        ids: u64,
-        n: usize,
-        pos_dev: u64,
-        capacity: usize,
-        logits: Option<u64>,
-    ) -> Result<u64, CudaError> {
-        let cfg = &self.config;
-        let dev = &self.dev;
-        let (s, d) = (cfg.hc_count, cfg.hidden);
-        let dim = s * d;
-        let e = self.tmp(n * d)?;
-        self.get_rows(&self.embed, ids, n, e, d, 1)?;
-        self.rms_norm(e, self.p(&mtp.enorm, 0), e, n, d, 1)?;
-        // One RMS over the whole bank (ungrouped), see mtp.rs.
-        let hn = self.tmp(n * dim)?;
-        self.rms_norm(banks, self.p(&mtp.hnorm, 0), hn, n, dim, 1)?;
-        let input = self.tmp(n * s * 2 * d)?;
-        dev.launch_1d(
-            "mtp_eh_input",
-            n * s * 2 * d,
-            &[Arg::Ptr(e), Arg::Ptr(hn), Arg::Ptr(input), Arg::I32(n as i32), Arg::I32(s as i32), Arg::I32(d as i32)],
-        )?;
-        let x = self.tmp(n * dim)?;
-        self.matmul(mtp.eh_proj.r(dev), input, n * s, x)?;
-        let (m, a) = self.hc_mix(&mtp.attn_hc, x, n)?;
-        let y = self.attn(&mtp.attn, &ms.attn, m, n, pos_dev, capacity)?;
-        self.hc_residual(x, y, a.expect("the MTP layer injects"), n)?;
-        let (m, a) = self.hc_mix(&mtp.mlp_hc, x, n)?;
-        let y = self.moe(self.layers.len(), &mtp.moe, m, n)?;
-        self.hc_residual(x, y, a.expect("the MTP layer injects"), n)?;
-        if let Some(out) = logits {
-            let (h, _) = self.hc_mix(&mtp.mixer, x + ((n - 1) * dim * 4) as u64, 1)?;
-            self.matmul(self.lm_head.r(dev), h, 1, out)?;
-            self.mask_logits(out, 1)?;
-        }
-        Ok(x)
     }
 
     /// Keeps the MTP cache aligned after the target consumed `tokens` from `pos0` (their pre-mixer banks at `x`,
@@ -400,7 +400,9 @@ impl CudaModel {
             st.chain = Some(self.new_chain_bufs()?);
         }
         let mut bufs = st.chain.take().expect("allocated above");
-        if let Err(e) = self.dev.stream().memcpy_htod(&[1f32; MAX_CHAIN_ROWS], &mut bufs.coverage) {
+        if self.verify_reports_coverage()
+            && let Err(e) = self.dev.stream().memcpy_htod(&[1f32; MAX_CHAIN_ROWS], &mut bufs.coverage)
+        {
             st.chain = Some(bufs);
             return Err(e.into());
         }
@@ -417,12 +419,13 @@ impl CudaModel {
         chain: &[u32],
         bufs: &ChainBufs,
     ) -> Result<(Vec<f32>, Vec<f32>, f64), CudaError> {
-        let stream = self.dev.stream().clone();
         let n = chain.len();
+        // The logits' copy to the host has synchronised the stream (the events below are complete).
         let logits = self.forward_guarded(st, chain, LogitsFor::All, Some(bufs))?;
         let mut coverage = vec![1f32; n];
-        stream.memcpy_dtoh(&bufs.coverage.slice(0..n), &mut coverage)?;
-        stream.synchronize()?;
+        if self.verify_reports_coverage() {
+            self.dev.stream().memcpy_dtoh(&bufs.coverage.slice(0..n), &mut coverage)?;
+        }
         let save_s = bufs.saved_from.elapsed_ms(&bufs.saved_to).map_or(0.0, |ms| ms as f64 * 1e-3);
         Ok((logits, coverage, save_s))
     }
