@@ -261,5 +261,46 @@ __device__ __forceinline__ float block_sum(float v) {
     return warp_sum(t);
 }
 
+__device__ __forceinline__ bool nonfinite_(float v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u; }
+
+// 8-bit activations the way ggml pairs weights with activations (engine/src/quant/acts.rs; see gemv.cu):
+// consecutive threads in groups of `blk` (32 or 256) form a quantization block of v's, with scale
+// d = max|v| / 127 and q = round-half-away(v / d) clamped to +-127; a block holding a NaN or an infinity gets
+// d = NaN and q = 0. Thread i of the grid stores q at qx[i] when `store`, and each warp's first storing thread
+// the block's scale at dx[i / 32] (a 256-block's scale is repeated over its 8 chunks). Threads past the data pass
+// v = 0 and store = false. blockDim.x must be a multiple of blk and every thread of the block must call it
+// (blk 256 synchronises the block); the grid's flat index must start each block of blk at a multiple of blk.
+__device__ __forceinline__ void quantize_thread(float v, bool store, long long i, int blk, signed char* qx,
+                                                float* dx) {
+    float amax = warp_max(fabsf(v));
+    bool bad = __any_sync(0xffffffffu, nonfinite_(v));
+    if (blk == 256) {
+        __shared__ float wmax[32];
+        __shared__ int wbad[32];
+        const int warp = threadIdx.x >> 5, first = warp & ~7;
+        __syncthreads();
+        if ((threadIdx.x & 31) == 0) {
+            wmax[warp] = amax;
+            wbad[warp] = bad;
+        }
+        __syncthreads();
+        amax = 0.f;
+        int b = 0;
+        for (int w = first; w < first + 8; w++) {
+            amax = fmaxf(amax, wmax[w]);
+            b |= wbad[w];
+        }
+        bad = b != 0;
+    }
+    const float d = amax / 127.0f;
+    const float id = d > 0.f ? 1.0f / d : 0.f;
+    float q = roundf(v * id);
+    q = fminf(fmaxf(q, -127.f), 127.f);
+    if (store) {
+        qx[i] = bad ? 0 : (signed char)(int)q;
+        if ((i & 31) == 0) dx[i / 32] = bad ? __int_as_float(0x7fc00000) : d;
+    }
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }

@@ -31,10 +31,37 @@ extern "C" __global__ void gdn_gates(const float* __restrict__ b, const float* _
     g[idx] = A[j] * softplus_(a[idx] + dt_bias[j]);
 }
 
+// gdn_gates fused with the two f32 projections it reads: block (j, t) computes b = Wb[j] . m[t] (warp 0) and
+// a = Wa[j] . m[t] (warp 1), each a fixed-order sum (lane-strided float4 products, then a shuffle tree), then
+// beta[t][j] = sigmoid(b), g[t][j] = A[j] * softplus(a + dt_bias[j]). 64 threads; d a multiple of 4.
+extern "C" __global__ void gdn_ba_gates(const float* __restrict__ m, const float* __restrict__ Wb,
+                                        const float* __restrict__ Wa, const float* __restrict__ A,
+                                        const float* __restrict__ dt_bias, float* beta, float* g, int nv, int d) {
+    const int j = blockIdx.x, t = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float4* w = reinterpret_cast<const float4*>((warp == 0 ? Wb : Wa) + (long long)j * d);
+    const float4* x = reinterpret_cast<const float4*>(m + (long long)t * d);
+    float acc = 0.f;
+    for (int i = lane; i < d / 4; i += 32) {
+        const float4 a = __ldg(w + i), b = __ldg(x + i);
+        acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+    }
+    acc = warp_sum(acc);
+    __shared__ float ab[2];
+    if (lane == 0) ab[warp] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        beta[t * nv + j] = sigmoidf_(ab[0]);
+        g[t * nv + j] = A[j] * softplus_(ab[1] + dt_bias[j]);
+    }
+}
+
 // The delta rule token by token. Block (j, col0): value head j, columns [col0, col0 + blockDim.x) of its state
 // S [dk][dv] (S row-major per head, heads contiguous). Thread e owns column e of S in registers, so S^T k and
-// S^T q are local sums; q and k (already L2-normed, q scaled) come through shared memory. qkv rows are
-// [q (nk*dk) | k (nk*dk) | v (nv*dv)]; value head j reads key head j % nk (GGUF tiled order). o: [n][nv*dv].
+// S^T q are local sums; q and k come through shared memory and are L2-normed here (q also scaled by
+// 1/sqrt(dk); eps 1e-6 inside the square root, as the reference's l2norm), every thread summing the squares in the
+// same order. qkv rows are [q (nk*dk) | k (nk*dk) | v (nv*dv)] (after the conv, not normed); value head j reads
+// key head j % nk (GGUF tiled order). o: [n][nv*dv].
 template <int DK>
 __device__ void gdn_recurrent_body(const float* __restrict__ qkv, const float* __restrict__ beta,
                                    const float* __restrict__ g, float* S, float* o, int n, int nk, int nv, int C) {
@@ -50,11 +77,26 @@ __device__ void gdn_recurrent_body(const float* __restrict__ qkv, const float* _
     for (int t = 0; t < n; t++) {
         const float* row = qkv + (long long)t * C;
         __syncthreads();
+        float sq = 0.f, sk = 0.f;
         for (int a = threadIdx.x; a < DK; a += blockDim.x) {
-            qs[a] = row[kh * DK + a];
-            ks[a] = row[nk * DK + kh * DK + a];
+            const float qa = row[kh * DK + a], ka = row[nk * DK + kh * DK + a];
+            qs[a] = qa;
+            ks[a] = ka;
+            sq += qa * qa;
+            sk += ka * ka;
         }
         __syncthreads();
+        if (blockDim.x == 32) {
+            sq = warp_sum(sq);
+            sk = warp_sum(sk);
+        } else {  // heads narrower than a warp: one thread's sum over the whole head, in every thread
+            sq = sk = 0.f;
+            for (int a = 0; a < DK; a++) {
+                sq += qs[a] * qs[a];
+                sk += ks[a] * ks[a];
+            }
+        }
+        const float qn = rsqrtf(sq + 1e-6f) * rsqrtf((float)DK), kn = rsqrtf(sk + 1e-6f);
         const float decay = expf(g[t * nv + j]);
         const float bt = beta[t * nv + j];
         const float vt = row[2 * nk * DK + j * dv + e];
@@ -62,14 +104,14 @@ __device__ void gdn_recurrent_body(const float* __restrict__ qkv, const float* _
 #pragma unroll
         for (int a = 0; a < DK; a++) {
             col[a] *= decay;
-            kv += col[a] * ks[a];
+            kv += col[a] * (ks[a] * kn);
         }
         const float delta = (vt - kv) * bt;
         float out = 0.f;
 #pragma unroll
         for (int a = 0; a < DK; a++) {
-            col[a] += ks[a] * delta;
-            out += col[a] * qs[a];
+            col[a] += (ks[a] * kn) * delta;
+            out += col[a] * (qs[a] * qn);
         }
         o[(long long)t * nv * dv + j * dv + e] = out;
     }

@@ -2,9 +2,58 @@
 //
 // gemv: y[t][r] = sum_c W[r][c] x[t][c] for NT tokens at once, W in any supported block type, decoded in
 // registers 32 values at a time (16-byte loads where the layout allows), f32 accumulation. A group of `lanes`
-// threads (16 or 32) owns one row and strides over its 32-value chunks; the group's partial sums meet through
-// warp shuffles, so each row is one fixed-order sum (deterministic).
+// threads (a power of two up to 128) owns one row and strides over its 32-value chunks; the group's partial sums
+// meet through warp shuffles and, for groups wider
+// than a warp, through shared memory in warp order, so each row is one fixed-order sum (deterministic, and the
+// same whatever NT: a row's value does not depend on how many tokens share the launch).
 #include "common.cuh"
+
+// Sums acc[t] over the `lanes` threads of each row group (lanes a power of two, at most 256, dividing blockDim.x,
+// uniform over the block): a shuffle tree inside the warp, then for groups wider than a warp the warps' partial
+// sums added in warp order. The group's first thread holds the totals; the other threads' values are unspecified.
+// Every thread of the block must call it (it synchronises the block when lanes > 32), at most once per kernel.
+template <int NT>
+__device__ __forceinline__ void row_group_sum(float (&acc)[NT], int lanes) {
+    if (lanes <= 32) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t], lanes);
+        return;
+    }
+    __shared__ float part[8][NT];
+    const int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t], 32);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) part[warp][t] = acc[t];
+    }
+    __syncthreads();
+    if (threadIdx.x % lanes == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float v = 0.f;
+            for (int w = 0; w < lanes / 32; w++) v += part[warp + w][t];
+            acc[t] = v;
+        }
+    }
+}
+
+// acc[t] += chunk w (32 dequantized weights) times token t's 32 activations at x + t * x_stride + 32 * c.
+template <int NT>
+__device__ __forceinline__ void f32_chunk_accumulate(float (&acc)[NT], const float (&w)[32],
+                                                     const float* __restrict__ x, long long x_stride, int c) {
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        const float4* xp = reinterpret_cast<const float4*>(x + t * x_stride + 32 * c);
+        float a = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float4 v = __ldg(xp + i);
+            a += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+        }
+        acc[t] += a;
+    }
+}
 
 template <int T, int NT>
 __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ W, long long row_bytes, int rows, int cols,
@@ -23,17 +72,7 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ W, long lo
     float w[32];
     for (int c = lane; c < nchunks; c += lanes) {
         dequant_chunk<T>(row, c, w);
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            const float4* xp = reinterpret_cast<const float4*>(x + t * x_stride + 32 * c);
-            float a = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const float4 v = __ldg(xp + i);
-                a += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
-            }
-            acc[t] += a;
-        }
+        f32_chunk_accumulate<NT>(acc, w, x, x_stride, c);
     }
     if constexpr (Block<T>::elems == 1) {
         for (int i = 32 * nchunks + lane; valid && i < cols; i += lanes) {
@@ -42,10 +81,10 @@ __device__ __forceinline__ void gemv_body(const uint8_t* __restrict__ W, long lo
             for (int t = 0; t < NT; t++) acc[t] += wv * x[t * x_stride + i];
         }
     }
+    row_group_sum<NT>(acc, lanes);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
-        const float s = warp_sum(acc[t], lanes);
-        if (lane == 0 && valid) y[t * y_stride + r] = s;
+        if (lane == 0 && valid) y[t * y_stride + r] = acc[t];
     }
 }
 
@@ -287,33 +326,12 @@ __device__ __forceinline__ int dp4a_(int a, int b, int c) {
     return r;
 }
 
-__device__ __forceinline__ bool nonfinite_(float v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u; }
-
 // x [n][cols] f32 -> qx [n][cols] int8 and dx [n][cols / 32] f32 (a 256-block's scale repeated over its 8 chunks).
 // grid (cols / blk, n), blockDim = blk (32 or 256). A block with a NaN or an infinity gets d = NaN and q = 0.
 extern "C" __global__ void quantize_act(const float* __restrict__ x, int cols, signed char* __restrict__ qx,
                                         float* __restrict__ dx) {
-    const int blk = blockDim.x;
-    const long long base = (long long)blockIdx.y * cols + (long long)blockIdx.x * blk;
-    const float v = x[base + threadIdx.x];
-    __shared__ float wmax[8];
-    __shared__ int bad_sh;
-    if (threadIdx.x == 0) bad_sh = 0;
-    __syncthreads();
-    float a = fabsf(v);
-    if (nonfinite_(v)) atomicOr(&bad_sh, 1);
-    a = warp_max(a);
-    if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = a;
-    __syncthreads();
-    float amax = 0.f;
-    for (int w = 0; w < (blk >> 5); w++) amax = fmaxf(amax, wmax[w]);
-    const bool bad = bad_sh != 0;
-    const float d = amax / 127.0f;
-    const float id = d > 0.f ? 1.0f / d : 0.f;
-    float q = roundf(v * id);
-    q = fminf(fmaxf(q, -127.f), 127.f);
-    qx[base + threadIdx.x] = bad ? 0 : (signed char)(int)q;
-    if ((threadIdx.x & 31) == 0) dx[base / 32 + (threadIdx.x >> 5)] = bad ? __int_as_float(0x7fc00000) : d;
+    const long long i = (long long)blockIdx.y * cols + (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    quantize_thread(x[i], true, i, blockDim.x, qx, dx);
 }
 
 // One task's weights as packed int8 (8 words = 32 values per chunk), its scale and its min (value = s * q - m).
@@ -468,10 +486,10 @@ __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long l
             q8_task_accumulate<C>(acc[t], q, s, m, qx + t * x_stride, dx + t * (x_stride / 32), task);
         }
     }
+    row_group_sum<NT>(acc, lanes);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
-        const float v = warp_sum(acc[t], lanes);
-        if (lane == 0 && valid) y[t * y_stride + r] = v;
+        if (lane == 0 && valid) y[t * y_stride + r] = acc[t];
     }
 }
 

@@ -77,9 +77,12 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
 // out[t][i] = sum_j w[t][j] * ys[t*k + j][i] + extra[t][i] + sigmoid(sg[t]) * shared[t][i]. Slots of weight 0
 // are skipped (their ys are not written: experts computed on the CPU in hybrid decode); extra may be null (the
 // CPU's share of the routed experts in hybrid decode, already weighted).
+// With X, also the hyper-connection residual update X[t][s*d + i] += a[t][s] * out[t][i] for every stream s
+// (the hyper-connection residual update, fused).
 extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float* __restrict__ w,
                                        const float* __restrict__ shared, const float* __restrict__ sg,
-                                       const float* __restrict__ extra, float* out, int n, int k, int d) {
+                                       const float* __restrict__ extra, float* out, int n, int k, int d, float* X,
+                                       const float* __restrict__ a, int streams) {
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * d) return;
     const int i = idx % d, t = idx / d;
@@ -89,7 +92,11 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float
         if (wj != 0.f) acc += ys[((long long)t * k + j) * d + i] * wj;
     }
     if (extra) acc += extra[idx];
-    out[idx] = acc + sigmoidf_(sg[t]) * shared[idx];
+    const float v = acc + sigmoidf_(sg[t]) * shared[idx];
+    out[idx] = v;
+    if (X) {
+        for (int s = 0; s < streams; s++) X[((long long)t * streams + s) * d + i] += v * a[t * streams + s];
+    }
 }
 
 // Hybrid decode (SPEC 3.2-3.3): splits each token's routed experts between the GPU expert cache and the CPU.

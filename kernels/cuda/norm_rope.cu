@@ -17,21 +17,6 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
     for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = xr[i] * inv * wr[i];
 }
 
-// x[r] *= rsqrt(sum(x[r]^2) + eps) * scale for rows of `width`: row r is head r % per_token of token
-// r / per_token, at x + (r / per_token) * token_stride + (r % per_token) * width (Gated DeltaNet q/k L2 norm, the
-// heads sitting inside wider qkv rows). One block per row.
-extern "C" __global__ void l2_norm_heads(float* x, int rows, int width, int per_token, long long token_stride,
-                                         float eps, float scale) {
-    const int r = blockIdx.x;
-    if (r >= rows) return;
-    float* xr = x + (long long)(r / per_token) * token_stride + (long long)(r % per_token) * width;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss);
-    const float inv = rsqrtf(ss + eps) * scale;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) xr[i] *= inv;
-}
-
 // Partial NeoX RoPE on `heads` heads of each of n tokens: head h of token t starts at x + t*token_stride +
 // h*head_stride; dims [0, rope_dim) rotate in pairs (i, i + rope_dim/2). Frequency slot i uses the height
 // position when i % 3 == 1 && i < 3*sec1, the width position when i % 3 == 2 && i < 3*sec2, else time; text
@@ -63,10 +48,17 @@ extern "C" __global__ void add_inplace(float* x, const float* __restrict__ y, lo
     if (i < count) x[i] += y[i];
 }
 
-// g = silu(g) * u.
-extern "C" __global__ void silu_mul(float* g, const float* __restrict__ u, long long count) {
+// g = silu(g) * u; with qx, also its 8-bit form in blocks of blk (quantize_thread; 256-thread blocks, rows a
+// whole number of quantization blocks).
+extern "C" __global__ void silu_mul(float* g, const float* __restrict__ u, long long count, signed char* qx, float* dx,
+                                    int blk) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < count) g[i] = siluf_(g[i]) * u[i];
+    float v = 0.f;
+    if (i < count) {
+        v = siluf_(g[i]) * u[i];
+        g[i] = v;
+    }
+    if (qx) quantize_thread(v, i < count, i, blk, qx, dx);
 }
 
 // out[i] = silu(g[i]) * u[i], leaving g and u as they are (streamed prefill applies it once per expert group).

@@ -87,6 +87,8 @@ struct DevHc {
     down: DevMatrix,
     up: DevMatrix,
     inject: Option<DevMatrix>,
+    /// `down` and `inject` stacked (`[rank + S, S * d]`) when they share a type: one GEMV for both.
+    down_inject: Option<DevMatrix>,
 }
 
 struct DevGdn {
@@ -428,12 +430,35 @@ impl Uploader<'_> {
         })
     }
     fn hc(&mut self, g: &GatedResidual, what: &str) -> Result<DevHc, CudaError> {
+        let down_inject = match &g.block_inject_weight {
+            Some(inj) => self.stacked(&[&g.input_mix_weight_down, inj], what)?,
+            None => None,
+        };
         Ok(DevHc {
             norm: self.vector(&g.hc_norm)?,
             down: self.matrix(&g.input_mix_weight_down, what)?,
             up: self.matrix(&g.input_mix_weight_up, what)?,
             inject: g.block_inject_weight.as_ref().map(|m| self.matrix(m, what)).transpose()?,
+            down_inject,
         })
+    }
+    /// The matrices `ms` as one matrix of their rows one after another, when they share a type and a width
+    /// (`None` otherwise): several products of one input in a single GEMV.
+    fn stacked(&mut self, ms: &[&Matrix], what: &str) -> Result<Option<DevMatrix>, CudaError> {
+        let first = ms[0];
+        if ms.iter().any(|m| m.ggml_type() != first.ggml_type() || m.cols() != first.cols()) {
+            return Ok(None);
+        }
+        Self::check_shape(first, what)?;
+        let all: Vec<u8> = ms.iter().flat_map(|m| m.bytes().iter().copied()).collect();
+        self.bytes += all.len();
+        Ok(Some(DevMatrix {
+            ty: first.ggml_type(),
+            rows: ms.iter().map(|m| m.rows()).sum(),
+            cols: first.cols(),
+            row_bytes: first.row_bytes(),
+            data: self.dev.stream().clone_htod(&all)?,
+        }))
     }
 }
 
@@ -881,11 +906,31 @@ impl CudaModel {
         (self.q8_acts && cols % blk == 0).then_some(blk)
     }
 
-    /// Threads per row of the 8-bit GEMV: about four tasks (32-value chunks, 64 for Q4_K) per thread.
+    /// Tasks (the unit one thread decodes at a time: a 32-value chunk, 64 values for Q4_K on 8-bit activations)
+    /// per row of `cols` weights of type `ty`.
+    fn tasks_per_row(ty: GgmlType, cols: usize, q8: bool) -> usize {
+        let per_task = if q8 && ty == GgmlType::Q4_K { 64 } else { 32 };
+        (cols / per_task).max(1)
+    }
+
+    /// Threads per row of the grouped (prefill) 8-bit expert GEMV: about four tasks per thread, at most a warp.
     fn q8_lanes(ty: GgmlType, cols: usize) -> usize {
-        let per_task = if ty == GgmlType::Q4_K { 64 } else { 32 };
-        let want = (cols / per_task / 4).max(1);
+        let want = (Self::tasks_per_row(ty, cols, true) / 4).max(1);
         (1usize << want.ilog2()).min(32)
+    }
+
+    /// Threads per row of the decode GEMVs (`gemv*`, `moe_gemv*`; `tasks` per row; `rows` rows per token: a
+    /// matrix's rows, times the slots per token for routed experts; 128-thread blocks): about four tasks per
+    /// thread within a warp, which reads large matrices fastest (measured with ncu on the H200: the output head,
+    /// experts); a launch with fewer than 2^15 threads that way (a router, a hyper-connection projection, a
+    /// one-row gate) widens its rows, up to a whole block per row, so enough loads are in flight. It depends on
+    /// the matrix only, never on the number of tokens (batch invariance of the verify pass).
+    fn gemv_lanes(tasks: usize, rows: usize) -> usize {
+        let mut lanes = (1usize << (tasks / 4).max(1).ilog2()).min(32);
+        while lanes < 128 && lanes * 2 <= tasks && rows * lanes < (1 << 15) {
+            lanes *= 2;
+        }
+        lanes
     }
 
     /// Quantizes `x` (`[n][cols]` f32) to 8 bits per block of `blk`: (int8 `[n][cols]`, f32 scales `[n][cols/32]`).
@@ -912,6 +957,30 @@ impl CudaModel {
         Ok((qx, dx))
     }
 
+    /// Arena buffers for the 8-bit form of `n` rows of `cols` activations (`qx`, `dx`, block) that a fused kernel
+    /// writes for a consumer of type `ty`; `None` when that consumer multiplies f32 activations.
+    fn q8_outputs(&self, ty: GgmlType, n: usize, cols: usize) -> Result<Option<(u64, u64, usize)>, CudaError> {
+        match self.q8_block(ty, cols) {
+            Some(blk) => Ok(Some((self.tmp((n * cols).div_ceil(4))?, self.tmp(n * cols / 32)?, blk))),
+            None => Ok(None),
+        }
+    }
+
+    /// The trailing `qx, dx, blk` kernel arguments for [`Self::q8_outputs`] (null pointers: no 8-bit form).
+    fn q8_args(q: Option<(u64, u64, usize)>) -> [Arg; 3] {
+        let (qx, dx, blk) = q.unwrap_or((0, 0, 0));
+        [Arg::Ptr(qx), Arg::Ptr(dx), Arg::I32(blk as i32)]
+    }
+
+    /// Records that the kernel launched last wrote the 8-bit form of `x` (`[n][cols]`) into `q`, so the next
+    /// [`Self::quantize_act`] of `x` with that block reuses it while no other kernel has run.
+    fn q8_produced(&self, x: u64, n: usize, cols: usize, q: Option<(u64, u64, usize)>) {
+        if let Some((qx, dx, blk)) = q {
+            let writes = self.dev.writes.load(std::sync::atomic::Ordering::Relaxed);
+            *self.q8_cache.lock().expect("q8 cache lock") = Some(((x, n, cols, blk, writes), (qx, dx)));
+        }
+    }
+
     /// `y[n][rows] = x[n][cols] . W^T`.
     fn matmul(&self, w: MatRef, x: u64, n: usize, y: u64) -> Result<(), CudaError> {
         let dev = &self.dev;
@@ -919,12 +988,9 @@ impl CudaModel {
         if n <= GEMV_MAX_TOKENS || self.exact() {
             // 8-bit activations where the type has an integer path (`gemvq_*`: x is (qx, dx)), else f32 (`gemv_*`).
             let xa = self.acts(w.ty, x, n, w.cols)?;
-            // About four tasks per thread, 128-thread blocks: short rows (routers, 640-wide expert rows) still
-            // spread over every SM.
-            let lanes = match xa {
-                Acts::Q8(..) => Self::q8_lanes(w.ty, w.cols),
-                Acts::F32(_) => (1usize << (w.cols / 32 / 4).max(1).ilog2()).clamp(4, 32),
-            };
+            // 128-thread blocks, [`Self::gemv_lanes`] threads per row.
+            let q8 = matches!(xa, Acts::Q8(..));
+            let lanes = Self::gemv_lanes(Self::tasks_per_row(w.ty, w.cols, q8), w.rows);
             let rows_per_block = 128 / lanes;
             let mut t0 = 0;
             while t0 < n {
@@ -1005,11 +1071,14 @@ impl CudaModel {
     }
 
     /// `out[r] = x[r] / rms(x[r]) * w[(r % w_rows)]` over `rows` rows of `width` (in place when out == x).
+    /// RMS norm of `rows` rows of `width` (weights row `r % w_rows`), one block per row with about two values per
+    /// thread (up to 1024 threads): a decode step's few wide rows are latency-bound, so each thread loads little.
     fn rms_norm(&self, x: u64, w: u64, out: u64, rows: usize, width: usize, w_rows: usize) -> Result<(), CudaError> {
+        let threads = width.div_ceil(2).next_multiple_of(32).clamp(32, 1024);
         self.dev.launch(
             "rms_norm_rows",
             (rows as u32, 1, 1),
-            256,
+            threads as u32,
             &[
                 Arg::Ptr(x),
                 Arg::Ptr(w),
@@ -1056,54 +1125,125 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Hyper-connection mixer: returns (m [n][d], a [n][S] when the mixer injects).
-    fn hc_mix(&self, hc: &DevHc, x: u64, n: usize) -> Result<(u64, Option<u64>), CudaError> {
+    /// Hyper-connection mixer: returns (m [n][d], a [n][S] when the mixer injects). `m_for` is the type of the
+    /// first matrix that multiplies `m`: its 8-bit form is written by the mixing kernel itself (no separate
+    /// `quantize_act`). With `residual = Some((y, a))` the residual update of the block before
+    /// (`X[t][s] += a[t][s] * y[t]`) is fused into the norm. Down and injection projections run as one
+    /// stacked GEMV when they share a type (`DevHc::down_inject`), on one quantization of the normalised bundle.
+    fn hc_mix(
+        &self,
+        hc: &DevHc,
+        x: u64,
+        n: usize,
+        m_for: Option<GgmlType>,
+        residual: Option<(u64, u64)>,
+    ) -> Result<(u64, Option<u64>), CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
         let (s, d) = (cfg.hc_count, cfg.hidden);
         let dim = s * d;
         let inv_s = 1.0 / s as f32;
         let xn = self.tmp(n * dim)?;
-        self.rms_norm(x, self.p(&hc.norm, 0), xn, n * s, d, s)?;
+        let first_ty = hc.down_inject.as_ref().unwrap_or(&hc.down).ty;
+        let q_xn = match self.q8_block(first_ty, d) {
+            Some(_) => self.q8_outputs(first_ty, n * s, d)?,
+            None => None,
+        };
+        let threads = match q_xn {
+            Some(_) => d.div_ceil(2).next_multiple_of(256).clamp(256, 1024),
+            None => d.div_ceil(2).next_multiple_of(32).clamp(32, 1024),
+        };
+        let (y, ya) = residual.unwrap_or((0, 0));
+        dev.launch(
+            "hc_norm",
+            ((n * s) as u32, 1, 1),
+            threads as u32,
+            &[
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(y),
+                    Arg::Ptr(ya),
+                    Arg::Ptr(self.p(&hc.norm, 0)),
+                    Arg::Ptr(xn),
+                    Arg::I32(s as i32),
+                    Arg::I32(d as i32),
+                    Arg::F32(cfg.rms_eps),
+                ][..],
+                &Self::q8_args(q_xn),
+            ]
+            .concat(),
+        )?;
+        // The quantization blocks of a [n*S][d] view are those of the [n][S*d] rows the GEMVs read.
+        self.q8_produced(xn, n, dim, q_xn);
         let rank = hc.down.rows;
         let low = self.tmp(n * rank)?;
-        self.matmul(hc.down.r(dev), xn, n, low)?;
-        dev.launch_1d("hc_low_act", n * rank, &[Arg::Ptr(low), Arg::I64((n * rank) as i64), Arg::F32(inv_s)])?;
+        let q_low = self.q8_outputs(hc.up.ty, n, rank)?;
+        let a = match (&hc.inject, &hc.down_inject) {
+            (Some(_), Some(di)) => {
+                let both = self.tmp(n * di.rows)?;
+                self.matmul(di.r(dev), xn, n, both)?;
+                let a = self.tmp(n * s)?;
+                dev.launch_1d(
+                    "hc_acts",
+                    n * rank.max(s),
+                    &[
+                        &[
+                            Arg::Ptr(both),
+                            Arg::Ptr(low),
+                            Arg::Ptr(a),
+                            Arg::I32(n as i32),
+                            Arg::I32(rank as i32),
+                            Arg::I32(s as i32),
+                        ][..],
+                        &Self::q8_args(q_low),
+                    ]
+                    .concat(),
+                )?;
+                Some(a)
+            }
+            (inject, _) => {
+                self.matmul(hc.down.r(dev), xn, n, low)?;
+                let a = match inject {
+                    None => None,
+                    Some(wi) => {
+                        let a = self.tmp(n * s)?;
+                        self.matmul(wi.r(dev), xn, n, a)?;
+                        dev.launch_1d(
+                            "hc_inject_act",
+                            n * s,
+                            &[Arg::Ptr(a), Arg::I64((n * s) as i64), Arg::F32(inv_s)],
+                        )?;
+                        Some(a)
+                    }
+                };
+                dev.launch_1d(
+                    "hc_low_act",
+                    n * rank,
+                    &[&[Arg::Ptr(low), Arg::I64((n * rank) as i64), Arg::F32(inv_s)][..], &Self::q8_args(q_low)]
+                        .concat(),
+                )?;
+                a
+            }
+        };
+        self.q8_produced(low, n, rank, q_low);
         let g = self.tmp(n * dim)?;
         self.matmul(hc.up.r(dev), low, n, g)?;
         let m = self.tmp(n * d)?;
+        let q_m = match m_for {
+            Some(ty) => self.q8_outputs(ty, n, d)?,
+            None => None,
+        };
         dev.launch_1d(
             "hc_mix",
             n * d,
-            &[Arg::Ptr(g), Arg::Ptr(xn), Arg::Ptr(m), Arg::I32(n as i32), Arg::I32(s as i32), Arg::I32(d as i32)],
-        )?;
-        let a = match &hc.inject {
-            None => None,
-            Some(wi) => {
-                let a = self.tmp(n * s)?;
-                self.matmul(wi.r(dev), xn, n, a)?;
-                dev.launch_1d("hc_inject_act", n * s, &[Arg::Ptr(a), Arg::I64((n * s) as i64), Arg::F32(inv_s)])?;
-                Some(a)
-            }
-        };
-        Ok((m, a))
-    }
-
-    fn hc_residual(&self, x: u64, y: u64, a: u64, n: usize) -> Result<(), CudaError> {
-        let cfg = &self.config;
-        self.dev.launch_1d(
-            "hc_residual",
-            n * cfg.hc_dim(),
             &[
-                Arg::Ptr(x),
-                Arg::Ptr(y),
-                Arg::Ptr(a),
-                Arg::I32(n as i32),
-                Arg::I32(cfg.hc_count as i32),
-                Arg::I32(cfg.hidden as i32),
-            ],
+                &[Arg::Ptr(g), Arg::Ptr(xn), Arg::Ptr(m), Arg::I32(n as i32), Arg::I32(s as i32), Arg::I32(d as i32)][..],
+                &Self::q8_args(q_m),
+            ]
+            .concat(),
         )?;
-        Ok(())
+        self.q8_produced(m, n, d, q_m);
+        Ok((m, a))
     }
 
     /// Gated DeltaNet for `n` tokens `m`, updating the layer's conv and recurrent state in place. With `rec`
@@ -1124,26 +1264,47 @@ impl CudaModel {
         self.matmul(g.qkv.r(dev), m, n, qkv)?;
         let z = self.tmp(n * vd)?;
         self.matmul(g.z.r(dev), m, n, z)?;
-        let b = self.tmp(n * nv)?;
-        self.matmul(g.b.r(dev), m, n, b)?;
-        let a = self.tmp(n * nv)?;
-        self.matmul(g.a.r(dev), m, n, a)?;
         let beta = self.tmp(n * nv)?;
         let gg = self.tmp(n * nv)?;
-        dev.launch_1d(
-            "gdn_gates",
-            n * nv,
-            &[
-                Arg::Ptr(b),
-                Arg::Ptr(a),
-                Arg::Ptr(self.p(&g.a_neg_exp, 0)),
-                Arg::Ptr(self.p(&g.dt_bias, 0)),
-                Arg::Ptr(beta),
-                Arg::Ptr(gg),
-                Arg::I32(n as i32),
-                Arg::I32(nv as i32),
-            ],
-        )?;
+        let (a_neg_exp, dt_bias) = (self.p(&g.a_neg_exp, 0), self.p(&g.dt_bias, 0));
+        if g.b.ty == GgmlType::F32 && g.a.ty == GgmlType::F32 && cfg.hidden % 4 == 0 {
+            // One launch for both projections and the gates.
+            dev.launch(
+                "gdn_ba_gates",
+                (nv as u32, n as u32, 1),
+                64,
+                &[
+                    Arg::Ptr(m),
+                    Arg::Ptr(g.b.r(dev).ptr),
+                    Arg::Ptr(g.a.r(dev).ptr),
+                    Arg::Ptr(a_neg_exp),
+                    Arg::Ptr(dt_bias),
+                    Arg::Ptr(beta),
+                    Arg::Ptr(gg),
+                    Arg::I32(nv as i32),
+                    Arg::I32(cfg.hidden as i32),
+                ],
+            )?;
+        } else {
+            let b = self.tmp(n * nv)?;
+            self.matmul(g.b.r(dev), m, n, b)?;
+            let a = self.tmp(n * nv)?;
+            self.matmul(g.a.r(dev), m, n, a)?;
+            dev.launch_1d(
+                "gdn_gates",
+                n * nv,
+                &[
+                    Arg::Ptr(b),
+                    Arg::Ptr(a),
+                    Arg::Ptr(a_neg_exp),
+                    Arg::Ptr(dt_bias),
+                    Arg::Ptr(beta),
+                    Arg::Ptr(gg),
+                    Arg::I32(n as i32),
+                    Arg::I32(nv as i32),
+                ],
+            )?;
+        }
         if let Some((rq, rb, rg)) = rec {
             self.dtod(rq, qkv, n * c)?;
             self.dtod(rb, beta, n * nv)?;
@@ -1185,7 +1346,7 @@ impl CudaModel {
         let cfg = &self.config;
         let DevLayerState::Gdn { conv, s } = st else { unreachable!("state follows the layer kinds") };
         let (nk, nv, dk) = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_dim);
-        let (kd, vd, c) = (nk * dk, nv * dk, cfg.ssm_conv_dim());
+        let (vd, c) = (nv * dk, cfg.ssm_conv_dim());
         dev.launch(
             "gdn_conv",
             (c.div_ceil(256) as u32, 1, 1),
@@ -1199,23 +1360,7 @@ impl CudaModel {
                 Arg::I32(cfg.ssm_conv_kernel as i32),
             ],
         )?;
-        // L2 norms of q (scaled by 1/sqrt(dk)) and k, per (token, key head).
-        for (off, scale) in [(0usize, 1.0 / (dk as f32).sqrt()), (kd, 1.0)] {
-            dev.launch(
-                "l2_norm_heads",
-                ((n * nk) as u32, 1, 1),
-                128,
-                &[
-                    Arg::Ptr(qkv + (off * 4) as u64),
-                    Arg::I32((n * nk) as i32),
-                    Arg::I32(dk as i32),
-                    Arg::I32(nk as i32),
-                    Arg::I64(c as i64),
-                    Arg::F32(1e-6),
-                    Arg::F32(scale),
-                ],
-            )?;
-        }
+        // The q/k L2 norms (q scaled by 1/sqrt(dk)) happen inside the recurrence kernel.
         let o = self.tmp(n * vd)?;
         let kernel = match dk {
             128 => "gdn_recurrent_128",
@@ -1427,7 +1572,9 @@ impl CudaModel {
     /// batches, grouped by expert for larger ones, both without a host round trip) and the gated shared expert.
     /// With a hybrid placement the routed experts the GPU does not hold run on the CPU ([`Self::moe_hybrid_cpu`])
     /// or are streamed in ([`Self::moe_streamed`]).
-    fn moe(&self, li: usize, moe: &DevMoe, m: u64, n: usize) -> Result<u64, CudaError> {
+    /// The MoE block of `n` tokens `m` (`[n, d]`): returns its output `[n, d]`; with `res = Some((x, a))` it
+    /// also applies the hyper-connection residual update `x += a * out` (fused into the combine kernel).
+    fn moe(&self, li: usize, moe: &DevMoe, m: u64, n: usize, res: Option<(u64, u64)>) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
         let (d, e, k) = (cfg.hidden, cfg.n_expert, cfg.n_expert_used);
@@ -1448,48 +1595,112 @@ impl CudaModel {
         )?;
         if let Some(h) = &self.hybrid {
             return if n <= h.params.cpu_max_tokens || self.exact() {
-                self.moe_hybrid_cpu(h, li, moe, m, n, ids, w)
+                self.moe_hybrid_cpu(h, li, moe, m, n, ids, w, res)
             } else {
-                self.moe_streamed(h, li, moe, m, n, ids, w)
+                self.moe_streamed(h, li, moe, m, n, ids, w, res)
             };
         }
-        let (shared, sgate) = self.shared_expert(moe, m, n)?;
         let slots = n * k;
         let ys = self.tmp(slots * d)?;
-        if n <= GEMV_MAX_TOKENS / 2 || self.exact() {
+        let (shared, sgate) = if n <= GEMV_MAX_TOKENS / 2 || self.exact() {
             // Decode: one GEMV per (token, expert) slot, expert ids read on the device.
-            self.routed_gemv(moe, ids, m, n, ys)?;
+            self.shared_and_routed(moe, m, n, Some((ids, ys)))?
         } else {
             // Prefill: slots grouped by expert on the device; each expert's weights decoded once per 8 tokens.
+            let shared = self.shared_expert(moe, m, n)?;
             let (offsets, perm) = self.sort_slots(ids, slots)?;
             let views = [moe.gate.view(dev), moe.up.view(dev), moe.down.view(dev)];
             self.grouped_ffn(views, e, 0, offsets, perm, m, n, ys, false)?;
-        }
-        self.combine(ys, w, shared, sgate, 0, n)
+            shared
+        };
+        self.combine(ys, w, shared, sgate, 0, n, res)
     }
 
     /// The gated shared expert of `n` tokens `m`: (its outputs `[n, d]`, the gate logits `[n]`).
     fn shared_expert(&self, moe: &DevMoe, m: u64, n: usize) -> Result<(u64, u64), CudaError> {
+        self.shared_and_routed(moe, m, n, None)
+    }
+
+    /// The gated shared expert of `n` tokens `m` (returned as in [`Self::shared_expert`]) and, with
+    /// `routed = Some((ids, ys))`, the routed experts' decode GEMVs: slot `s` multiplies the stacks' matrix
+    /// `ids[s]` (a slot of the stack; negative = skipped) into `ys + s * d`. Every product of `m` runs before the
+    /// first activation kernel, so they all read one 8-bit form of `m`; each SiLU kernel writes the 8-bit form of
+    /// its output for the down projection.
+    fn shared_and_routed(
+        &self,
+        moe: &DevMoe,
+        m: u64,
+        n: usize,
+        routed: Option<(u64, u64)>,
+    ) -> Result<(u64, u64), CudaError> {
         let dev = &self.dev;
-        let d = self.config.hidden;
+        let cfg = &self.config;
+        let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
         let sff = moe.sh_gate.rows;
         let sg = self.tmp(n * sff)?;
         let su = self.tmp(n * sff)?;
         self.matmul(moe.sh_gate.r(dev), m, n, sg)?;
         self.matmul(moe.sh_up.r(dev), m, n, su)?;
-        dev.launch_1d("silu_mul", n * sff, &[Arg::Ptr(sg), Arg::Ptr(su), Arg::I64((n * sff) as i64)])?;
-        let shared = self.tmp(n * d)?;
-        self.matmul(moe.sh_down.r(dev), sg, n, shared)?;
         let sgate = self.tmp(n)?;
         self.matmul(moe.sh_gate_inp.r(dev), m, n, sgate)?;
+        let slots = n * k;
+        let gu = match routed {
+            None => None,
+            Some((ids, _)) => {
+                let g = self.tmp(slots * ff)?;
+                let u = self.tmp(slots * ff)?;
+                let xa = self.acts(moe.gate.ty, m, n, d)?;
+                if moe.up.ty == moe.gate.ty {
+                    self.moe_gemv(&moe.gate, Some(&moe.up), ids, slots, xa, d, k, (g, u))?;
+                } else {
+                    self.moe_gemv(&moe.gate, None, ids, slots, xa, d, k, (g, g))?;
+                    let xu = self.acts(moe.up.ty, m, n, d)?;
+                    self.moe_gemv(&moe.up, None, ids, slots, xu, d, k, (u, u))?;
+                }
+                Some((g, u))
+            }
+        };
+        self.silu_mul_q8(sg, su, n, sff, moe.sh_down.ty)?;
+        let shared = self.tmp(n * d)?;
+        self.matmul(moe.sh_down.r(dev), sg, n, shared)?;
+        if let (Some((g, u)), Some((ids, ys))) = (gu, routed) {
+            self.silu_mul_q8(g, u, slots, ff, moe.down.ty)?;
+            let xg = self.acts(moe.down.ty, g, slots, ff)?;
+            self.moe_gemv(&moe.down, None, ids, slots, xg, ff, 1, (ys, ys))?;
+        }
         Ok((shared, sgate))
     }
 
-    /// `out = sum_j w_j ys_j + extra + sigmoid(sgate) shared` for `n` tokens (`extra` 0 = none).
-    fn combine(&self, ys: u64, w: u64, shared: u64, sgate: u64, extra: u64, n: usize) -> Result<u64, CudaError> {
+    /// `g = silu(g) * u` over `rows` rows of `cols`, writing the 8-bit form of `g` for a consumer of type `ty`.
+    fn silu_mul_q8(&self, g: u64, u: u64, rows: usize, cols: usize, ty: GgmlType) -> Result<(), CudaError> {
+        let q = self.q8_outputs(ty, rows, cols)?;
+        let count = rows * cols;
+        self.dev.launch_1d(
+            "silu_mul",
+            count,
+            &[&[Arg::Ptr(g), Arg::Ptr(u), Arg::I64(count as i64)][..], &Self::q8_args(q)].concat(),
+        )?;
+        self.q8_produced(g, rows, cols, q);
+        Ok(())
+    }
+
+    /// `out = sum_j w_j ys_j + extra + sigmoid(sgate) shared` for `n` tokens (`extra` 0 = none); with
+    /// `res = Some((x, a))` also the residual update `x[t][s] += a[t][s] * out[t]` of the hyper-connection bundle.
+    #[allow(clippy::too_many_arguments)]
+    fn combine(
+        &self,
+        ys: u64,
+        w: u64,
+        shared: u64,
+        sgate: u64,
+        extra: u64,
+        n: usize,
+        res: Option<(u64, u64)>,
+    ) -> Result<u64, CudaError> {
         let cfg = &self.config;
         let (d, k) = (cfg.hidden, cfg.n_expert_used);
         let out = self.tmp(n * d)?;
+        let (x, a) = res.unwrap_or((0, 0));
         self.dev.launch_1d(
             "moe_combine",
             n * d,
@@ -1503,30 +1714,12 @@ impl CudaModel {
                 Arg::I32(n as i32),
                 Arg::I32(k as i32),
                 Arg::I32(d as i32),
+                Arg::Ptr(x),
+                Arg::Ptr(a),
+                Arg::I32(cfg.hc_count as i32),
             ],
         )?;
         Ok(out)
-    }
-
-    /// Routed experts of `n` decode tokens, one GEMV per (token, slot): slot `s` multiplies the stacks' matrix
-    /// `ids[s]` (a slot of the stack; negative = skipped) into `ys + s * d`.
-    fn routed_gemv(&self, moe: &DevMoe, ids: u64, m: u64, n: usize, ys: u64) -> Result<(), CudaError> {
-        let cfg = &self.config;
-        let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
-        let slots = n * k;
-        let g = self.tmp(slots * ff)?;
-        let u = self.tmp(slots * ff)?;
-        let xa = self.acts(moe.gate.ty, m, n, d)?;
-        if moe.up.ty == moe.gate.ty {
-            self.moe_gemv(&moe.gate, Some(&moe.up), ids, slots, xa, d, k, (g, u))?;
-        } else {
-            self.moe_gemv(&moe.gate, None, ids, slots, xa, d, k, (g, g))?;
-            let xu = self.acts(moe.up.ty, m, n, d)?;
-            self.moe_gemv(&moe.up, None, ids, slots, xu, d, k, (u, u))?;
-        }
-        self.dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
-        let xg = self.acts(moe.down.ty, g, slots, ff)?;
-        self.moe_gemv(&moe.down, None, ids, slots, xg, ff, 1, (ys, ys))
     }
 
     /// Groups the `slots` routed (token, expert) slots by expert: (`offsets` `[E + 1]`, `perm` `[slots]`).
@@ -1580,7 +1773,7 @@ impl CudaModel {
             )?;
             h
         } else {
-            self.dev.launch_1d("silu_mul", slots * ff, &[Arg::Ptr(g), Arg::Ptr(u), Arg::I64((slots * ff) as i64)])?;
+            self.silu_mul_q8(g, u, slots, ff, down.ty)?;
             g
         };
         let xh = self.acts(down.ty, h, slots, ff)?;
@@ -1600,6 +1793,7 @@ impl CudaModel {
         n: usize,
         ids: u64,
         w: u64,
+        res: Option<(u64, u64)>,
     ) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
@@ -1634,11 +1828,9 @@ impl CudaModel {
         hybrid::dtoh(stream, bufs.pack.addr(), pack, pack_len * 4)?;
         h.packed.record(stream)?;
         // The GPU's share, queued before the host waits: it runs while the CPU computes.
-        let (shared, sgate) = self.shared_expert(moe, m, n)?;
         let ys = self.tmp(slots * d)?;
-        if !hl.resident.is_empty() {
-            self.routed_gemv(moe, gpu_slot, m, n, ys)?;
-        }
+        let routed = (!hl.resident.is_empty()).then_some((gpu_slot, ys));
+        let (shared, sgate) = self.shared_and_routed(moe, m, n, routed)?;
         let t_wait = std::time::Instant::now();
         h.packed.synchronize()?;
         let waited = t_wait.elapsed();
@@ -1710,7 +1902,7 @@ impl CudaModel {
         h.stats.pcie_bytes.fetch_add((pack_len * 4) as u64, Relaxed);
         h.resumed.record(stream)?;
         h.resumed_live.store(true, Relaxed);
-        self.combine(ys, w_gpu, shared, sgate, extra, n)
+        self.combine(ys, w_gpu, shared, sgate, extra, n, res)
     }
 
     /// Hybrid MoE for a long batch (prefill): the resident experts from the expert cache, every other expert of
@@ -1725,6 +1917,7 @@ impl CudaModel {
         n: usize,
         ids: u64,
         w: u64,
+        res: Option<(u64, u64)>,
     ) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
@@ -1773,7 +1966,7 @@ impl CudaModel {
             stage.free.record(stream)?;
             h.stats.pcie_bytes.fetch_add(copied as u64, std::sync::atomic::Ordering::Relaxed);
         }
-        self.combine(ys, w, shared, sgate, 0, n)
+        self.combine(ys, w, shared, sgate, 0, n, res)
     }
 
     fn lanes(cols: usize) -> u32 {
@@ -1811,7 +2004,8 @@ impl CudaModel {
         let stream = self.dev.stream();
         match x {
             Acts::Q8(qx, dx) => {
-                let lanes = Self::q8_lanes(stack.ty, stack.cols);
+                let tasks = Self::tasks_per_row(stack.ty, stack.cols, true);
+                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used);
                 let w0 = ptr(&stack.data, stream, 0);
                 let w1 = second.map_or(w0, |s| ptr(&s.data, stream, 0));
                 let mut args = vec![Arg::Ptr(w0), Arg::Ptr(w1)];
@@ -1831,7 +2025,8 @@ impl CudaModel {
                 self.dev.launch(&format!("moe_gemvq_{sfx}"), grid, 128, &args)?;
             }
             Acts::F32(xp) => {
-                let lanes = Self::lanes(stack.cols);
+                let tasks = Self::tasks_per_row(stack.ty, stack.cols, false);
+                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used);
                 for (st, out) in std::iter::once((stack, y.0)).chain(second.map(|s| (s, y.1))) {
                     let mut args = vec![Arg::Ptr(ptr(&st.data, stream, 0))];
                     args.extend(st.shape_args());
@@ -1843,7 +2038,7 @@ impl CudaModel {
                         Arg::Ptr(out),
                         Arg::I32(lanes as i32),
                     ]);
-                    let grid = (st.rows.div_ceil(256 / lanes as usize) as u32, slots as u32, 1);
+                    let grid = (st.rows.div_ceil(256 / lanes) as u32, slots as u32, 1);
                     self.dev.launch(&format!("moe_gemv_{sfx}"), grid, 256, &args)?;
                 }
             }
@@ -2080,7 +2275,11 @@ impl CudaModel {
                 self.ple(ple, conv, x, ple_rows, ple_emb, n, rec.and_then(|r| r.ple_rec(self)))?;
                 self.phase("ple")?;
             }
-            let (m, a) = self.hc_mix(&layer.attn_hc, x, n)?;
+            let m_for = match &layer.mixer {
+                DevMixer::Gdn(g) => g.qkv.ty,
+                DevMixer::Attn(at) => at.q.ty,
+            };
+            let (m, a) = self.hc_mix(&layer.attn_hc, x, n, Some(m_for), None)?;
             self.phase("hyper-connections")?;
             let ls = &st.layers[li];
             let y = match &layer.mixer {
@@ -2095,11 +2294,10 @@ impl CudaModel {
                     y
                 }
             };
-            self.hc_residual(x, y, a.expect("layers inject"), n)?;
-            let (m, a) = self.hc_mix(&layer.mlp_hc, x, n)?;
+            let a = a.expect("layers inject");
+            let (m, a) = self.hc_mix(&layer.mlp_hc, x, n, Some(layer.moe.sh_gate.ty), Some((y, a)))?;
             self.phase("hyper-connections")?;
-            let y = self.moe(li, &layer.moe, m, n)?;
-            self.hc_residual(x, y, a.expect("layers inject"), n)?;
+            self.moe(li, &layer.moe, m, n, Some((x, a.expect("layers inject"))))?;
             self.phase("moe")?;
             self.arena_release(mark);
         }
@@ -2109,7 +2307,7 @@ impl CudaModel {
         if rows == 0 {
             return Ok(x);
         }
-        let (h, _) = self.hc_mix(&self.mixer, x + (r0 * dim * 4) as u64, rows)?;
+        let (h, _) = self.hc_mix(&self.mixer, x + (r0 * dim * 4) as u64, rows, Some(self.lm_head.ty), None)?;
         self.matmul(self.lm_head.r(dev), h, rows, logits)?;
         self.phase("head")?;
         self.mask_logits(logits, rows)?;

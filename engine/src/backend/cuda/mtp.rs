@@ -232,14 +232,13 @@ impl CudaModel {
             )?;
             let x = self.tmp(n * dim)?;
             self.matmul(mtp.eh_proj.r(dev), input, n * s, x)?;
-            let (m, a) = self.hc_mix(&mtp.attn_hc, x, n)?;
+            let (m, a) = self.hc_mix(&mtp.attn_hc, x, n, Some(mtp.attn.q.ty), None)?;
             let y = self.attn(&mtp.attn, &ms.attn, m, n, pos_dev, capacity)?;
-            self.hc_residual(x, y, a.expect("the MTP layer injects"), n)?;
-            let (m, a) = self.hc_mix(&mtp.mlp_hc, x, n)?;
-            let y = self.moe(self.layers.len(), &mtp.moe, m, n)?;
-            self.hc_residual(x, y, a.expect("the MTP layer injects"), n)?;
+            let res = Some((y, a.expect("the MTP layer injects")));
+            let (m, a) = self.hc_mix(&mtp.mlp_hc, x, n, Some(mtp.moe.sh_gate.ty), res)?;
+            self.moe(self.layers.len(), &mtp.moe, m, n, Some((x, a.expect("the MTP layer injects"))))?;
             if let Some(out) = logits {
-                let (h, _) = self.hc_mix(&mtp.mixer, x + ((n - 1) * dim * 4) as u64, 1)?;
+                let (h, _) = self.hc_mix(&mtp.mixer, x + ((n - 1) * dim * 4) as u64, 1, Some(self.lm_head.ty), None)?;
                 self.matmul(self.lm_head.r(dev), h, 1, out)?;
                 self.mask_logits(out, 1)?;
             }

@@ -75,7 +75,12 @@ impl Dev {
             return Ok(());
         }
         let f = self.gpu.func(name)?;
-        if !(name.starts_with("gemv") || name.starts_with("moe_gemv") || name == "quantize_act") {
+        // router_topk writes only its fresh id and weight outputs, never an activation a GEMV reads.
+        if !(name.starts_with("gemv")
+            || name.starts_with("moe_gemv")
+            || name == "quantize_act"
+            || name == "router_topk")
+        {
             // Any other kernel may write a buffer an earlier quantize_act read: cached 8-bit activations expire.
             self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
