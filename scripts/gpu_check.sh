@@ -3,7 +3,8 @@
 # binaries elsewhere and pass them in). Runs, in order:
 #   1. the GPU tests (against the CPU engine and the reference logits),
 #   2. a 12-layer real-width synthetic model (`nebula synth --recipe nebula-q4 --no-mtp`),
-#   3. `nebula bench model` all on the GPU, then hybrid under the 12 GB / 128 GB and 8 GB / 32 GB profiles,
+#   3. `nebula bench model` all on the GPU (and, when Nsight Compute is installed, the per-kernel time of one decode
+#      step: scripts/ncu_decode_profile.py), then hybrid under the 12 GB / 128 GB and 8 GB / 32 GB profiles,
 #   4. llama.cpp's `llama-bench` on the same file when LLAMA_BENCH points at one (this script never builds it).
 #
 # Usage (from the repository root):
@@ -32,6 +33,13 @@ fi
 
 echo "=== all weights on the GPU"
 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048,8192 --decode 64
+
+if command -v ncu > /dev/null; then
+    echo "=== where one all-GPU decode step's time goes (Nsight Compute, CUDA Graphs off)"
+    NEBULA_CUDA_GRAPHS=0 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512 --decode 2 > "$WORK/ncu.csv" 2> "$WORK/ncu.err"
+    python3 "$ROOT/scripts/ncu_decode_profile.py" "$WORK/ncu.csv" | head -25
+fi
 
 P12="--gpu-experts 27 --ram-experts 512 --ngram-table ram --threads 14 --vram-budget-gib 12 --ram-budget-gib 128"
 echo "=== hybrid, 12 GB VRAM / 128 GB RAM profile"

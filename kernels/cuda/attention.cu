@@ -50,27 +50,28 @@ extern "C" __global__ void qsa_pool_new(const float* __restrict__ raw, float* po
 }
 
 // scores[t][b] = sum_h relu(<qI[t][h], pooled[b]>) / sqrt(ihd) for the complete blocks b < (pos0+t+1)/r; -inf
-// after. thread = (t, b).
+// after. One warp per (t, b): lanes stride the head dims, each head's dot product a shuffle-tree sum.
 extern "C" __global__ void qsa_scores(const float* __restrict__ qI, const float* __restrict__ pooled, float* scores,
                                       int n, int pos0, const int* pos_dev, int r, int nih, int ihd, int max_blocks) {
     if (pos_dev) pos0 = *pos_dev;
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)n * max_blocks) return;
-    const int b = idx % max_blocks, t = idx / max_blocks;
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (w >= (long long)n * max_blocks) return;  // uniform over the warp
+    const int b = w % max_blocks, t = w / max_blocks;
     const int complete = (pos0 + t + 1) / r;
     if (b >= complete) {
-        scores[idx] = -INFINITY;
+        if (lane == 0) scores[w] = -INFINITY;
         return;
     }
+    const float* k = pooled + (long long)b * ihd;
     float s = 0.f;
     for (int h = 0; h < nih; h++) {
         const float* q = qI + ((long long)t * nih + h) * ihd;
-        const float* k = pooled + (long long)b * ihd;
         float d = 0.f;
-        for (int i = 0; i < ihd; i++) d += q[i] * k[i];
-        s += fmaxf(d, 0.f);
+        for (int i = lane; i < ihd; i += 32) d += q[i] * __ldg(k + i);
+        s += fmaxf(warp_sum(d), 0.f);
     }
-    scores[idx] = s * rsqrtf((float)ihd);
+    if (lane == 0) scores[w] = s * rsqrtf((float)ihd);
 }
 
 __device__ __forceinline__ unsigned int order_key(float f) {
@@ -193,25 +194,36 @@ __device__ __forceinline__ void attend_keys(const float* __restrict__ qh, const 
     __syncthreads();
     for (int base = k0; base < k1; base += 32) {
         const int tile = min(32, k1 - base);
-        // each warp scores 8 keys
-        for (int j = warp; j < tile; j += 4) {
-            const int key = list ? list[base + j] : base + j;
-            const float* k = Kc + (long long)key * kvw + kvh * hd;
-            float d = 0.f;
-            if constexpr (VEC4) {
-                const float4* k4 = reinterpret_cast<const float4*>(k);
-                const float4* q4 = reinterpret_cast<const float4*>(qs);
-                for (int i = lane; i < hd / 4; i += 32) {
-                    const float4 a = q4[i], b = __ldg(k4 + i);
-                    d += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        // Each warp scores 8 keys (j = warp + 4u), all eight keys' loads in flight before the reductions.
+        float d[8];
+        int key[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int j = warp + 4 * u;
+            d[u] = 0.f;
+            key[u] = 0;
+            if (j < tile) {
+                key[u] = list ? list[base + j] : base + j;
+                const float* k = Kc + (long long)key[u] * kvw + kvh * hd;
+                if constexpr (VEC4) {
+                    const float4* k4 = reinterpret_cast<const float4*>(k);
+                    const float4* q4 = reinterpret_cast<const float4*>(qs);
+                    for (int i = lane; i < hd / 4; i += 32) {
+                        const float4 a = q4[i], b = __ldg(k4 + i);
+                        d[u] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                    }
+                } else {
+                    for (int i = lane; i < hd; i += 32) d[u] += qs[i] * k[i];
                 }
-            } else {
-                for (int i = lane; i < hd; i += 32) d += qs[i] * k[i];
             }
-            d = warp_sum(d);
-            if (lane == 0) {
-                ps[j] = d * scale;
-                ks[j] = key;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int j = warp + 4 * u;
+            const float dj = warp_sum(d[u]);
+            if (lane == 0 && j < tile) {
+                ps[j] = dj * scale;
+                ks[j] = key[u];
             }
         }
         __syncthreads();
@@ -221,6 +233,7 @@ __device__ __forceinline__ void attend_keys(const float* __restrict__ qh, const 
         const float corr = expf(m - m_new);
         l *= corr;
         for (int c = 0; c < 4; c++) acc[c] *= corr;
+#pragma unroll 8
         for (int j = 0; j < tile; j++) {
             const float p = expf(ps[j] - m_new);
             l += p;

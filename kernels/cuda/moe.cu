@@ -86,10 +86,23 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * d) return;
     const int i = idx % d, t = idx / d;
+    // Every slot's value is loaded up front (the loads overlap); a skipped slot's (never written, possibly not
+    // finite) is discarded by the select, so the sum is the same as adding only the weighted slots.
     float acc = 0.f;
-    for (int j = 0; j < k; j++) {
-        const float wj = w[t * k + j];
-        if (wj != 0.f) acc += ys[((long long)t * k + j) * d + i] * wj;
+    for (int j0 = 0; j0 < k; j0 += 8) {
+        float yv[8], wv[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            wv[u] = 0.f;
+            yv[u] = 0.f;
+            if (j0 + u < k) {
+                wv[u] = w[t * k + j0 + u];
+                yv[u] = ys[((long long)t * k + j0 + u) * d + i];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            if (j0 + u < k) acc += wv[u] != 0.f ? yv[u] * wv[u] : 0.f;
     }
     if (extra) acc += extra[idx];
     const float v = acc + sigmoidf_(sg[t]) * shared[idx];

@@ -913,6 +913,12 @@ impl CudaModel {
         (cols / per_task).max(1)
     }
 
+    /// The kernel suffix and values per task of the decode 8-bit GEMV for weights of type `ty` (a Q4_K task is a
+    /// pair of 32-value sub-blocks).
+    fn q8_kernel(ty: GgmlType) -> Result<(&'static str, usize), CudaError> {
+        Ok((type_suffix(ty)?, if ty == GgmlType::Q4_K { 64 } else { 32 }))
+    }
+
     /// Threads per row of the grouped (prefill) 8-bit expert GEMV: about four tasks per thread, at most a warp.
     fn q8_lanes(ty: GgmlType, cols: usize) -> usize {
         let want = (Self::tasks_per_row(ty, cols, true) / 4).max(1);
@@ -989,15 +995,19 @@ impl CudaModel {
             // 8-bit activations where the type has an integer path (`gemvq_*`: x is (qx, dx)), else f32 (`gemv_*`).
             let xa = self.acts(w.ty, x, n, w.cols)?;
             // 128-thread blocks, [`Self::gemv_lanes`] threads per row.
-            let q8 = matches!(xa, Acts::Q8(..));
-            let lanes = Self::gemv_lanes(Self::tasks_per_row(w.ty, w.cols, q8), w.rows);
+            let (qsfx, per_task) = Self::q8_kernel(w.ty)?;
+            let tasks = match xa {
+                Acts::Q8(..) => (w.cols / per_task).max(1),
+                Acts::F32(_) => Self::tasks_per_row(w.ty, w.cols, false),
+            };
+            let lanes = Self::gemv_lanes(tasks, w.rows);
             let rows_per_block = 128 / lanes;
             let mut t0 = 0;
             while t0 < n {
                 let c = [8usize, 4, 2, 1].into_iter().find(|&c| c <= n - t0).expect("1 always fits");
                 let (kernel, x_args) = match xa {
                     Acts::Q8(qx, dx) => (
-                        format!("gemvq_{sfx}_{c}"),
+                        format!("gemvq_{qsfx}_{c}"),
                         vec![Arg::Ptr(qx + (t0 * w.cols) as u64), Arg::Ptr(dx + (t0 * w.cols / 32 * 4) as u64)],
                     ),
                     Acts::F32(xp) => (format!("gemv_{sfx}_{c}"), vec![Arg::Ptr(xp + (t0 * w.cols * 4) as u64)]),
@@ -1485,7 +1495,7 @@ impl CudaModel {
             let scores = self.tmp(n * max_blocks)?;
             dev.launch_1d(
                 "qsa_scores",
-                n * max_blocks,
+                n * max_blocks * 32, // a warp per (token, block)
                 &[
                     Arg::Ptr(qi),
                     Arg::Ptr(self.p(pooled, 0)),
@@ -2004,7 +2014,8 @@ impl CudaModel {
         let stream = self.dev.stream();
         match x {
             Acts::Q8(qx, dx) => {
-                let tasks = Self::tasks_per_row(stack.ty, stack.cols, true);
+                let (qsfx, per_task) = Self::q8_kernel(stack.ty)?;
+                let tasks = (stack.cols / per_task).max(1);
                 let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used);
                 let w0 = ptr(&stack.data, stream, 0);
                 let w1 = second.map_or(w0, |s| ptr(&s.data, stream, 0));
@@ -2022,7 +2033,7 @@ impl CudaModel {
                 ]);
                 let grid =
                     (stack.rows.div_ceil(128 / lanes) as u32, slots as u32, if second.is_some() { 2 } else { 1 });
-                self.dev.launch(&format!("moe_gemvq_{sfx}"), grid, 128, &args)?;
+                self.dev.launch(&format!("moe_gemvq_{qsfx}"), grid, 128, &args)?;
             }
             Acts::F32(xp) => {
                 let tasks = Self::tasks_per_row(stack.ty, stack.cols, false);
