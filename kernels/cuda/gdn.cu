@@ -56,67 +56,96 @@ extern "C" __global__ void gdn_ba_gates(const float* __restrict__ m, const float
     }
 }
 
-// The delta rule token by token. Block (j, col0): value head j, columns [col0, col0 + blockDim.x) of its state
-// S [dk][dv] (S row-major per head, heads contiguous). Thread e owns column e of S in registers, so S^T k and
-// S^T q are local sums; q and k come through shared memory and are L2-normed here (q also scaled by
-// 1/sqrt(dk); eps 1e-6 inside the square root, as the reference's l2norm), every thread summing the squares in the
-// same order. qkv rows are [q (nk*dk) | k (nk*dk) | v (nv*dv)] (after the conv, not normed); value head j reads
-// key head j % nk (GGUF tiled order). o: [n][nv*dv].
+// The delta rule token by token. One warp per block: value head j = blockIdx.x, state columns
+// [blockIdx.y * CPW, +CPW) of its S [dk][dv] (row-major per head, heads contiguous), CPW = 32 / P columns of P
+// lanes each: lane (column e, part p) keeps rows [p * R, (p + 1) * R) of column e in registers (R = min(dk, 32),
+// P = dk / R), so S^T k and S^T q are R-long local sums added over the P parts by shuffles (a fixed order). q and
+// k come through the warp's shared memory, L2-normed here (q also scaled by 1/sqrt(dk); eps 1e-6 inside the
+// square root, as the reference's l2norm): every lane loads dk / 32 of each and the squares meet in a shuffle
+// tree. The next token's inputs are loaded while the current token is computed. qkv rows are
+// [q (nk*dk) | k (nk*dk) | v (nv*dv)] (after the conv, not normed); value head j reads key head j % nk (GGUF
+// tiled order). o: [n][nv*dv].
 template <int DK>
 __device__ void gdn_recurrent_body(const float* __restrict__ qkv, const float* __restrict__ beta,
                                    const float* __restrict__ g, float* S, float* o, int n, int nk, int nv, int C) {
+    constexpr int R = DK < 32 ? DK : 32, P = DK / R, CPW = 32 / P, L = DK < 32 ? 1 : DK / 32;
+    const int lane = threadIdx.x;
     const int j = blockIdx.x;
-    const int e = blockIdx.y * blockDim.x + threadIdx.x;  // column
-    const int dv = DK;
+    const int e = blockIdx.y * CPW + lane / P, part = lane % P;
+    const bool live = e < DK;  // dv = dk
     const int kh = j % nk;
     __shared__ float qs[DK], ks[DK];
-    float col[DK];
-    float* Sj = S + (long long)j * DK * dv;
+    float col[R];
+    float* Sj = S + (long long)j * DK * DK;
 #pragma unroll
-    for (int a = 0; a < DK; a++) col[a] = Sj[(long long)a * dv + e];
-    for (int t = 0; t < n; t++) {
+    for (int a = 0; a < R; a++) col[a] = live ? Sj[(long long)(part * R + a) * DK + e] : 0.f;
+    // Inputs of token t: lane's share of q and k (element lane + 32 i), v of its column, decay and beta.
+    float nq[L], nkv[L], nv_ = 0.f, ng = 0.f, nb = 0.f;
+    auto load = [&](int t) {
         const float* row = qkv + (long long)t * C;
-        __syncthreads();
-        float sq = 0.f, sk = 0.f;
-        for (int a = threadIdx.x; a < DK; a += blockDim.x) {
-            const float qa = row[kh * DK + a], ka = row[nk * DK + kh * DK + a];
-            qs[a] = qa;
-            ks[a] = ka;
-            sq += qa * qa;
-            sk += ka * ka;
+#pragma unroll
+        for (int i = 0; i < L; i++) {
+            const int a = lane + 32 * i;
+            nq[i] = a < DK ? row[kh * DK + a] : 0.f;
+            nkv[i] = a < DK ? row[nk * DK + kh * DK + a] : 0.f;
         }
-        __syncthreads();
-        if (blockDim.x == 32) {
-            sq = warp_sum(sq);
-            sk = warp_sum(sk);
-        } else {  // heads narrower than a warp: one thread's sum over the whole head, in every thread
-            sq = sk = 0.f;
-            for (int a = 0; a < DK; a++) {
-                sq += qs[a] * qs[a];
-                sk += ks[a] * ks[a];
+        nv_ = live ? row[2 * nk * DK + j * DK + e] : 0.f;
+        ng = g[t * nv + j];
+        nb = beta[t * nv + j];
+    };
+    if (n > 0) load(0);
+    for (int t = 0; t < n; t++) {
+        float cq[L], ck[L];
+#pragma unroll
+        for (int i = 0; i < L; i++) {
+            cq[i] = nq[i];
+            ck[i] = nkv[i];
+        }
+        const float vt = nv_, gt = ng, bt = nb;
+        if (t + 1 < n) load(t + 1);
+        float sq = 0.f, sk = 0.f;
+#pragma unroll
+        for (int i = 0; i < L; i++) {
+            sq += cq[i] * cq[i];
+            sk += ck[i] * ck[i];
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        const float qn = rsqrtf(sq + 1e-6f) * rsqrtf((float)DK), kn = rsqrtf(sk + 1e-6f);
+        __syncwarp();  // the previous token's reads of qs/ks are done
+#pragma unroll
+        for (int i = 0; i < L; i++) {
+            const int a = lane + 32 * i;
+            if (a < DK) {
+                qs[a] = cq[i] * qn;
+                ks[a] = ck[i] * kn;
             }
         }
-        const float qn = rsqrtf(sq + 1e-6f) * rsqrtf((float)DK), kn = rsqrtf(sk + 1e-6f);
-        const float decay = expf(g[t * nv + j]);
-        const float bt = beta[t * nv + j];
-        const float vt = row[2 * nk * DK + j * dv + e];
+        __syncwarp();
+        const float decay = expf(gt);
         float kv = 0.f;
 #pragma unroll
-        for (int a = 0; a < DK; a++) {
+        for (int a = 0; a < R; a++) {
             col[a] *= decay;
-            kv += col[a] * (ks[a] * kn);
+            kv += col[a] * ks[part * R + a];
         }
+#pragma unroll
+        for (int off = 1; off < P; off <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, off);
         const float delta = (vt - kv) * bt;
         float out = 0.f;
 #pragma unroll
-        for (int a = 0; a < DK; a++) {
-            col[a] += (ks[a] * kn) * delta;
-            out += col[a] * (qs[a] * qn);
+        for (int a = 0; a < R; a++) {
+            col[a] += ks[part * R + a] * delta;
+            out += col[a] * qs[part * R + a];
         }
-        o[(long long)t * nv * dv + j * dv + e] = out;
-    }
 #pragma unroll
-    for (int a = 0; a < DK; a++) Sj[(long long)a * dv + e] = col[a];
+        for (int off = 1; off < P; off <<= 1) out += __shfl_xor_sync(0xffffffffu, out, off);
+        if (live && part == 0) o[(long long)t * nv * DK + j * DK + e] = out;
+    }
+    if (live) {
+#pragma unroll
+        for (int a = 0; a < R; a++) Sj[(long long)(part * R + a) * DK + e] = col[a];
+    }
 }
 
 extern "C" __global__ void gdn_recurrent_128(const float* qkv, const float* beta, const float* g, float* S, float* o,

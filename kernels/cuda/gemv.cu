@@ -38,21 +38,24 @@ __device__ __forceinline__ void row_group_sum(float (&acc)[NT], int lanes) {
     }
 }
 
-// acc[t] += chunk w (32 dequantized weights) times token t's 32 activations at x + t * x_stride + 32 * c.
+// The dot product of a chunk w (32 dequantized weights) with the 32 activations at x (16-byte aligned).
+__device__ __forceinline__ float f32_chunk_dot(const float (&w)[32], const float* __restrict__ x) {
+    const float4* xp = reinterpret_cast<const float4*>(x);
+    float a = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float4 v = __ldg(xp + i);
+        a += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+    }
+    return a;
+}
+
+// acc[t] += chunk w times token t's 32 activations at x + t * x_stride + 32 * c.
 template <int NT>
 __device__ __forceinline__ void f32_chunk_accumulate(float (&acc)[NT], const float (&w)[32],
                                                      const float* __restrict__ x, long long x_stride, int c) {
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        const float4* xp = reinterpret_cast<const float4*>(x + t * x_stride + 32 * c);
-        float a = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const float4 v = __ldg(xp + i);
-            a += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
-        }
-        acc[t] += a;
-    }
+    for (int t = 0; t < NT; t++) acc[t] += f32_chunk_dot(w, x + t * x_stride + 32 * c);
 }
 
 template <int T, int NT>
@@ -269,16 +272,7 @@ __device__ __forceinline__ void moe_grouped_body(const uint8_t* __restrict__ W, 
         for (int c = lane; c < nchunks; c += lanes) {
             dequant_chunk<T>(row, c, w);
 #pragma unroll
-            for (int t = 0; t < 8; t++) {
-                const float4* xp = reinterpret_cast<const float4*>(xs[t] + 32 * c);
-                float a = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const float4 v = __ldg(xp + i);
-                    a += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
-                }
-                acc[t] += a;
-            }
+            for (int t = 0; t < 8; t++) acc[t] += f32_chunk_dot(w, xs[t] + 32 * c);
         }
         if constexpr (Block<T>::elems == 1) {
             for (int i = 32 * nchunks + lane; i < cols; i += lanes) {

@@ -224,6 +224,9 @@ pub struct CudaModel {
     /// Quantize activations to 8 bits for the GEMVs of Q8_0, Q4_0, IQ4_NL and Q4_K weights (integer dot products,
     /// as the CPU kernels do); `NEBULA_CUDA_Q8=0` keeps f32 activations for every type.
     q8_acts: bool,
+    /// The launch size below which a dense decode GEMV widens its rows ([`Self::gemv_lanes`]): 2^15 threads, or
+    /// `NEBULA_CUDA_GEMV_THREADS` (tuning).
+    gemv_min_threads: usize,
     /// The last quantized activations: ((x, n, cols, block, write count), (qx, dx)).
     q8_cache: Mutex<Option<(Q8Key, (u64, u64))>>,
     /// Per-phase wall time (`NEBULA_CUDA_PROFILE=1`: the stream is synchronised after each phase).
@@ -535,6 +538,10 @@ impl DevStack {
 }
 
 /// A device f32 buffer of `n` values.
+/// The launch size below which a routed-expert decode GEMV widens its rows ([`CudaModel::gemv_lanes`]): wider
+/// expert rows measured slower on the H200 (11.3 against 15.6 us for a layer's gate/up at 8 and 32 threads per row).
+const EXPERT_GEMV_MIN_THREADS: usize = 1 << 15;
+
 fn zeros(dev: &Dev, n: usize) -> Result<CudaSlice<f32>, CudaError> {
     Ok(dev.stream().alloc_zeros::<f32>(n.max(1))?)
 }
@@ -684,6 +691,11 @@ impl CudaModel {
             graphs: std::env::var("NEBULA_CUDA_GRAPHS").map_or(true, |v| v != "0")
                 && std::env::var("NEBULA_CUDA_PROFILE").is_err(),
             q8_acts: std::env::var("NEBULA_CUDA_Q8").map_or(true, |v| v != "0"),
+            gemv_min_threads: std::env::var("NEBULA_CUDA_GEMV_THREADS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&t: &usize| t > 0)
+                .unwrap_or(1 << 15),
             q8_cache: Mutex::new(None),
             profile: std::env::var("NEBULA_CUDA_PROFILE")
                 .is_ok_and(|v| v == "1")
@@ -928,12 +940,12 @@ impl CudaModel {
     /// Threads per row of the decode GEMVs (`gemv*`, `moe_gemv*`; `tasks` per row; `rows` rows per token: a
     /// matrix's rows, times the slots per token for routed experts; 128-thread blocks): about four tasks per
     /// thread within a warp, which reads large matrices fastest (measured with ncu on the H200: the output head,
-    /// experts); a launch with fewer than 2^15 threads that way (a router, a hyper-connection projection, a
-    /// one-row gate) widens its rows, up to a whole block per row, so enough loads are in flight. It depends on
-    /// the matrix only, never on the number of tokens (batch invariance of the verify pass).
-    fn gemv_lanes(tasks: usize, rows: usize) -> usize {
+    /// experts); a launch with fewer than `min_threads` threads that way (a router, a hyper-connection
+    /// projection, a one-row gate) widens its rows, up to a whole block per row, so enough loads are in flight.
+    /// It depends on the matrix only, never on the number of tokens (batch invariance of the verify pass).
+    fn gemv_lanes(tasks: usize, rows: usize, min_threads: usize) -> usize {
         let mut lanes = (1usize << (tasks / 4).max(1).ilog2()).min(32);
-        while lanes < 128 && lanes * 2 <= tasks && rows * lanes < (1 << 15) {
+        while lanes < 128 && lanes * 2 <= tasks && rows * lanes < min_threads {
             lanes *= 2;
         }
         lanes
@@ -1000,7 +1012,7 @@ impl CudaModel {
                 Acts::Q8(..) => (w.cols / per_task).max(1),
                 Acts::F32(_) => Self::tasks_per_row(w.ty, w.cols, false),
             };
-            let lanes = Self::gemv_lanes(tasks, w.rows);
+            let lanes = Self::gemv_lanes(tasks, w.rows, self.gemv_min_threads);
             let rows_per_block = 128 / lanes;
             let mut t0 = 0;
             while t0 < n {
@@ -1381,11 +1393,13 @@ impl CudaModel {
                 return Err(CudaError::Unsupported(format!("Gated DeltaNet heads of {other} dims (16, 32, 64, 128)")));
             }
         };
-        let cols = dk.min(32);
+        // One warp per block: 32 / parts state columns, each column's dk rows split into parts of at most 32.
+        let parts = dk / dk.min(32);
+        let cols_per_warp = 32 / parts;
         dev.launch(
             kernel,
-            (nv as u32, (dk / cols) as u32, 1),
-            cols as u32,
+            (nv as u32, dk.div_ceil(cols_per_warp) as u32, 1),
+            32,
             &[
                 Arg::Ptr(qkv),
                 Arg::Ptr(beta),
@@ -2016,7 +2030,7 @@ impl CudaModel {
             Acts::Q8(qx, dx) => {
                 let (qsfx, per_task) = Self::q8_kernel(stack.ty)?;
                 let tasks = (stack.cols / per_task).max(1);
-                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used);
+                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used, EXPERT_GEMV_MIN_THREADS);
                 let w0 = ptr(&stack.data, stream, 0);
                 let w1 = second.map_or(w0, |s| ptr(&s.data, stream, 0));
                 let mut args = vec![Arg::Ptr(w0), Arg::Ptr(w1)];
@@ -2037,7 +2051,7 @@ impl CudaModel {
             }
             Acts::F32(xp) => {
                 let tasks = Self::tasks_per_row(stack.ty, stack.cols, false);
-                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used);
+                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used, EXPERT_GEMV_MIN_THREADS);
                 for (st, out) in std::iter::once((stack, y.0)).chain(second.map(|s| (s, y.1))) {
                     let mut args = vec![Arg::Ptr(ptr(&st.data, stream, 0))];
                     args.extend(st.shape_args());
