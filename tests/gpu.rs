@@ -231,6 +231,22 @@ fn cuda_graph_replays_equal_eager_decode() {
     let graphed = run(true);
     assert_eq!(eager, graphed, "graph replays must give the eager launches' logits bit for bit");
     println!("32 decode steps: CUDA Graph replays equal eager launches bit for bit");
+
+    // Greedy decoding with the token chosen on the device (CudaModel::step_argmax, what the decoder uses when
+    // nothing else reads the logits) picks, step by step, the host argmax of the logits above.
+    let vocab = cpu.config.vocab;
+    let expected: Vec<u32> =
+        graphed.chunks(vocab).map(|row| nebula_engine::sampling::argmax(row).unwrap() as u32).collect();
+    let mut st = gpu.new_state(200).unwrap();
+    let first = gpu.forward(&mut st, &prompt, LogitsFor::Last).unwrap();
+    let mut t = nebula_engine::sampling::argmax(&first).unwrap() as u32;
+    let mut chosen = Vec::new();
+    for _ in 0..32 {
+        t = gpu.step_argmax(&mut st, t).unwrap().expect("a finite logit");
+        chosen.push(t);
+    }
+    assert_eq!(chosen, expected, "the device argmax must pick the host argmax of the same step's logits");
+    println!("32 greedy steps: the device argmax equals the host argmax of the logits");
 }
 
 /// A placed copy of `path` with `gpu` GPU-tier experts per layer (the rest in RAM).

@@ -213,6 +213,8 @@ fn state_distance(a: &SequenceState, b: &SequenceState) -> Option<f32> {
 struct Collect<'a> {
     out: Vec<u32>,
     max: usize,
+    /// What `needs_logits` answers (false: plain greedy steps may choose on the model's side).
+    needs: bool,
     states: Option<(&'a [SequenceState], usize)>,
     fresh: Option<(&'a Qwen4Exp, &'a [u32])>,
     checked: usize,
@@ -228,6 +230,9 @@ impl TokenSink<SequenceState> for Collect<'_> {
     }
     fn remaining(&self) -> usize {
         self.max - self.out.len()
+    }
+    fn needs_logits(&self) -> bool {
+        self.needs
     }
     fn consumed(&mut self, state: &SequenceState) {
         if let Some((states, p)) = self.states {
@@ -257,10 +262,107 @@ fn greedy<M: SpeculativeModel<State = SequenceState>>(
     let mut state = state;
     let limit = state.max_len;
     let mut sampler = Sampler::new(SamplingParams::GREEDY);
-    let mut sink = Collect { out: Vec::new(), max: n, states, fresh, checked: 0 };
+    let mut sink = Collect { out: Vec::new(), max: n, needs: true, states, fresh, checked: 0 };
     let mut dec = SpeculativeDecoder::new(model, opts, None);
     dec.run(&mut state, logits, &mut sampler, &mut sink, limit).unwrap();
     (sink.out, dec.report, sink.checked)
+}
+
+/// The CPU model seen through [`SpeculativeModel`], counting the plain steps that chose their token on the
+/// model's side ([`SpeculativeModel::step_greedy`]).
+struct CountGreedy<'a> {
+    model: &'a Qwen4Exp,
+    greedy_steps: std::cell::Cell<usize>,
+}
+
+impl SpeculativeModel for CountGreedy<'_> {
+    type State = SequenceState;
+    type Record = <Qwen4Exp as SpeculativeModel>::Record;
+    fn vocab(&self) -> usize {
+        <Qwen4Exp as SpeculativeModel>::vocab(self.model)
+    }
+    fn position(&self, state: &SequenceState) -> usize {
+        <Qwen4Exp as SpeculativeModel>::position(self.model, state)
+    }
+    fn step(&self, state: &mut SequenceState, token: u32) -> Result<Vec<f32>, nebula_engine::model::ModelError> {
+        <Qwen4Exp as SpeculativeModel>::step(self.model, state, token)
+    }
+    fn step_greedy(
+        &self,
+        state: &mut SequenceState,
+        token: u32,
+    ) -> Result<Option<u32>, nebula_engine::model::ModelError> {
+        self.greedy_steps.set(self.greedy_steps.get() + 1);
+        <Qwen4Exp as SpeculativeModel>::step_greedy(self.model, state, token)
+    }
+    fn can_draft(&self, state: &SequenceState) -> bool {
+        <Qwen4Exp as SpeculativeModel>::can_draft(self.model, state)
+    }
+    fn draft(
+        &self,
+        state: &mut SequenceState,
+        pending: u32,
+        n: usize,
+    ) -> Result<Vec<u32>, nebula_engine::model::ModelError> {
+        <Qwen4Exp as SpeculativeModel>::draft(self.model, state, pending, n)
+    }
+    fn verify(
+        &self,
+        state: &mut SequenceState,
+        chain: &[u32],
+    ) -> Result<nebula_engine::speculative::Verified<Self::Record>, nebula_engine::model::ModelError> {
+        <Qwen4Exp as SpeculativeModel>::verify(self.model, state, chain)
+    }
+    fn rollback(
+        &self,
+        state: &mut SequenceState,
+        record: &Self::Record,
+        keep: usize,
+    ) -> Result<nebula_engine::speculative::Rollback, nebula_engine::model::ModelError> {
+        <Qwen4Exp as SpeculativeModel>::rollback(self.model, state, record, keep)
+    }
+}
+
+/// Plain greedy decoding with a sink that reads no logits takes the decoder's fast path (the model chooses the
+/// token: on a GPU, without copying the logits back) and emits exactly the tokens of the ordinary path, with MTP
+/// off and on (level 3's plain steps after a collapse).
+#[test]
+fn greedy_steps_without_logits_emit_the_same_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = golden_with_random_mtp("hc4_moe", tmp.path());
+    let g = json(&root().join("tests/fixtures/golden/hc4_moe/golden.json"));
+    let prompt = &ids(&g["token_ids"])[..24];
+    let n = 120;
+    let mut s = model.new_state(prompt.len() + n + 1);
+    let logits = model.forward(&mut s, prompt, LogitsFor::Last).unwrap();
+    let off = SpeculativeOptions { enabled: false, ..Default::default() };
+    let (reference, _, _) = greedy(&model, s.clone(), logits.clone(), n, off, None, None);
+    for opts in [off, SpeculativeOptions::default()] {
+        let counted = CountGreedy { model: &model, greedy_steps: std::cell::Cell::new(0) };
+        let mut state = s.clone();
+        let mut sampler = Sampler::new(SamplingParams::GREEDY);
+        let mut sink = Collect { out: Vec::new(), max: n, needs: false, states: None, fresh: None, checked: 0 };
+        let mut dec = SpeculativeDecoder::new(&counted, opts, None);
+        let limit = state.max_len;
+        dec.run(&mut state, logits.clone(), &mut sampler, &mut sink, limit).unwrap();
+        assert_eq!(sink.out, reference, "drafting {}: the fast path's tokens differ", opts.enabled);
+        assert_eq!(
+            counted.greedy_steps.get(),
+            dec.report.plain_steps,
+            "drafting {}: every plain step takes the fast path",
+            opts.enabled
+        );
+        assert!(dec.report.plain_steps > 0);
+        // A sampler with a penalty reads the logits: no fast path.
+        let counted = CountGreedy { model: &model, greedy_steps: std::cell::Cell::new(0) };
+        let mut state = s.clone();
+        let mut sampler = Sampler::new(SamplingParams { presence_penalty: 0.5, ..SamplingParams::GREEDY });
+        let mut sink = Collect { out: Vec::new(), max: 8, needs: false, states: None, fresh: None, checked: 0 };
+        let mut dec = SpeculativeDecoder::new(&counted, opts, None);
+        let limit = state.max_len;
+        dec.run(&mut state, logits.clone(), &mut sampler, &mut sink, limit).unwrap();
+        assert_eq!(counted.greedy_steps.get(), 0, "a penalised sampler must see the logits");
+    }
 }
 
 #[test]

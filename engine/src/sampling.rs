@@ -87,6 +87,15 @@ impl SamplingParams {
     }
 }
 
+impl Sampler {
+    /// Whether [`Sampler::sample`] is the plain argmax of the model's logits: greedy, with no repetition,
+    /// presence or frequency penalty changing them first.
+    pub fn is_plain_greedy(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
+    }
+}
+
 /// A sampler with its own random stream (one per request, so a seeded request is reproducible whatever else
 /// the server does) and the token counts its penalties need.
 #[derive(Debug, Clone)]

@@ -537,6 +537,10 @@ impl TokenSink<SequenceState> for RequestSink<'_> {
         self.constraint(|c| c.mask(logits)).map(|_| ())
     }
 
+    fn needs_logits(&self) -> bool {
+        self.req.constraint.is_some() || self.req.logprobs.is_some()
+    }
+
     fn commit(&mut self, token: u32, logits: &[f32], room: bool) -> Result<Flow, String> {
         let req = self.req;
         if (!req.ignore_eos && self.stop_tokens.contains(&token)) || req.stop_tokens.contains(&token) {
@@ -853,6 +857,10 @@ impl TokenSink<CudaState> for RequestSink<'_> {
 
     fn remaining(&self) -> usize {
         <Self as TokenSink<SequenceState>>::remaining(self)
+    }
+
+    fn needs_logits(&self) -> bool {
+        <Self as TokenSink<SequenceState>>::needs_logits(self)
     }
 }
 

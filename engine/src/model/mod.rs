@@ -425,6 +425,13 @@ impl Qwen4Exp {
         (total.saturating_sub(experts + table + embed), experts, table)
     }
 
+    /// Bytes of the MTP block's tensors in the file (`blk.{n_layer}.*`; 0 without one): counted in
+    /// [`Self::weight_bytes`]'s dense part, although a plain decode step never reads them.
+    pub fn mtp_weight_bytes(&self) -> u64 {
+        let prefix = format!("blk.{}.", self.config.n_layer);
+        self.file.tensors().filter(|t| t.name.starts_with(&prefix)).map(|t| t.n_bytes).sum()
+    }
+
     /// The MTP block, when loaded.
     pub fn mtp(&self) -> Option<&MtpBlock> {
         self.mtp.as_ref()

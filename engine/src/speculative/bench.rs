@@ -99,7 +99,8 @@ impl MtpBenchRow {
     }
 }
 
-/// Collects `max` tokens, no stop tokens.
+/// Collects `max` tokens, no stop tokens; reads no logits (greedy plain steps choose on the model's side, as a
+/// server request without log-probabilities or a grammar does).
 struct Collect {
     out: Vec<u32>,
     max: usize,
@@ -115,6 +116,9 @@ impl<S> TokenSink<S> for Collect {
     }
     fn remaining(&self) -> usize {
         self.max.saturating_sub(self.out.len())
+    }
+    fn needs_logits(&self) -> bool {
+        false
     }
 }
 

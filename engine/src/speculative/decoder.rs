@@ -50,6 +50,13 @@ pub trait TokenSink<S> {
     /// Tokens that may still be emitted.
     fn remaining(&self) -> usize;
 
+    /// Whether [`TokenSink::mask`] or [`TokenSink::commit`] reads the logits (a grammar, log-probabilities).
+    /// When not, and the sampler is plain greedy, a plain step may choose its token on the device
+    /// ([`SpeculativeModel::step_greedy`]) and commit it with empty logits.
+    fn needs_logits(&self) -> bool {
+        true
+    }
+
     /// Called after the state consumed tokens (e.g. to take prefix-cache checkpoints).
     fn consumed(&mut self, _state: &S) {}
 }
@@ -191,7 +198,14 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         limit: usize,
     ) -> Result<(u32, Flow), String> {
         let t = Instant::now();
-        let mut logits = self.model.step(state, pending).map_err(|e| e.to_string())?;
+        // Plain greedy decoding with nothing else reading the logits: the model chooses the token itself (on a
+        // GPU, without copying the vocabulary-sized row back); the same token as sampling its logits.
+        let greedy = sampler.is_plain_greedy() && !sink.needs_logits();
+        let (mut logits, chosen) = if greedy {
+            (Vec::new(), Some(self.model.step_greedy(state, pending).map_err(|e| e.to_string())?))
+        } else {
+            (self.model.step(state, pending).map_err(|e| e.to_string())?, None)
+        };
         let measured = t.elapsed().as_secs_f64();
         let secs = self.opts.fixed_costs.map_or(measured, |c| c.verify_base + c.verify_per_row);
         self.report.plain_steps += 1;
@@ -204,6 +218,14 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         }
         sink.consumed(state);
         let room = self.model.position(state) < limit;
+        if let Some(token) = chosen {
+            let token = token.ok_or("every token has probability 0")?;
+            let flow = sink.commit(token, &logits, room)?;
+            if flow == Flow::Continue {
+                sampler.accept(token);
+            }
+            return Ok((token, flow));
+        }
         self.choose_and_commit(&mut logits, sampler, sink, room)
     }
 

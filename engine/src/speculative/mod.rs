@@ -94,6 +94,15 @@ pub trait SpeculativeModel {
     /// Errors: bad token, context overflow.
     fn step(&self, state: &mut Self::State, token: u32) -> Result<Vec<f32>, ModelError>;
 
+    /// A plain decode step that returns the greedy choice instead of the logits: the argmax of the logits
+    /// [`SpeculativeModel::step`] would return ([`crate::sampling::argmax`]: ties to the lower id, `-inf` and NaN
+    /// never chosen; `None` when no logit is finite). Backends that can choose on their device override it.
+    ///
+    /// Errors: as [`SpeculativeModel::step`].
+    fn step_greedy(&self, state: &mut Self::State, token: u32) -> Result<Option<u32>, ModelError> {
+        Ok(crate::sampling::argmax(&self.step(state, token)?).map(|i| i as u32))
+    }
+
     /// Whether the drafter can propose after this state now (MTP loaded and aligned, a token consumed).
     fn can_draft(&self, state: &Self::State) -> bool;
 
@@ -139,6 +148,10 @@ impl SpeculativeModel for crate::backend::cuda::CudaModel {
 
     fn step(&self, state: &mut Self::State, token: u32) -> Result<Vec<f32>, ModelError> {
         self.forward(state, &[token], crate::model::LogitsFor::Last).map_err(|e| model_error(e, "CUDA decode step"))
+    }
+
+    fn step_greedy(&self, state: &mut Self::State, token: u32) -> Result<Option<u32>, ModelError> {
+        self.step_argmax(state, token).map_err(|e| model_error(e, "CUDA decode step"))
     }
 
     fn can_draft(&self, state: &Self::State) -> bool {

@@ -96,6 +96,10 @@ impl<M: SpeculativeModel> SpeculativeModel for ScriptedDrafter<'_, M> {
         self.inner.position(state)
     }
 
+    fn step_greedy(&self, state: &mut M::State, token: u32) -> Result<Option<u32>, ModelError> {
+        self.inner.step_greedy(state, token)
+    }
+
     fn step(&self, state: &mut M::State, token: u32) -> Result<Vec<f32>, ModelError> {
         self.inner.step(state, token)
     }

@@ -72,6 +72,8 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
     };
     let cfg = model.config.clone();
     let (dense, experts, table) = model.weight_bytes();
+    // The floor is a plain decode step's: without the MTP block, which `bench model` never drafts with.
+    let dense = dense.saturating_sub(model.mtp_weight_bytes());
     let source = args.profile.as_ref().map_or("flags".to_owned(), |p| format!("profile {}", p.display()));
     if let Some(opts) = placement.to_options(&source).map_err(anyhow::Error::msg)? {
         // On CUDA a placement makes the run hybrid: GPU-tier experts on the GPU, the rest computed by the CPU.

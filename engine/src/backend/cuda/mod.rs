@@ -172,6 +172,8 @@ struct StepBuffers {
     token: CudaSlice<i32>,
     ple_rows: CudaSlice<i32>,
     logits: CudaSlice<f32>,
+    /// The step's argmax ([`CudaModel::step_argmax`]).
+    choice: CudaSlice<i32>,
 }
 
 /// A captured decode step and the arena generation its temporaries live in.
@@ -205,6 +207,10 @@ pub struct CudaState {
     verify_graphs: Vec<(Option<DecodeGraph>, usize)>,
     /// Decode steps run so far (a graph is captured on the second, once the arena holds its size).
     decode_steps: usize,
+    /// Set by [`CudaModel::step_argmax`] for its decode step: the step leaves its argmax in `argmax_out` instead
+    /// of copying the logits back.
+    want_argmax: bool,
+    argmax_out: Option<u32>,
 }
 
 /// The model on the GPU.
@@ -818,12 +824,15 @@ impl CudaModel {
                 token: dev.stream().alloc_zeros::<i32>(1)?,
                 ple_rows: dev.stream().alloc_zeros::<i32>(ple.map_or(1, |p| p.cfg.n_heads()))?,
                 logits: zeros(dev, cfg.vocab)?,
+                choice: dev.stream().alloc_zeros::<i32>(1)?,
             },
             graph: None,
             mtp: if draft { self.new_mtp_state(max_len)? } else { None },
             chain: None,
             verify_graphs: (0..=mtp::MAX_CHAIN_ROWS).map(|_| (None, 0)).collect(),
             decode_steps: 0,
+            want_argmax: false,
+            argmax_out: None,
         })
     }
 
@@ -860,6 +869,21 @@ impl CudaModel {
             p.last = Some(now);
         }
         Ok(())
+    }
+
+    /// A plain decode step that consumes `token` and returns the argmax of its logits (masked vocabulary rows
+    /// excluded; ties to the lower id; `None` when every logit is `-inf` or NaN), chosen on the device: one
+    /// 4-byte copy instead of the `[vocab]` logits. Greedy decoding without penalties, grammar or log-probabilities
+    /// gives the same token as [`crate::sampling::argmax`] on [`Self::forward`]'s logits.
+    ///
+    /// Errors: as [`Self::forward`].
+    pub fn step_argmax(&self, st: &mut CudaState, token: u32) -> Result<Option<u32>, CudaError> {
+        st.want_argmax = true;
+        st.argmax_out = None;
+        let out = self.forward(st, &[token], LogitsFor::Last);
+        st.want_argmax = false;
+        out?;
+        Ok(st.argmax_out.take())
     }
 
     /// Per-kernel (name, total seconds, launches) when `NEBULA_CUDA_PROFILE=kernels`; then clears it.
@@ -2487,6 +2511,19 @@ impl CudaModel {
             st.decode_steps += 1;
             st.pos = needed;
             self.mtp_extend(st, bank, tokens, pos0)?;
+            if st.want_argmax {
+                // Greedy: the token is chosen on the device; 4 bytes come back instead of the vocabulary.
+                let choice = ptr(&st.step.choice, &stream, 0);
+                dev.launch(
+                    "argmax_rows",
+                    (1, 1, 1),
+                    1024,
+                    &[Arg::Ptr(logits), Arg::I32(cfg.vocab as i32), Arg::Ptr(choice)],
+                )?;
+                let id = stream.clone_dtoh(&st.step.choice)?[0];
+                st.argmax_out = u32::try_from(id).ok();
+                return Ok(Vec::new());
+            }
             return Ok(stream.clone_dtoh(&st.step.logits)?);
         }
         if let Some(bufs) = rec.filter(|_| self.graphs && want == LogitsFor::All && n <= mtp::MAX_CHAIN_ROWS) {
