@@ -1313,7 +1313,7 @@ impl CudaModel {
         let beta = self.tmp(n * nv)?;
         let gg = self.tmp(n * nv)?;
         let (a_neg_exp, dt_bias) = (self.p(&g.a_neg_exp, 0), self.p(&g.dt_bias, 0));
-        if g.b.ty == GgmlType::F32 && g.a.ty == GgmlType::F32 && cfg.hidden % 4 == 0 {
+        if g.b.ty == GgmlType::F32 && g.a.ty == GgmlType::F32 && cfg.hidden.is_multiple_of(4) {
             // One launch for both projections and the gates.
             dev.launch(
                 "gdn_ba_gates",
