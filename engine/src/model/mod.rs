@@ -425,6 +425,18 @@ impl Qwen4Exp {
         (total.saturating_sub(experts + table + embed), experts, table)
     }
 
+    /// Bytes of the MTP block's routed experts (gate + up + down of its 512; 0 without a block): in hybrid mode
+    /// they stay on the host (the CPU computes them), so they are not VRAM.
+    pub fn mtp_routed_expert_bytes(&self) -> u64 {
+        self.mtp.as_ref().map_or(0, |b| {
+            b.mlp
+                .experts
+                .iter()
+                .map(|e| (e.gate_proj.bytes().len() + e.up_proj.bytes().len() + e.down_proj.bytes().len()) as u64)
+                .sum()
+        })
+    }
+
     /// Bytes of the MTP block's tensors in the file (`blk.{n_layer}.*`; 0 without one): counted in
     /// [`Self::weight_bytes`]'s dense part, although a plain decode step never reads them.
     pub fn mtp_weight_bytes(&self) -> u64 {

@@ -330,7 +330,7 @@ pub struct MemoryReport {
     pub vram_budget_bytes: Option<u64>,
     /// GPU-tier experts.
     pub gpu_expert_bytes: u64,
-    /// What the GPU side needs: GPU experts + the dense trunk.
+    /// What the GPU side needs: GPU experts + the dense weights (without the MTP block's routed experts).
     pub vram_planned_bytes: u64,
     /// The RAM budget, when given.
     pub ram_budget_bytes: Option<u64>,
@@ -456,7 +456,7 @@ impl PlacementReport {
              memory {}{}",
             human(m.vram_planned_bytes),
             human(m.gpu_expert_bytes),
-            human(m.dense_bytes),
+            human(m.vram_planned_bytes.saturating_sub(m.gpu_expert_bytes)),
             m.vram_budget_bytes.map_or(String::new(), |b| format!(" of a {} budget", human(b))),
             human(m.ram_tier_bytes),
             human(m.ssd_pool_bytes),
@@ -662,7 +662,9 @@ impl Placement {
                 gib(avail.saturating_sub(MARGIN))
             )));
         }
-        let vram_planned = gpu_bytes + dense;
+        // The GPU side holds the dense weights but the MTP block's routed experts, which the CPU computes.
+        let gpu_dense = dense.saturating_sub(model.mtp_routed_expert_bytes());
+        let vram_planned = gpu_bytes + gpu_dense;
         if let Some(budget) = opts.vram_budget
             && vram_planned > budget
         {
@@ -673,7 +675,7 @@ impl Placement {
                 gib(vram_planned),
                 gpu_experts,
                 gib(gpu_bytes),
-                gib(dense)
+                gib(gpu_dense)
             )));
         }
 

@@ -210,6 +210,28 @@ fn placements_that_do_not_fit_are_refused_before_allocating() {
     run(&model, 1).unwrap();
 }
 
+/// The VRAM a placement plans holds the MTP block's dense weights but not its routed experts (the CPU computes
+/// them in hybrid mode): appending a block to the demo model adds exactly its other tensors to the plan.
+#[test]
+fn the_vram_plan_leaves_the_mtp_experts_on_the_host() {
+    let dir = std::env::temp_dir().join(format!("nebula-placement-mtp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let with = crate::synth::append_random_mtp(&demo_path(), &dir.join("mtp.gguf"), 7).unwrap();
+    let opts = PlacementOptions { gpu_experts: 8, ram_experts: 32, lock_memory: false, ..Default::default() };
+    let mut plain = Qwen4Exp::load(&demo_path()).unwrap();
+    plain.place(&opts).unwrap();
+    let mut mtp = Qwen4Exp::load(&with).unwrap();
+    mtp.place(&opts).unwrap();
+    let (routed, all) = (mtp.mtp_routed_expert_bytes(), mtp.mtp_weight_bytes());
+    assert!(routed > 0 && routed < all, "the block has routed experts and other weights: {routed} of {all}");
+    assert_eq!(plain.mtp_weight_bytes(), 0);
+    let (a, b) = (plain.placement_report().memory, mtp.placement_report().memory);
+    assert_eq!(b.gpu_expert_bytes, a.gpu_expert_bytes, "the trunk's GPU experts are the same");
+    assert_eq!(b.vram_planned_bytes - a.vram_planned_bytes, all - routed, "only the block's non-expert weights");
+    drop(mtp);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The CPU half of the hybrid GPU backend: `cpu_routed` (routed experts only, any per-token subset) plus the
 /// gated shared expert is the layer's MoE output bit for bit, and gives the same bits from RAM and SSD tiers as
 /// from the memory map; `gather_ngram_rows` decodes the same rows wherever the table lives.

@@ -2591,10 +2591,7 @@ fn estimate_weight_bytes(model: &Qwen4Exp, resident: Option<&[Vec<usize>]>) -> u
     };
     // In hybrid mode (`resident` given) the n-gram table and the MTP block's routed experts stay on the host.
     let table = if resident.is_some() { 0 } else { table as usize };
-    let mtp_experts: usize = match (resident, model.mtp()) {
-        (Some(_), Some(b)) => b.mlp.experts.iter().map(size).sum(),
-        _ => 0,
-    };
+    let mtp_experts = if resident.is_some() { model.mtp_routed_expert_bytes() as usize } else { 0 };
     (dense as usize + model.embed_tokens.bytes().len() + table + held).saturating_sub(mtp_experts)
 }
 
