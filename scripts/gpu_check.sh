@@ -4,7 +4,8 @@
 #   1. the GPU tests (against the CPU engine and the reference logits),
 #   2. a 12-layer real-width synthetic model (`nebula synth --recipe nebula-q4 --no-mtp`),
 #   3. `nebula bench model` all on the GPU (and, when Nsight Compute is installed, the per-kernel time of one decode
-#      step: scripts/ncu_decode_profile.py), then hybrid under the 12 GB / 128 GB and 8 GB / 32 GB profiles,
+#      step: scripts/ncu_decode_profile.py), the prefill profile at 2048, `nebula bench mtp` on a synth with the
+#      MTP block, then hybrid under the 12 GB / 128 GB and 8 GB / 32 GB profiles,
 #   4. llama.cpp's `llama-bench` on the same file when LLAMA_BENCH points at one (this script never builds it).
 #
 # Usage (from the repository root):
@@ -40,6 +41,20 @@ if command -v ncu > /dev/null; then
         "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512 --decode 2 > "$WORK/ncu.csv" 2> "$WORK/ncu.err"
     python3 "$ROOT/scripts/ncu_decode_profile.py" "$WORK/ncu.csv" | head -25
 fi
+
+echo "=== prefill at 2048 tokens: phases, then kernels (all on the GPU; the stream is synchronised, so shares only)"
+NEBULA_CUDA_PROFILE=1 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 2048 --decode 4 | grep -A10 "prefill of" || true
+NEBULA_CUDA_PROFILE=kernels "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 2048 --decode 4 \
+    | grep -A13 "prefill of" || true
+
+MTP_MODEL="$WORK/synth-$LAYERS-mtp.gguf"
+if [ ! -f "$MTP_MODEL" ]; then
+    echo "=== nebula synth ($LAYERS layers, nebula-q4, with the MTP block)"
+    "$NEBULA" synth --out "$MTP_MODEL" --layers "$LAYERS" --recipe nebula-q4 \
+        --tokenizer-from "$ROOT/models/nebula-demo.gguf"
+fi
+echo "=== MTP speculative decoding, all on the GPU (random MTP weights: read the scripted-rate rows)"
+"$NEBULA" bench mtp --model "$MTP_MODEL" --backend cuda --prompt 2048 --tokens 128
 
 P12="--gpu-experts 27 --ram-experts 512 --ngram-table ram --threads 14 --vram-budget-gib 12 --ram-budget-gib 128"
 echo "=== hybrid, 12 GB VRAM / 128 GB RAM profile"
