@@ -84,11 +84,23 @@ struct MatRef {
 
 struct DevHc {
     norm: CudaSlice<f32>,
+    /// The down projection `[rank, S * d]`, with the injection's `S` rows stacked under it when
+    /// `inject` is [`HcInject::Stacked`] (one GEMV for both).
     down: DevMatrix,
+    /// Rows of the down projection proper.
+    rank: usize,
     up: DevMatrix,
-    inject: Option<DevMatrix>,
-    /// `down` and `inject` stacked (`[rank + S, S * d]`) when they share a type: one GEMV for both.
-    down_inject: Option<DevMatrix>,
+    inject: HcInject,
+}
+
+/// Where a hyper-connection mixer's injection projection lives on the device.
+enum HcInject {
+    /// The mixer does not inject (the final mixer).
+    None,
+    /// Under the down projection's rows in `DevHc::down` (same type and width).
+    Stacked,
+    /// A matrix of its own (its type differs from the down projection's).
+    Separate(DevMatrix),
 }
 
 struct DevGdn {
@@ -439,16 +451,20 @@ impl Uploader<'_> {
         })
     }
     fn hc(&mut self, g: &GatedResidual, what: &str) -> Result<DevHc, CudaError> {
-        let down_inject = match &g.block_inject_weight {
-            Some(inj) => self.stacked(&[&g.input_mix_weight_down, inj], what)?,
-            None => None,
+        let down = &g.input_mix_weight_down;
+        let (down_dev, inject) = match &g.block_inject_weight {
+            None => (self.matrix(down, what)?, HcInject::None),
+            Some(inj) => match self.stacked(&[down, inj], what)? {
+                Some(both) => (both, HcInject::Stacked),
+                None => (self.matrix(down, what)?, HcInject::Separate(self.matrix(inj, what)?)),
+            },
         };
         Ok(DevHc {
             norm: self.vector(&g.hc_norm)?,
-            down: self.matrix(&g.input_mix_weight_down, what)?,
+            down: down_dev,
+            rank: down.rows(),
             up: self.matrix(&g.input_mix_weight_up, what)?,
-            inject: g.block_inject_weight.as_ref().map(|m| self.matrix(m, what)).transpose()?,
-            down_inject,
+            inject,
         })
     }
     /// The matrices `ms` as one matrix of their rows one after another, when they share a type and a width
@@ -543,11 +559,12 @@ impl DevStack {
     }
 }
 
-/// A device f32 buffer of `n` values.
-/// The launch size below which a routed-expert decode GEMV widens its rows ([`CudaModel::gemv_lanes`]): wider
-/// expert rows measured slower on the H200 (11.3 against 15.6 us for a layer's gate/up at 8 and 32 threads per row).
-const EXPERT_GEMV_MIN_THREADS: usize = 1 << 15;
+/// The launch size below which a decode GEMV widens its rows ([`CudaModel::gemv_lanes`]): fixed for routed
+/// experts (wider expert rows measured slower on the H200: 15.6 against 11.3 us for a layer's gate/up at 32 and 8
+/// threads per row), the default for dense matrices (`NEBULA_CUDA_GEMV_THREADS`).
+const GEMV_MIN_THREADS: usize = 1 << 15;
 
+/// A device f32 buffer of `n` values.
 fn zeros(dev: &Dev, n: usize) -> Result<CudaSlice<f32>, CudaError> {
     Ok(dev.stream().alloc_zeros::<f32>(n.max(1))?)
 }
@@ -701,7 +718,7 @@ impl CudaModel {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .filter(|&t: &usize| t > 0)
-                .unwrap_or(1 << 15),
+                .unwrap_or(GEMV_MIN_THREADS),
             q8_cache: Mutex::new(None),
             profile: std::env::var("NEBULA_CUDA_PROFILE")
                 .is_ok_and(|v| v == "1")
@@ -949,12 +966,6 @@ impl CudaModel {
         (cols / per_task).max(1)
     }
 
-    /// The kernel suffix and values per task of the decode 8-bit GEMV for weights of type `ty` (a Q4_K task is a
-    /// pair of 32-value sub-blocks).
-    fn q8_kernel(ty: GgmlType) -> Result<(&'static str, usize), CudaError> {
-        Ok((type_suffix(ty)?, if ty == GgmlType::Q4_K { 64 } else { 32 }))
-    }
-
     /// Threads per row of the grouped (prefill) 8-bit expert GEMV: about four tasks per thread, at most a warp.
     fn q8_lanes(ty: GgmlType, cols: usize) -> usize {
         let want = (Self::tasks_per_row(ty, cols, true) / 4).max(1);
@@ -1031,11 +1042,7 @@ impl CudaModel {
             // 8-bit activations where the type has an integer path (`gemvq_*`: x is (qx, dx)), else f32 (`gemv_*`).
             let xa = self.acts(w.ty, x, n, w.cols)?;
             // 128-thread blocks, [`Self::gemv_lanes`] threads per row.
-            let (qsfx, per_task) = Self::q8_kernel(w.ty)?;
-            let tasks = match xa {
-                Acts::Q8(..) => (w.cols / per_task).max(1),
-                Acts::F32(_) => Self::tasks_per_row(w.ty, w.cols, false),
-            };
+            let tasks = Self::tasks_per_row(w.ty, w.cols, matches!(xa, Acts::Q8(..)));
             let lanes = Self::gemv_lanes(tasks, w.rows, self.gemv_min_threads);
             let rows_per_block = 128 / lanes;
             let mut t0 = 0;
@@ -1043,7 +1050,7 @@ impl CudaModel {
                 let c = [8usize, 4, 2, 1].into_iter().find(|&c| c <= n - t0).expect("1 always fits");
                 let (kernel, x_args) = match xa {
                     Acts::Q8(qx, dx) => (
-                        format!("gemvq_{qsfx}_{c}"),
+                        format!("gemvq_{sfx}_{c}"),
                         vec![Arg::Ptr(qx + (t0 * w.cols) as u64), Arg::Ptr(dx + (t0 * w.cols / 32 * 4) as u64)],
                     ),
                     Acts::F32(xp) => (format!("gemv_{sfx}_{c}"), vec![Arg::Ptr(xp + (t0 * w.cols * 4) as u64)]),
@@ -1117,10 +1124,16 @@ impl CudaModel {
     }
 
     /// `out[r] = x[r] / rms(x[r]) * w[(r % w_rows)]` over `rows` rows of `width` (in place when out == x).
+    /// Threads of a one-block-per-row norm over rows of `width`: about two values per thread, a multiple of
+    /// `multiple` (32, or 256 when the kernel also quantizes in 256-value blocks), at most 1024.
+    fn norm_threads(width: usize, multiple: usize) -> usize {
+        width.div_ceil(2).next_multiple_of(multiple).clamp(multiple, 1024)
+    }
+
     /// RMS norm of `rows` rows of `width` (weights row `r % w_rows`), one block per row with about two values per
     /// thread (up to 1024 threads): a decode step's few wide rows are latency-bound, so each thread loads little.
     fn rms_norm(&self, x: u64, w: u64, out: u64, rows: usize, width: usize, w_rows: usize) -> Result<(), CudaError> {
-        let threads = width.div_ceil(2).next_multiple_of(32).clamp(32, 1024);
+        let threads = Self::norm_threads(width, 32);
         self.dev.launch(
             "rms_norm_rows",
             (rows as u32, 1, 1),
@@ -1175,7 +1188,7 @@ impl CudaModel {
     /// first matrix that multiplies `m`: its 8-bit form is written by the mixing kernel itself (no separate
     /// `quantize_act`). With `residual = Some((y, a))` the residual update of the block before
     /// (`X[t][s] += a[t][s] * y[t]`) is fused into the norm. Down and injection projections run as one
-    /// stacked GEMV when they share a type (`DevHc::down_inject`), on one quantization of the normalised bundle.
+    /// stacked GEMV when they share a type ([`HcInject::Stacked`]), on one quantization of the normalised bundle.
     fn hc_mix(
         &self,
         hc: &DevHc,
@@ -1190,15 +1203,9 @@ impl CudaModel {
         let dim = s * d;
         let inv_s = 1.0 / s as f32;
         let xn = self.tmp(n * dim)?;
-        let first_ty = hc.down_inject.as_ref().unwrap_or(&hc.down).ty;
-        let q_xn = match self.q8_block(first_ty, d) {
-            Some(_) => self.q8_outputs(first_ty, n * s, d)?,
-            None => None,
-        };
-        let threads = match q_xn {
-            Some(_) => d.div_ceil(2).next_multiple_of(256).clamp(256, 1024),
-            None => d.div_ceil(2).next_multiple_of(32).clamp(32, 1024),
-        };
+        let q_xn = self.q8_outputs(hc.down.ty, n * s, d)?;
+        // Quantizing blocks of up to 256 values: whole multiples of 256 threads.
+        let threads = Self::norm_threads(d, if q_xn.is_some() { 256 } else { 32 });
         let (y, ya) = residual.unwrap_or((0, 0));
         dev.launch(
             "hc_norm",
@@ -1221,13 +1228,13 @@ impl CudaModel {
         )?;
         // The quantization blocks of a [n*S][d] view are those of the [n][S*d] rows the GEMVs read.
         self.q8_produced(xn, n, dim, q_xn);
-        let rank = hc.down.rows;
+        let rank = hc.rank;
         let low = self.tmp(n * rank)?;
         let q_low = self.q8_outputs(hc.up.ty, n, rank)?;
-        let a = match (&hc.inject, &hc.down_inject) {
-            (Some(_), Some(di)) => {
-                let both = self.tmp(n * di.rows)?;
-                self.matmul(di.r(dev), xn, n, both)?;
+        let a = match &hc.inject {
+            HcInject::Stacked => {
+                let both = self.tmp(n * hc.down.rows)?;
+                self.matmul(hc.down.r(dev), xn, n, both)?;
                 let a = self.tmp(n * s)?;
                 dev.launch_1d(
                     "hc_acts",
@@ -1247,11 +1254,11 @@ impl CudaModel {
                 )?;
                 Some(a)
             }
-            (inject, _) => {
+            inject => {
                 self.matmul(hc.down.r(dev), xn, n, low)?;
                 let a = match inject {
-                    None => None,
-                    Some(wi) => {
+                    HcInject::None | HcInject::Stacked => None,
+                    HcInject::Separate(wi) => {
                         let a = self.tmp(n * s)?;
                         self.matmul(wi.r(dev), xn, n, a)?;
                         dev.launch_1d(
@@ -1619,9 +1626,8 @@ impl CudaModel {
     /// The MoE block of layer `li`: routing, the routed experts (one GEMV per token-expert slot for small
     /// batches, grouped by expert for larger ones, both without a host round trip) and the gated shared expert.
     /// With a hybrid placement the routed experts the GPU does not hold run on the CPU ([`Self::moe_hybrid_cpu`])
-    /// or are streamed in ([`Self::moe_streamed`]).
-    /// The MoE block of `n` tokens `m` (`[n, d]`): returns its output `[n, d]`; with `res = Some((x, a))` it
-    /// also applies the hyper-connection residual update `x += a * out` (fused into the combine kernel).
+    /// or are streamed in ([`Self::moe_streamed`]). Returns the output `[n, d]` of the `n` tokens `m`; with
+    /// `res = Some((x, a))` the combine kernel also applies the hyper-connection residual update `x += a * out`.
     fn moe(&self, li: usize, moe: &DevMoe, m: u64, n: usize, res: Option<(u64, u64)>) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
@@ -2052,9 +2058,8 @@ impl CudaModel {
         let stream = self.dev.stream();
         match x {
             Acts::Q8(qx, dx) => {
-                let (qsfx, per_task) = Self::q8_kernel(stack.ty)?;
-                let tasks = (stack.cols / per_task).max(1);
-                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used, EXPERT_GEMV_MIN_THREADS);
+                let tasks = Self::tasks_per_row(stack.ty, stack.cols, true);
+                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used, GEMV_MIN_THREADS);
                 let w0 = ptr(&stack.data, stream, 0);
                 let w1 = second.map_or(w0, |s| ptr(&s.data, stream, 0));
                 let mut args = vec![Arg::Ptr(w0), Arg::Ptr(w1)];
@@ -2071,11 +2076,11 @@ impl CudaModel {
                 ]);
                 let grid =
                     (stack.rows.div_ceil(128 / lanes) as u32, slots as u32, if second.is_some() { 2 } else { 1 });
-                self.dev.launch(&format!("moe_gemvq_{qsfx}"), grid, 128, &args)?;
+                self.dev.launch(&format!("moe_gemvq_{sfx}"), grid, 128, &args)?;
             }
             Acts::F32(xp) => {
                 let tasks = Self::tasks_per_row(stack.ty, stack.cols, false);
-                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used, EXPERT_GEMV_MIN_THREADS);
+                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used, GEMV_MIN_THREADS);
                 for (st, out) in std::iter::once((stack, y.0)).chain(second.map(|s| (s, y.1))) {
                     let mut args = vec![Arg::Ptr(ptr(&st.data, stream, 0))];
                     args.extend(st.shape_args());
