@@ -87,15 +87,6 @@ impl SamplingParams {
     }
 }
 
-impl Sampler {
-    /// Whether [`Sampler::sample`] is the plain argmax of the model's logits: greedy, with no repetition,
-    /// presence or frequency penalty changing them first.
-    pub fn is_plain_greedy(&self) -> bool {
-        let p = &self.params;
-        p.is_greedy() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
-    }
-}
-
 /// A sampler with its own random stream (one per request, so a seeded request is reproducible whatever else
 /// the server does) and the token counts its penalties need.
 #[derive(Debug, Clone)]
@@ -176,6 +167,13 @@ impl Sampler {
             None => ChaCha12Rng::from_os_rng(),
         };
         Self { params, rng, generated: HashMap::new(), seen: Default::default() }
+    }
+
+    /// Whether [`Sampler::sample`] is the plain argmax of the model's logits: greedy, with no repetition,
+    /// presence or frequency penalty changing them first.
+    pub fn is_plain_greedy(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy() && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0
     }
 
     /// Records the prompt (the repetition penalty covers it).
@@ -345,7 +343,7 @@ impl Sampler {
             }
             r -= w;
         }
-        kept().filter(|w| w.1 > 0.0).last().map(|w| w.0)
+        kept().rev().find(|w| w.1 > 0.0).map(|w| w.0)
     }
 
     /// Chooses a token id from `logits` (one row, `vocab` values): a draw from [`Sampler::distribution`] (greedy

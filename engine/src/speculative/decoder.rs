@@ -180,7 +180,19 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
     ) -> Result<(u32, Flow), String> {
         sampler.apply_penalties(logits);
         sink.mask(logits)?;
-        let token = sampler.sample(logits).ok_or("every token has probability 0")?;
+        let token = sampler.sample(logits);
+        Self::commit_choice(token, logits, sampler, sink, room)
+    }
+
+    /// Commits the chosen token (`None`: no token had a finite logit) and tells the sampler it was taken.
+    fn commit_choice(
+        token: Option<u32>,
+        logits: &[f32],
+        sampler: &mut Sampler,
+        sink: &mut dyn TokenSink<M::State>,
+        room: bool,
+    ) -> Result<(u32, Flow), String> {
+        let token = token.ok_or("every token has probability 0")?;
         let flow = sink.commit(token, logits, room)?;
         if flow == Flow::Continue {
             sampler.accept(token);
@@ -218,15 +230,10 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         }
         sink.consumed(state);
         let room = self.model.position(state) < limit;
-        if let Some(token) = chosen {
-            let token = token.ok_or("every token has probability 0")?;
-            let flow = sink.commit(token, &logits, room)?;
-            if flow == Flow::Continue {
-                sampler.accept(token);
-            }
-            return Ok((token, flow));
+        match chosen {
+            Some(token) => Self::commit_choice(token, &logits, sampler, sink, room),
+            None => self.choose_and_commit(&mut logits, sampler, sink, room),
         }
-        self.choose_and_commit(&mut logits, sampler, sink, room)
     }
 
     /// One chain of `n` drafts after `pending`.
