@@ -3,6 +3,7 @@
 
 // q[t][h] = P[t][h][0:hd] and gate[t][h] = P[t][h][hd:2hd] (q_proj packs query and output gate per head).
 extern "C" __global__ void attn_split_q(const float* __restrict__ P, float* q, float* gate, int n, int nh, int hd) {
+    pdl_entry();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * nh * hd) return;
     const int i = idx % hd;
@@ -17,6 +18,7 @@ extern "C" __global__ void attn_split_q(const float* __restrict__ P, float* q, f
 extern "C" __global__ void qsa_pool_new(const float* __restrict__ raw, float* pooled, int pos0, const int* pos_dev, int n,
                                         int r, int ihd, const float* __restrict__ kn_w, float eps, int rope_dim,
                                         float theta) {
+    pdl_entry();
     const int pos = pos_dev ? *pos_dev : pos0;
     const int b = pos / r + blockIdx.x;
     if ((b + 1) * r > pos + n || (b + 1) * r <= pos) return;
@@ -53,6 +55,7 @@ extern "C" __global__ void qsa_pool_new(const float* __restrict__ raw, float* po
 // after. One warp per (t, b): lanes stride the head dims, each head's dot product a shuffle-tree sum.
 extern "C" __global__ void qsa_scores(const float* __restrict__ qI, const float* __restrict__ pooled, float* scores,
                                       int n, int pos0, const int* pos_dev, int r, int nih, int ihd, int max_blocks) {
+    pdl_entry();
     if (pos_dev) pos0 = *pos_dev;
     const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
@@ -85,6 +88,7 @@ __device__ __forceinline__ unsigned int order_key(float f) {
 // One block of 256 threads per query.
 extern "C" __global__ void qsa_select(const float* __restrict__ scores, int max_blocks, int keep, int pos0,
                                       const int* pos_dev, int r, int* sel, int* count, int cap) {
+    pdl_entry();
     if (pos_dev) pos0 = *pos_dev;
     const int t = blockIdx.x;
     const int visible = pos0 + t + 1;
@@ -253,6 +257,7 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
                                      const float* __restrict__ Vc, const int* __restrict__ sel,
                                      const int* __restrict__ count, int cap, int pos0, const int* pos_dev, float* out,
                                      int nh, int nkv, int hd, float scale) {
+    pdl_entry();
     if (pos_dev) pos0 = *pos_dev;
     const int t = blockIdx.x / nh, h = blockIdx.x % nh;
     const int nkeys = sel ? count[t] : pos0 + t + 1;
@@ -276,6 +281,7 @@ extern "C" __global__ void attention_part(const float* __restrict__ q, const flo
                                           const int* __restrict__ count, int cap, int pos0, const int* pos_dev,
                                           float* part_m, float* part_l, float* part_acc, int nh, int nkv, int hd,
                                           float scale) {
+    pdl_entry();
     if (pos_dev) pos0 = *pos_dev;
     const int S = gridDim.y, s = blockIdx.y;
     const int t = blockIdx.x / nh, h = blockIdx.x % nh;
@@ -301,6 +307,7 @@ extern "C" __global__ void attention_part(const float* __restrict__ q, const flo
 // grid n * nh, block 128.
 extern "C" __global__ void attention_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
                                              const float* __restrict__ part_acc, float* out, int S, int hd) {
+    pdl_entry();
     const long long qh = blockIdx.x;
     float M = -INFINITY;
     for (int s = 0; s < S; s++) M = fmaxf(M, part_m[qh * S + s]);

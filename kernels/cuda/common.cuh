@@ -14,6 +14,19 @@ typedef unsigned int uint32_t;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Programmatic dependent launch (sm_90+; a no-op before): the first statement of every kernel. `wait` blocks until
+// the previous kernel of the stream has completed and its writes are visible, so a kernel launched early (the host
+// sets CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, engine/src/backend/cuda/ops.rs) reads nothing stale;
+// and because every kernel waits before it can finish, the order stays transitive across the whole stream.
+// `launch_dependents` then lets the next kernel's blocks be scheduled while this one runs, which hides the launch
+// gap between the ~400 small kernels of a decode step (CUDA Programming Guide, "Programmatic Dependent Launch").
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // IEEE half bits to f32 (exact), through the PTX conversion instruction.
 __device__ __forceinline__ float half_bits_to_f32(unsigned short h) {
     float f;

@@ -4,6 +4,7 @@
 // Causal depthwise conv of kernel K over n tokens with the kept history, then SiLU, in place on qkv [n][C];
 // state [K-1][C] (oldest first) is updated. One thread per channel walks the tokens in order.
 extern "C" __global__ void gdn_conv(float* qkv, float* state, const float* __restrict__ w, int n, int C, int K) {
+    pdl_entry();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float win[8];  // K <= 8
@@ -24,6 +25,7 @@ __device__ __forceinline__ float softplus_(float x) { return x > 20.f ? x : log1
 extern "C" __global__ void gdn_gates(const float* __restrict__ b, const float* __restrict__ a,
                                      const float* __restrict__ A, const float* __restrict__ dt_bias, float* beta,
                                      float* g, int n, int nv) {
+    pdl_entry();
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n * nv) return;
     const int j = idx % nv;
@@ -37,6 +39,7 @@ extern "C" __global__ void gdn_gates(const float* __restrict__ b, const float* _
 extern "C" __global__ void gdn_ba_gates(const float* __restrict__ m, const float* __restrict__ Wb,
                                         const float* __restrict__ Wa, const float* __restrict__ A,
                                         const float* __restrict__ dt_bias, float* beta, float* g, int nv, int d) {
+    pdl_entry();
     const int j = blockIdx.x, t = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const float4* w = reinterpret_cast<const float4*>((warp == 0 ? Wb : Wa) + (long long)j * d);
@@ -150,24 +153,29 @@ __device__ void gdn_recurrent_body(const float* __restrict__ qkv, const float* _
 
 extern "C" __global__ void gdn_recurrent_128(const float* qkv, const float* beta, const float* g, float* S, float* o,
                                              int n, int nk, int nv, int C) {
+    pdl_entry();
     gdn_recurrent_body<128>(qkv, beta, g, S, o, n, nk, nv, C);
 }
 extern "C" __global__ void gdn_recurrent_64(const float* qkv, const float* beta, const float* g, float* S, float* o,
                                             int n, int nk, int nv, int C) {
+    pdl_entry();
     gdn_recurrent_body<64>(qkv, beta, g, S, o, n, nk, nv, C);
 }
 extern "C" __global__ void gdn_recurrent_32(const float* qkv, const float* beta, const float* g, float* S, float* o,
                                             int n, int nk, int nv, int C) {
+    pdl_entry();
     gdn_recurrent_body<32>(qkv, beta, g, S, o, n, nk, nv, C);
 }
 extern "C" __global__ void gdn_recurrent_16(const float* qkv, const float* beta, const float* g, float* S, float* o,
                                             int n, int nk, int nv, int C) {
+    pdl_entry();
     gdn_recurrent_body<16>(qkv, beta, g, S, o, n, nk, nv, C);
 }
 
 // Gated RMS norm per (token, value head): o = w * (o / rms(o)) * act(z), act = sigmoid (silu when silu_gate).
 extern "C" __global__ void gdn_gated_norm(float* o, const float* __restrict__ z, const float* __restrict__ w, int rows,
                                           int dv, float eps, int silu_gate) {
+    pdl_entry();
     const int r = blockIdx.x;
     if (r >= rows) return;
     float* orow = o + (long long)r * dv;

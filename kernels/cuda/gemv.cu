@@ -127,31 +127,31 @@ __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ W, long
 
 #define GEMV(NAME, T)                                                                                          \
     extern "C" __global__ void gemv_##NAME##_1(const uint8_t* W, long long rb, int rows, int cols, const float* x, \
-                                               long long xs, float* y, long long ys, int lanes) {             \
+                                               long long xs, float* y, long long ys, int lanes) { pdl_entry(); \
         gemv_body<T, 1>(W, rb, rows, cols, x, xs, y, ys, lanes);                                             \
     }                                                                                                          \
     extern "C" __global__ void gemv_##NAME##_2(const uint8_t* W, long long rb, int rows, int cols, const float* x, \
-                                               long long xs, float* y, long long ys, int lanes) {             \
+                                               long long xs, float* y, long long ys, int lanes) { pdl_entry(); \
         gemv_body<T, 2>(W, rb, rows, cols, x, xs, y, ys, lanes);                                             \
     }                                                                                                          \
     extern "C" __global__ void gemv_##NAME##_4(const uint8_t* W, long long rb, int rows, int cols, const float* x, \
-                                               long long xs, float* y, long long ys, int lanes) {             \
+                                               long long xs, float* y, long long ys, int lanes) { pdl_entry(); \
         gemv_body<T, 4>(W, rb, rows, cols, x, xs, y, ys, lanes);                                             \
     }                                                                                                          \
     extern "C" __global__ void gemv_##NAME##_8(const uint8_t* W, long long rb, int rows, int cols, const float* x, \
-                                               long long xs, float* y, long long ys, int lanes) {             \
+                                               long long xs, float* y, long long ys, int lanes) { pdl_entry(); \
         gemv_body<T, 8>(W, rb, rows, cols, x, xs, y, ys, lanes);                                             \
     }                                                                                                          \
     extern "C" __global__ void moe_gemv_##NAME(const uint8_t* W, long long eb, long long rb, int rows, int cols,  \
                                                const int* ids, const float* x, long long xs, int spx, float* y, \
-                                               int lanes) {                                                    \
+                                               int lanes) { pdl_entry();                          \
         moe_gemv_body<T>(W, eb, rb, rows, cols, ids, x, xs, spx, y, lanes);                                  \
     }                                                                                                          \
-    extern "C" __global__ void dequant_f32_##NAME(const uint8_t* W, long long rb, int rows, int cols, float* out) { \
+    extern "C" __global__ void dequant_f32_##NAME(const uint8_t* W, long long rb, int rows, int cols, float* out) { pdl_entry(); \
         dequant_body<T, float>(W, rb, rows, cols, out);                                                      \
     }                                                                                                          \
     extern "C" __global__ void dequant_bf16_##NAME(const uint8_t* W, long long rb, int rows, int cols,          \
-                                                   unsigned short* out) {                                      \
+                                                   unsigned short* out) { pdl_entry();            \
         dequant_body<T, unsigned short>(W, rb, rows, cols, out);                                             \
     }
 
@@ -187,7 +187,7 @@ __device__ __forceinline__ void get_rows_body(const uint8_t* __restrict__ W, lon
 
 #define GET_ROWS(NAME, T)                                                                                   \
     extern "C" __global__ void get_rows_##NAME(const uint8_t* W, long long rb, int cols, const int* ids, int n, \
-                                               float* out, long long os, int copies) {                     \
+                                               float* out, long long os, int copies) { pdl_entry();        \
         get_rows_body<T>(W, rb, cols, ids, n, out, os, copies);                                           \
     }
 GET_ROWS(f32, T_F32)
@@ -225,10 +225,10 @@ __device__ __forceinline__ void dequant_elem_body(const uint8_t* __restrict__ W,
 
 #define ELEM(NAME, T)                                                                                            \
     extern "C" __global__ void get_rows_elem_##NAME(const uint8_t* W, long long rb, int cols, const int* ids, int n, \
-                                                    float* out, long long os, int copies) {                     \
+                                                    float* out, long long os, int copies) { pdl_entry();        \
         get_rows_elem_body<T>(W, rb, cols, ids, n, out, os, copies);                                           \
     }                                                                                                            \
-    extern "C" __global__ void dequant_elem_f32_##NAME(const uint8_t* W, long long rb, int rows, int cols, float* out) { \
+    extern "C" __global__ void dequant_elem_f32_##NAME(const uint8_t* W, long long rb, int rows, int cols, float* out) { pdl_entry(); \
         dequant_elem_body<T>(W, rb, rows, cols, out);                                                          \
     }
 ELEM(f32, T_F32)
@@ -292,7 +292,7 @@ __device__ __forceinline__ void moe_grouped_body(const uint8_t* __restrict__ W, 
 #define GROUPED(NAME, T)                                                                                          \
     extern "C" __global__ void moe_grouped_##NAME(const uint8_t* W, long long eb, long long rb, int rows, int cols,   \
                                                   const int* offsets, const int* perm, const int* se, const float* x, \
-                                                  int x_div, long long xs, float* y, int lanes) {                    \
+                                                  int x_div, long long xs, float* y, int lanes) { pdl_entry();       \
         moe_grouped_body<T>(W, eb, rb, rows, cols, offsets, perm, se, x, x_div, xs, y, lanes);                     \
     }
 GROUPED(f32, T_F32)
@@ -324,6 +324,7 @@ __device__ __forceinline__ int dp4a_(int a, int b, int c) {
 // grid (cols / blk, n), blockDim = blk (32 or 256). A block with a NaN or an infinity gets d = NaN and q = 0.
 extern "C" __global__ void quantize_act(const float* __restrict__ x, int cols, signed char* __restrict__ qx,
                                         float* __restrict__ dx) {
+    pdl_entry();
     const long long i = (long long)blockIdx.y * cols + (long long)blockIdx.x * blockDim.x + threadIdx.x;
     quantize_thread(x[i], true, i, blockDim.x, qx, dx);
 }
@@ -508,28 +509,28 @@ __device__ __forceinline__ void moe_gemvq_body(const uint8_t* W0, const uint8_t*
 #define GEMVQ(NAME, T)                                                                                            \
     extern "C" __global__ void gemvq_##NAME##_1(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
-                                                long long ys, int lanes) {                                       \
+                                                long long ys, int lanes) { pdl_entry();             \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         gemvq_body<T, 1>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
     }                                                                                                             \
     extern "C" __global__ void gemvq_##NAME##_2(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
-                                                long long ys, int lanes) {                                       \
+                                                long long ys, int lanes) { pdl_entry();             \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         gemvq_body<T, 2>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
     }                                                                                                             \
     extern "C" __global__ void gemvq_##NAME##_4(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
-                                                long long ys, int lanes) {                                       \
+                                                long long ys, int lanes) { pdl_entry();             \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         gemvq_body<T, 4>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
     }                                                                                                             \
     extern "C" __global__ void gemvq_##NAME##_8(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
-                                                long long ys, int lanes) {                                       \
+                                                long long ys, int lanes) { pdl_entry();             \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         gemvq_body<T, 8>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
@@ -537,7 +538,7 @@ __device__ __forceinline__ void moe_gemvq_body(const uint8_t* W0, const uint8_t*
     extern "C" __global__ void moe_gemvq_##NAME(const uint8_t* W0, const uint8_t* W1, long long eb, long long rb, \
                                                 int rows, int cols, const int* ids, const signed char* qx,         \
                                                 const float* dx, long long xs, int spx, float* y0, float* y1,      \
-                                                int lanes) {                                                       \
+                                                int lanes) { pdl_entry();                             \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         moe_gemvq_body<T>(W0, W1, eb, rb, rows, cols, ids, qx, dx, xs, spx, y0, y1, lanes, pairs);               \
@@ -604,7 +605,7 @@ __device__ __forceinline__ void moe_groupedq_body(const uint8_t* __restrict__ W,
     extern "C" __global__ void moe_groupedq_##NAME(const uint8_t* W, long long eb, long long rb, int rows,        \
                                                    int cols, const int* offsets, const int* perm, const int* se,   \
                                                    const signed char* qx, const float* dx, int x_div, long long xs, \
-                                                   float* y, int lanes) {                                          \
+                                                   float* y, int lanes) { pdl_entry();                \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         moe_groupedq_body<T>(W, eb, rb, rows, cols, offsets, perm, se, qx, dx, x_div, xs, y, lanes, pairs);      \

@@ -3,6 +3,7 @@
 
 // X[t][s*d + i] = e[t][i] for every stream s (the embedding enters every stream).
 extern "C" __global__ void broadcast_streams(const float* __restrict__ e, float* X, int n, int streams, int d) {
+    pdl_entry();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * streams * d) return;
     const int i = idx % d;
@@ -14,6 +15,7 @@ extern "C" __global__ void broadcast_streams(const float* __restrict__ e, float*
 // rows a whole number of quantization blocks).
 extern "C" __global__ void hc_low_act(float* low, long long count, float inv_streams, signed char* qx, float* dx,
                                       int blk) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     float v = 0.f;
     if (i < count) {
@@ -27,6 +29,7 @@ extern "C" __global__ void hc_low_act(float* low, long long count, float inv_str
 // as hc_low_act.
 extern "C" __global__ void hc_mix(const float* __restrict__ g, const float* __restrict__ xn, float* m, int n,
                                   int streams, int d, signed char* qx, float* dx, int blk) {
+    pdl_entry();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = idx < (long long)n * d;
     float v = 0.f;
@@ -43,6 +46,7 @@ extern "C" __global__ void hc_mix(const float* __restrict__ g, const float* __re
 
 // a = 2 sigmoid(a / S)   (injection weights, one per stream).
 extern "C" __global__ void hc_inject_act(float* a, long long count, float inv_streams) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) a[i] = 2.f * sigmoidf_(a[i] * inv_streams);
 }
@@ -53,6 +57,7 @@ extern "C" __global__ void hc_inject_act(float* a, long long count, float inv_st
 // Thread i of the flat grid over n * rank values also computes a's value i when i < n * S.
 extern "C" __global__ void hc_acts(const float* __restrict__ y, float* low, float* a, int n, int rank, int streams,
                                    signed char* qx, float* dx, int blk) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const float inv_s = 1.f / streams;
     const int width = rank + streams;
@@ -73,6 +78,7 @@ extern "C" __global__ void hc_acts(const float* __restrict__ y, float* low, floa
 extern "C" __global__ void hc_norm(float* X, const float* __restrict__ y, const float* __restrict__ a,
                                    const float* __restrict__ w, float* xn, int streams, int d, float eps,
                                    signed char* qx, float* dx, int blk) {
+    pdl_entry();
     const int row = blockIdx.x;  // t * streams + s
     const int t = row / streams, s = row % streams;
     float* xr = X + (long long)row * d;

@@ -4,6 +4,7 @@
 // Softmax over E router logits, the top k (ties to the lower expert id), weights renormalised to sum 1.
 // One block per token; E <= 1024.
 extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int k, int* ids, float* weights) {
+    pdl_entry();
     const int t = blockIdx.x;
     __shared__ float p[1024];
     __shared__ float bv[32];
@@ -83,6 +84,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float
                                        const float* __restrict__ shared, const float* __restrict__ sg,
                                        const float* __restrict__ extra, float* out, int n, int k, int d, float* X,
                                        const float* __restrict__ a, int streams) {
+    pdl_entry();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * d) return;
     const int i = idx % d, t = idx / d;
@@ -124,6 +126,7 @@ extern "C" __global__ void hybrid_split(const float* __restrict__ m, const int* 
                                         const float* __restrict__ w, const int* __restrict__ slot_of, int n, int k,
                                         int d, float handoff, float omit, int* gpu_slot, float* w_gpu,
                                         float* pack, float* coverage) {
+    pdl_entry();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx < (long long)n * d) pack[idx] = m[idx];
     if (idx >= n) return;
@@ -180,6 +183,7 @@ extern "C" __global__ void hybrid_split(const float* __restrict__ m, const int* 
 // dst[j] = src[idx[j]] (rows of `width`): gathers the tokens routed to one expert.
 extern "C" __global__ void gather_rows(const float* __restrict__ src, const int* __restrict__ idx, float* dst, int n,
                                        int width) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * width) return;
     const int j = i / width, c = i % width;
@@ -189,6 +193,7 @@ extern "C" __global__ void gather_rows(const float* __restrict__ src, const int*
 // out[idx[j]] += w[j] * y[j] (rows of `width`); rows of one call are distinct tokens, so no two threads collide.
 extern "C" __global__ void scatter_add_rows(const float* __restrict__ y, const int* __restrict__ idx,
                                             const float* __restrict__ w, float* out, int n, int width) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * width) return;
     const int j = i / width, c = i % width;
@@ -198,6 +203,7 @@ extern "C" __global__ void scatter_add_rows(const float* __restrict__ y, const i
 // out[t][i] += sigmoid(sg[t]) * shared[t][i] (the gated shared expert).
 extern "C" __global__ void add_gated_shared(const float* __restrict__ shared, const float* __restrict__ sg, float* out,
                                             int n, int d) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * d) return;
     out[i] += sigmoidf_(sg[i / d]) * shared[i];
@@ -206,6 +212,7 @@ extern "C" __global__ void add_gated_shared(const float* __restrict__ shared, co
 // Groups the routed (token, expert) slots by expert, stably: offsets[e]..offsets[e+1] index perm, which lists the
 // slots routed to expert e in ascending slot order. One block; E <= 1024.
 extern "C" __global__ void moe_sort(const int* __restrict__ ids, int slots, int E, int* offsets, int* perm) {
+    pdl_entry();
     __shared__ int cnt[1024];
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();

@@ -5,6 +5,7 @@
 // A grouped bundle norm is rows of `hidden` with w_rows = streams; a per-head norm has w_rows = 1. In place ok.
 extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const float* __restrict__ w, float* out,
                                          int rows, int width, int w_rows, float eps) {
+    pdl_entry();
     const int r = blockIdx.x;
     if (r >= rows) return;
     const float* xr = x + (long long)r * width;
@@ -26,6 +27,7 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
 extern "C" __global__ void rope_heads(float* x, int n, int heads, long long token_stride, long long head_stride,
                                       int pos0, const int* pos_dev, int pos_mul, int rope_dim, float theta, int sec1,
                                       int sec2) {
+    pdl_entry();
     if (pos_dev) pos0 = *pos_dev;
     const int half = rope_dim / 2;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -44,6 +46,7 @@ extern "C" __global__ void rope_heads(float* x, int n, int heads, long long toke
 }
 
 extern "C" __global__ void add_inplace(float* x, const float* __restrict__ y, long long count) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) x[i] += y[i];
 }
@@ -52,6 +55,7 @@ extern "C" __global__ void add_inplace(float* x, const float* __restrict__ y, lo
 // whole number of quantization blocks).
 extern "C" __global__ void silu_mul(float* g, const float* __restrict__ u, long long count, signed char* qx, float* dx,
                                     int blk) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     float v = 0.f;
     if (i < count) {
@@ -64,12 +68,14 @@ extern "C" __global__ void silu_mul(float* g, const float* __restrict__ u, long 
 // out[i] = silu(g[i]) * u[i], leaving g and u as they are (streamed prefill applies it once per expert group).
 extern "C" __global__ void silu_mul_into(const float* __restrict__ g, const float* __restrict__ u, float* out,
                                          long long count) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) out[i] = siluf_(g[i]) * u[i];
 }
 
 // out[t][i] = x[t][i] * sigmoid(gate[t][i]) (attention output gate).
 extern "C" __global__ void mul_sigmoid(float* x, const float* __restrict__ gate, long long count) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) x[i] *= sigmoidf_(gate[i]);
 }
@@ -77,6 +83,7 @@ extern "C" __global__ void mul_sigmoid(float* x, const float* __restrict__ gate,
 // Copies `n` rows of `width` from src (src_stride apart) to dst (dst_stride apart).
 extern "C" __global__ void copy_rows(const float* __restrict__ src, long long src_stride, float* dst,
                                      long long dst_stride, int n, int width) {
+    pdl_entry();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * width) return;
     const int t = idx / width, i = idx % width;
@@ -85,6 +92,7 @@ extern "C" __global__ void copy_rows(const float* __restrict__ src, long long sr
 
 // Sets out[t][masked ranges] to -inf: ranges[2k], ranges[2k+1] are [start, end) of token ids no token has.
 extern "C" __global__ void mask_logits(float* logits, int n, int vocab, const int* __restrict__ ranges, int nranges) {
+    pdl_entry();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * vocab) return;
     const int v = idx % vocab;
@@ -96,6 +104,7 @@ extern "C" __global__ void mask_logits(float* logits, int n, int vocab, const in
 // keys). pos = *pos_dev when given, else pos0.
 extern "C" __global__ void copy_rows_at(const float* __restrict__ src, float* dst, int pos0, const int* pos_dev, int n,
                                         int width) {
+    pdl_entry();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * width) return;
     const int pos = pos_dev ? *pos_dev : pos0;
@@ -106,6 +115,7 @@ extern "C" __global__ void copy_rows_at(const float* __restrict__ src, float* ds
 // [en[t] ; hn[t][s]], the normalised next-token embedding beside stream s of the normalised hidden bank.
 extern "C" __global__ void mtp_eh_input(const float* __restrict__ en, const float* __restrict__ hn, float* out, int n,
                                         int S, int d) {
+    pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * S * 2 * d) return;
     const int c = (int)(i % (2 * d));

@@ -6,6 +6,7 @@
 // One block per (t, s).
 extern "C" __global__ void ple_gate(const float* __restrict__ Kn, const float* __restrict__ Qn,
                                     const float* __restrict__ V, float* U, int streams, int d) {
+    pdl_entry();
     const int t = blockIdx.x / streams, s = blockIdx.x % streams;
     const long long base = ((long long)t * streams + s) * d;
     float dot = 0.f;
@@ -21,6 +22,7 @@ extern "C" __global__ void ple_gate(const float* __restrict__ Kn, const float* _
 // ([hist][D], oldest first), updated. One thread per channel walks the tokens in order.
 extern "C" __global__ void ple_conv(const float* __restrict__ N, float* state, const float* __restrict__ w, float* out,
                                     int n, int D, int K, int dil) {
+    pdl_entry();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= D) return;
     const int hist = (K - 1) * dil;

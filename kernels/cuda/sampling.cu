@@ -3,6 +3,7 @@
 
 // out[t] = argmax of logits[t] (ties to the lower id; -inf and NaN never win). One block per row.
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, int* out) {
+    pdl_entry();
     const int t = blockIdx.x;
     const float* row = logits + (long long)t * V;
     float best = -INFINITY;

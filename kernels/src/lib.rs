@@ -253,6 +253,28 @@ mod tests {
         assert!(names.iter().all(|n| !n.contains('#')), "{names:?}");
     }
 
+    /// Programmatic dependent launch is safe only if every kernel waits for its predecessor before anything else
+    /// (common.cuh `pdl_entry`): a kernel that read first, or returned before waiting, could see stale inputs or let
+    /// a later kernel overtake the one before it.
+    #[test]
+    fn every_kernel_body_begins_with_the_dependent_launch_wait() {
+        let mut kernels = 0;
+        for (stem, src) in SOURCES {
+            for (i, _) in src.match_indices("__global__ void") {
+                let open = i + src[i..].find('{').expect("a kernel body");
+                let first: String = src[open + 1..]
+                    .chars()
+                    .filter(|c| !c.is_whitespace() && *c != '\\')
+                    .take("pdl_entry();".len())
+                    .collect();
+                let head: String = src[i..open].chars().take(80).collect();
+                assert_eq!(first, "pdl_entry();", "{stem}.cu: the kernel at `{head}` does not begin with pdl_entry()");
+                kernels += 1;
+            }
+        }
+        assert!(kernels >= 50, "found only {kernels} kernel definitions");
+    }
+
     /// Needs libnvrtc (e.g. `pip install nvidia-cuda-nvrtc`, then point LD_LIBRARY_PATH at its lib folder):
     /// `cargo test -p nebula-kernels -- --ignored nvrtc`.
     #[test]

@@ -167,6 +167,7 @@ fn moe_kernel_throughput(
     down: &Stack,
     tokens: usize,
     threads: usize,
+    spin_us: u64,
     seconds: f64,
 ) -> anyhow::Result<f64> {
     let p = pool(threads)?;
@@ -192,7 +193,10 @@ fn moe_kernel_throughput(
                 tokens: toks,
             })
             .collect();
-        p.install(|| routed_experts(&work, &x, tokens, out));
+        p.install(|| {
+            nebula_engine::quant::spin_pool::set_spin(spin_us);
+            routed_experts(&work, &x, tokens, out)
+        });
         work.len() * expert_bytes
     };
     for _ in 0..3 {
@@ -304,14 +308,23 @@ pub fn run_kernels(args: &KernelBenchArgs) -> anyhow::Result<()> {
         "\nMoE kernel (routed_experts, one region): {} experts, Q4_K gate/up 640x2560, IQ4_NL down 2560x640, 10 experts/token",
         args.experts
     );
-    println!("{:>8} {:>8} {:>12} {:>9}", "tokens", "threads", "GB/s", "% of read");
+    println!(
+        "(pool: rayon's, or the spinning pool of the hybrid path's CPU thread, engine/src/quant/spin_pool.rs)\n{:>8} {:>8} {:>9} {:>12} {:>9}",
+        "tokens", "threads", "pool", "GB/s", "% of read"
+    );
     let gate = build_stack(GgmlType::Q4_K, 640, 2560, args.experts, isa)?;
     let up = build_stack(GgmlType::Q4_K, 640, 2560, args.experts, isa)?;
     let down = build_stack(GgmlType::IQ4_NL, 2560, 640, args.experts, isa)?;
     for tokens in [1usize, 17] {
         for (ti, &t) in threads.iter().enumerate() {
-            let r = moe_kernel_throughput(&gate, &up, &down, tokens, t, args.seconds)?;
-            println!("{tokens:>8} {t:>8} {:>12.2} {:>8.1}%", r / 1e9, 100.0 * r / bw[ti]);
+            for (spin, name) in [(0u64, "rayon"), (2000, "spinning")] {
+                let _ = nebula_engine::quant::moe::trace::report(); // (drops earlier calls' events)
+                let r = moe_kernel_throughput(&gate, &up, &down, tokens, t, spin, args.seconds)?;
+                println!("{tokens:>8} {t:>8} {name:>9} {:>12.2} {:>8.1}%", r / 1e9, 100.0 * r / bw[ti]);
+                if let Some(trace) = nebula_engine::quant::moe::trace::report() {
+                    println!("         {trace}");
+                }
+            }
         }
     }
     Ok(())

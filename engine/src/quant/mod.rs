@@ -51,6 +51,7 @@ mod q6_k;
 mod q8_0;
 pub mod quantize;
 mod simd;
+pub mod spin_pool;
 #[cfg(test)]
 mod tests;
 mod unpacked;

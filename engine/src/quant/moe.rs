@@ -4,7 +4,8 @@
 //! For each expert `e` and each of its tokens `t` with router weight `w`:
 //! `out[t] += w * W_down[e] (silu(W_gate[e] x_t) * W_up[e] x_t)` (`Qwen4ExpTextExperts`, format doc §4.9).
 //!
-//! One [`rayon::broadcast`] region runs the first three phases separated by spin barriers, each phase taking work items
+//! One parallel region ([`rayon::broadcast`], or the spinning pool of [`super::spin_pool`] on a thread that opted
+//! in, with as many participants as the rayon pool has threads) runs the first three phases separated by spin barriers, each phase taking work items
 //! from a shared counter:
 //! 1. gate/up: items are (expert, 32 rows); each weight row is dotted with the expert's tokens in tiles of 4
 //!    (one decode of each weight block per tile), and `silu(gate) * up` is written at once;
@@ -97,6 +98,111 @@ fn prefetch(bytes: &[u8]) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;
+}
+
+/// Where the time of [`expert_outputs`] goes, for benchmarks (`NEBULA_CPU_MOE_TRACE=1`; off, it costs one flag
+/// test per thread and phase). Every call adds, in nanoseconds from the call's start: when the first and the last
+/// thread of the region started, when the first and the last finished gate/up (phase 1), when phase 2 ended (the
+/// second barrier released), when the first and the last finished the down projections, and when the call
+/// returned; plus the weight bytes of each phase. [`trace::report`] prints the means.
+pub mod trace {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// The events of one call, in order (see the module docs).
+    pub(super) const EVENTS: [&str; 8] = [
+        "first start",
+        "last start",
+        "first gate/up done",
+        "last gate/up done",
+        "phase 2 done",
+        "first down done",
+        "last down done",
+        "return",
+    ];
+
+    /// Whether tracing is on (`NEBULA_CPU_MOE_TRACE=1`, read once).
+    pub fn enabled() -> bool {
+        static ON: OnceLock<bool> = OnceLock::new();
+        *ON.get_or_init(|| std::env::var("NEBULA_CPU_MOE_TRACE").is_ok_and(|v| v == "1"))
+    }
+
+    /// Sums over calls: calls, the 8 event times, gate/up bytes, down bytes.
+    pub(super) static TOTALS: [AtomicU64; 11] = [const { AtomicU64::new(0) }; 11];
+
+    /// One call's events, min/max folded by the threads of the region.
+    pub(super) struct Call {
+        pub(super) t0: std::time::Instant,
+        pub(super) ev: [AtomicU64; 8],
+    }
+
+    impl Call {
+        pub(super) fn new() -> Self {
+            let ev = std::array::from_fn(|i| AtomicU64::new(if matches!(i, 0 | 2 | 5) { u64::MAX } else { 0 }));
+            Self { t0: std::time::Instant::now(), ev }
+        }
+        fn now(&self) -> u64 {
+            self.t0.elapsed().as_nanos() as u64
+        }
+        /// Records "first/last" event pair `k` (0: start, 2: gate/up done, 5: down done) for this thread.
+        pub(super) fn pair(&self, k: usize) {
+            let t = self.now();
+            self.ev[k].fetch_min(t, Ordering::Relaxed);
+            self.ev[k + 1].fetch_max(t, Ordering::Relaxed);
+        }
+        pub(super) fn single(&self, k: usize) {
+            self.ev[k].fetch_max(self.now(), Ordering::Relaxed);
+        }
+        /// Folds the call into the totals.
+        pub(super) fn finish(&self, bytes_gate_up: u64, bytes_down: u64) {
+            self.single(7);
+            TOTALS[0].fetch_add(1, Ordering::Relaxed);
+            for (i, e) in self.ev.iter().enumerate() {
+                TOTALS[1 + i].fetch_add(e.load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+            TOTALS[9].fetch_add(bytes_gate_up, Ordering::Relaxed);
+            TOTALS[10].fetch_add(bytes_down, Ordering::Relaxed);
+        }
+    }
+
+    /// Hybrid decode's hand-offs (count, nanoseconds): from the host thread sending a layer's CPU experts to the
+    /// CPU thread starting them (engine/src/backend/cuda/hybrid.rs; recorded only while tracing).
+    static HANDOFF: [AtomicU64; 2] = [const { AtomicU64::new(0) }; 2];
+
+    /// Records one hand-off latency (see [`HANDOFF`]).
+    pub fn handoff(ns: u64) {
+        HANDOFF[0].fetch_add(1, Ordering::Relaxed);
+        HANDOFF[1].fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// The mean time of each event since the call's start (microseconds), the weight bytes per call and the
+    /// phases' rates (gate/up: bytes / last gate/up done - first start; down: bytes / last down done - phase 2
+    /// done); `None` before any traced call. Clears the totals.
+    pub fn report() -> Option<String> {
+        let t: Vec<u64> = TOTALS.iter().map(|a| a.swap(0, Ordering::Relaxed)).collect();
+        if t[0] == 0 {
+            return None;
+        }
+        let calls = t[0] as f64;
+        let us = |i: usize| t[1 + i] as f64 / calls / 1e3;
+        let mut s = format!("CPU MoE kernel, mean of {} calls (microseconds from the call):", t[0]);
+        for (i, name) in EVENTS.iter().enumerate() {
+            s += &format!(" {name} {:.1};", us(i));
+        }
+        let (gu, dn) = (t[9] as f64 / calls, t[10] as f64 / calls);
+        s += &format!(
+            " weight bytes gate/up {:.2} MB at {:.1} GB/s, down {:.2} MB at {:.1} GB/s",
+            gu / 1e6,
+            gu / ((us(3) - us(0)).max(1e-3) * 1e3),
+            dn / 1e6,
+            dn / ((us(6) - us(4)).max(1e-3) * 1e3)
+        );
+        let (n, ns) = (HANDOFF[0].swap(0, Ordering::Relaxed), HANDOFF[1].swap(0, Ordering::Relaxed));
+        if n > 0 {
+            s += &format!("; hybrid hand-off to the CPU thread {:.1} us (mean of {n})", ns as f64 / n as f64 / 1e3);
+        }
+        Some(s)
+    }
 }
 
 /// `x / (1 + e^-x)`.
@@ -287,8 +393,12 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
     let next3 = AtomicUsize::new(0);
     let threads = rayon::current_num_threads();
     let barrier = SpinBarrier::new(threads);
+    let call = trace::enabled().then(trace::Call::new);
 
-    rayon::broadcast(|_| {
+    let region = |_: usize| {
+        if let Some(c) = &call {
+            c.pair(0);
+        }
         // Phase 1: gate, up, silu * up.
         loop {
             let i = next1.fetch_add(1, Ordering::Relaxed);
@@ -329,6 +439,9 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
                 }
             }
         }
+        if let Some(c) = &call {
+            c.pair(2);
+        }
         barrier.wait();
         // Phase 2: each expert's hidden vectors, token-major, prepared for its down projection.
         loop {
@@ -352,6 +465,9 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
             let _ = down_acts[e].set(w.expert.down.prepare(&h, nt));
         }
         barrier.wait();
+        if let Some(c) = &call {
+            c.single(4);
+        }
         // Phase 3: down projections, one contiguous run of rows of one expert per item.
         loop {
             let i = next3.fetch_add(1, Ordering::Relaxed);
@@ -383,7 +499,22 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
                 }
             }
         }
-    });
+        if let Some(c) = &call {
+            c.pair(5);
+        }
+    };
+    match super::spin_pool::pool(threads) {
+        Some(pool) => pool.run(&region),
+        None => {
+            rayon::broadcast(|ctx| region(ctx.index()));
+        }
+    }
+    if let Some(c) = &call {
+        let active = work.iter().filter(|w| !w.tokens.is_empty());
+        let gate_up: usize = active.clone().map(|w| w.expert.gate.bytes().len() + w.expert.up.bytes().len()).sum();
+        let down: usize = active.map(|w| w.expert.down.bytes().len()).sum();
+        c.finish(gate_up as u64, down as u64);
+    }
     ExpertOutputs { y: y_all, offsets: y_offsets }
 }
 
@@ -512,7 +643,7 @@ mod tests {
     }
 
     #[test]
-    fn same_result_for_1_2_and_n_threads_and_equal_to_unfused() {
+    fn same_result_for_any_thread_count_or_pool_and_equal_to_unfused() {
         let (d, ff) = (512, 96);
         for types in
             [(GgmlType::Q4_K, GgmlType::IQ4_NL), (GgmlType::Q8_0, GgmlType::Q8_0), (GgmlType::F32, GgmlType::BF16)]
@@ -523,10 +654,14 @@ mod tests {
                 let x = rand_vec(n * d, 7 + n as u64);
                 let want = reference(&w, &x, n, d);
                 let mut results = Vec::new();
-                for threads in [1, 2, 5] {
+                // rayon pools of 1, 2 and 5 threads, then the hybrid path's spinning pool of 3 participants.
+                for (threads, spin_us) in [(1, 0), (2, 0), (5, 0), (3, 200)] {
                     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
                     let mut out = vec![0f32; n * d];
-                    pool.install(|| routed_experts(&w, &x, n, &mut out));
+                    pool.install(|| {
+                        super::super::spin_pool::set_spin(spin_us);
+                        routed_experts(&w, &x, n, &mut out)
+                    });
                     results.push(out);
                 }
                 for r in &results[1..] {

@@ -181,6 +181,9 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             }
         }
     }
+    if let Some(t) = nebula_engine::quant::moe::trace::report() {
+        println!("{t} (NEBULA_CPU_MOE_TRACE=1, every call of the run)");
+    }
     if let Runner::Cuda(m) = &runner {
         let prof = m.take_profile();
         if !prof.is_empty() {

@@ -197,6 +197,13 @@ pub(crate) struct HostBufs {
     pub(crate) upload: Pinned,
 }
 
+/// How long the hybrid CPU thread and its MoE workers keep polling for the next layer's job before they sleep
+/// (microseconds; `NEBULA_CPU_SPIN_US` overrides, 0 = block at once and use rayon's pool). Decode hands the CPU
+/// a job every ~0.2-0.5 ms, so the threads never sleep during a request and start a job within microseconds;
+/// waking sleeping threads cost 30 us for the hand-off and 130 us until the 14th MoE worker ran, a layer (H200
+/// machine, NEBULA_CPU_MOE_TRACE). Between requests they sleep after this long.
+const CPU_SPIN_US: u64 = 2000;
+
 /// One layer's CPU experts, handed to the CPU thread.
 struct Job {
     layer: usize,
@@ -204,6 +211,8 @@ struct Job {
     n: usize,
     routing: Vec<Routing>,
     seq: u32,
+    /// When the host thread sent it (for `NEBULA_CPU_MOE_TRACE`).
+    sent: std::time::Instant,
 }
 
 /// The CPU thread of pipelined hybrid decode: it computes a layer's CPU experts, writes their weighted sum into
@@ -236,8 +245,27 @@ impl CpuThread {
             .spawn(move || {
                 // (Keeping the compute pool spinning between layers was measured slower on the H200's 16 cores:
                 // 75-77 against 79-81 tok/s, the spinning threads taking the cores the host and driver need.)
-                for job in rx {
+                crate::quant::spin_pool::set_spin(CPU_SPIN_US);
+                let spin = std::time::Duration::from_micros(crate::quant::spin_pool::spin_us());
+                loop {
+                    // The next layer's job arrives ~0.2 ms after the last one during decode: poll that long
+                    // before blocking, so the hand-off costs no thread wake-up.
+                    let since = std::time::Instant::now();
+                    let job = loop {
+                        match rx.try_recv() {
+                            Ok(job) => break Some(job),
+                            Err(std::sync::mpsc::TryRecvError::Disconnected) => break None,
+                            Err(std::sync::mpsc::TryRecvError::Empty) if since.elapsed() < spin => {
+                                std::hint::spin_loop()
+                            }
+                            Err(std::sync::mpsc::TryRecvError::Empty) => break rx.recv().ok(),
+                        }
+                    };
+                    let Some(job) = job else { break };
                     let t = std::time::Instant::now();
+                    if crate::quant::moe::trace::enabled() {
+                        crate::quant::moe::trace::handoff((t - job.sent).as_nanos() as u64);
+                    }
                     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         model.cpu_routed(job.layer, &job.x, job.n, &job.routing)
                     }));
@@ -293,7 +321,7 @@ impl CpuThread {
     ) -> Result<(), CudaError> {
         let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed).wrapping_add(1);
         let tx = self.tx.as_ref().ok_or_else(|| CudaError::Unsupported("the hybrid CPU thread stopped".into()))?;
-        tx.send(Job { layer, x, n, routing, seq })
+        tx.send(Job { layer, x, n, routing, seq, sent: std::time::Instant::now() })
             .map_err(|_| CudaError::Unsupported("the hybrid CPU thread stopped".into()))?;
         // SAFETY: the flag's device address is live while `self` is; EQ on a value the thread writes exactly once
         // for this job (the next job is only submitted after the GPU passed this wait).

@@ -2313,6 +2313,7 @@ impl CudaModel {
         let (s, d) = (cfg.hc_count, cfg.hidden);
         let dim = s * d;
         let pos_dev = ptr(&st.pos_dev, dev.stream(), 0);
+        dev.set_pass_tokens(n);
         if let Some(r) = rec {
             self.save_chain_states(st, r)?;
         }
