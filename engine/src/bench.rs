@@ -43,6 +43,8 @@ pub struct BenchRow {
     pub prefill_kernels: Vec<(String, f64, u64)>,
     /// Per-phase (name, seconds, count) of this frontier's prefill (`NEBULA_CUDA_PROFILE=1`); empty otherwise.
     pub prefill_phases: Vec<(&'static str, f64, u64)>,
+    /// Hybrid streamed prefill's copy/compute timeline (`NEBULA_CUDA_PROFILE=copies`), when recorded.
+    pub prefill_copies: Option<String>,
     /// Hybrid decode only: where the decode steps' time went, and the routed expert uses the CPU computed
     /// (from the placement counters over the timed steps).
     pub hybrid: Option<HybridDecode>,
@@ -106,6 +108,7 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
         if let Runner::Cuda(m) = runner {
             m.take_kernel_times();
             m.take_profile();
+            m.take_copy_report()?;
         }
         let t0 = Instant::now();
         let mut logits = Vec::new();
@@ -115,9 +118,9 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
             logits = runner.forward(&mut st, c, want)?;
         }
         let prefill_s = t0.elapsed().as_secs_f64();
-        let (prefill_kernels, prefill_phases) = match runner {
-            Runner::Cuda(m) => (m.take_kernel_times(), m.take_profile()),
-            Runner::Cpu(_) => (Vec::new(), Vec::new()),
+        let (prefill_kernels, prefill_phases, prefill_copies) = match runner {
+            Runner::Cuda(m) => (m.take_kernel_times(), m.take_profile(), m.take_copy_report()?),
+            Runner::Cpu(_) => (Vec::new(), Vec::new(), None),
         };
         let mut tok = argmax(&logits).unwrap_or(0) as u32;
         let ttft_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -165,6 +168,7 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
             decode_ms: dec_s * 1e3 / opts.decode_tokens.max(1) as f64,
             prefill_kernels,
             prefill_phases,
+            prefill_copies,
             hybrid,
         });
     }

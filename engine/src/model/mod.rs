@@ -345,6 +345,15 @@ impl Qwen4Exp {
         }
     }
 
+    /// Expert `e` of `layer` when its weights are in host memory without a read: the RAM tier of a placement, or
+    /// the model's own (file-mapped) experts when unplaced; `None` for an SSD-tier expert.
+    pub(crate) fn ram_expert(&self, layer: usize, e: usize) -> Option<&crate::model::moe::Expert> {
+        match self.trunk_placement(layer) {
+            Some(p) => p.ram_expert(layer, e),
+            None => self.routed_moe(layer).experts.get(e),
+        }
+    }
+
     /// The placement's (handoff, marginal omission) fractions for the hybrid GPU backend; (0.9, 0) unplaced.
     pub(crate) fn hybrid_fractions(&self) -> (f32, f32) {
         self.placement.as_ref().map_or((0.9, 0.0), |p| p.hybrid_fractions())

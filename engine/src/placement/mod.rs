@@ -895,6 +895,11 @@ impl Placement {
     /// streams in hybrid prefill.
     ///
     /// Errors: [`ModelError::WeightRead`] when the SSD read fails.
+    /// Expert `e` of `layer` when it is in the RAM tier (no SSD read, unlike [`Placement::host_expert`]).
+    pub(crate) fn ram_expert(&self, layer: usize, e: usize) -> Option<&Expert> {
+        self.resident.get(layer).and_then(|l| l.get(e)).and_then(|x| x.as_ref())
+    }
+
     pub(crate) fn host_expert<'a>(
         &'a self,
         layer: usize,

@@ -101,8 +101,9 @@ fn prefetch(bytes: &[u8]) {
 }
 
 /// Where the time of [`expert_outputs`] goes, for benchmarks (`NEBULA_CPU_MOE_TRACE=1`; off, it costs one flag
-/// test per thread and phase). Every call adds, in nanoseconds from the call's start: when the first and the last
-/// thread of the region started, when the first and the last finished gate/up (phase 1), when phase 2 ended (the
+/// test per thread and phase). Every call adds, in nanoseconds from the call's start: when the parallel region
+/// began (the setup before it: work lists, activations, buffers), when the first and the last thread of the region
+/// started, when the first and the last finished gate/up (phase 1), when phase 2 ended (the
 /// second barrier released), when the first and the last finished the down projections, and when the call
 /// returned; plus the weight bytes of each phase. [`trace::report`] prints the means.
 pub mod trace {
@@ -110,7 +111,8 @@ pub mod trace {
     use std::sync::atomic::{AtomicU64, Ordering};
 
     /// The events of one call, in order (see the module docs).
-    pub(super) const EVENTS: [&str; 8] = [
+    pub(super) const EVENTS: [&str; 9] = [
+        "region",
         "first start",
         "last start",
         "first gate/up done",
@@ -127,24 +129,24 @@ pub mod trace {
         *ON.get_or_init(|| std::env::var("NEBULA_CPU_MOE_TRACE").is_ok_and(|v| v == "1"))
     }
 
-    /// Sums over calls: calls, the 8 event times, gate/up bytes, down bytes.
-    pub(super) static TOTALS: [AtomicU64; 11] = [const { AtomicU64::new(0) }; 11];
+    /// Sums over calls: calls, the 9 event times, gate/up bytes, down bytes.
+    pub(super) static TOTALS: [AtomicU64; 12] = [const { AtomicU64::new(0) }; 12];
 
     /// One call's events, min/max folded by the threads of the region.
     pub(super) struct Call {
         pub(super) t0: std::time::Instant,
-        pub(super) ev: [AtomicU64; 8],
+        pub(super) ev: [AtomicU64; 9],
     }
 
     impl Call {
         pub(super) fn new() -> Self {
-            let ev = std::array::from_fn(|i| AtomicU64::new(if matches!(i, 0 | 2 | 5) { u64::MAX } else { 0 }));
+            let ev = std::array::from_fn(|i| AtomicU64::new(if matches!(i, 1 | 3 | 6) { u64::MAX } else { 0 }));
             Self { t0: std::time::Instant::now(), ev }
         }
         fn now(&self) -> u64 {
             self.t0.elapsed().as_nanos() as u64
         }
-        /// Records "first/last" event pair `k` (0: start, 2: gate/up done, 5: down done) for this thread.
+        /// Records "first/last" event pair `k` (1: start, 3: gate/up done, 6: down done) for this thread.
         pub(super) fn pair(&self, k: usize) {
             let t = self.now();
             self.ev[k].fetch_min(t, Ordering::Relaxed);
@@ -155,13 +157,13 @@ pub mod trace {
         }
         /// Folds the call into the totals.
         pub(super) fn finish(&self, bytes_gate_up: u64, bytes_down: u64) {
-            self.single(7);
+            self.single(8);
             TOTALS[0].fetch_add(1, Ordering::Relaxed);
             for (i, e) in self.ev.iter().enumerate() {
                 TOTALS[1 + i].fetch_add(e.load(Ordering::Relaxed), Ordering::Relaxed);
             }
-            TOTALS[9].fetch_add(bytes_gate_up, Ordering::Relaxed);
-            TOTALS[10].fetch_add(bytes_down, Ordering::Relaxed);
+            TOTALS[10].fetch_add(bytes_gate_up, Ordering::Relaxed);
+            TOTALS[11].fetch_add(bytes_down, Ordering::Relaxed);
         }
     }
 
@@ -173,6 +175,16 @@ pub mod trace {
     pub fn handoff(ns: u64) {
         HANDOFF[0].fetch_add(1, Ordering::Relaxed);
         HANDOFF[1].fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// Hybrid decode's CPU jobs (count, nanoseconds): a layer's whole CPU share, of which the kernel calls are
+    /// part (the rest: routing lists, the weighted sum of the experts' outputs, the copy into the upload buffer).
+    static JOB: [AtomicU64; 2] = [const { AtomicU64::new(0) }; 2];
+
+    /// Records one CPU job's duration (see [`JOB`]).
+    pub fn job(ns: u64) {
+        JOB[0].fetch_add(1, Ordering::Relaxed);
+        JOB[1].fetch_add(ns, Ordering::Relaxed);
     }
 
     /// The mean time of each event since the call's start (microseconds), the weight bytes per call and the
@@ -189,17 +201,21 @@ pub mod trace {
         for (i, name) in EVENTS.iter().enumerate() {
             s += &format!(" {name} {:.1};", us(i));
         }
-        let (gu, dn) = (t[9] as f64 / calls, t[10] as f64 / calls);
+        let (gu, dn) = (t[10] as f64 / calls, t[11] as f64 / calls);
         s += &format!(
             " weight bytes gate/up {:.2} MB at {:.1} GB/s, down {:.2} MB at {:.1} GB/s",
             gu / 1e6,
-            gu / ((us(3) - us(0)).max(1e-3) * 1e3),
+            gu / ((us(4) - us(1)).max(1e-3) * 1e3),
             dn / 1e6,
-            dn / ((us(6) - us(4)).max(1e-3) * 1e3)
+            dn / ((us(7) - us(5)).max(1e-3) * 1e3)
         );
         let (n, ns) = (HANDOFF[0].swap(0, Ordering::Relaxed), HANDOFF[1].swap(0, Ordering::Relaxed));
         if n > 0 {
             s += &format!("; hybrid hand-off to the CPU thread {:.1} us (mean of {n})", ns as f64 / n as f64 / 1e3);
+        }
+        let (n, ns) = (JOB[0].swap(0, Ordering::Relaxed), JOB[1].swap(0, Ordering::Relaxed));
+        if n > 0 {
+            s += &format!("; hybrid CPU job {:.1} us (mean of {n})", ns as f64 / n as f64 / 1e3);
         }
         Some(s)
     }
@@ -337,6 +353,7 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
     if work.is_empty() || n == 0 {
         return ExpertOutputs { y: Vec::new(), offsets: vec![0; work.len() + 1] };
     }
+    let call = trace::enabled().then(trace::Call::new);
     let d = work[0].expert.gate.cols();
     assert_eq!(x.len(), n * d, "routed_experts: x is not [n, d]");
     for w in work {
@@ -393,11 +410,13 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
     let next3 = AtomicUsize::new(0);
     let threads = rayon::current_num_threads();
     let barrier = SpinBarrier::new(threads);
-    let call = trace::enabled().then(trace::Call::new);
+    if let Some(c) = &call {
+        c.single(0);
+    }
 
     let region = |_: usize| {
         if let Some(c) = &call {
-            c.pair(0);
+            c.pair(1);
         }
         // Phase 1: gate, up, silu * up.
         loop {
@@ -440,7 +459,7 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
             }
         }
         if let Some(c) = &call {
-            c.pair(2);
+            c.pair(3);
         }
         barrier.wait();
         // Phase 2: each expert's hidden vectors, token-major, prepared for its down projection.
@@ -466,7 +485,7 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
         }
         barrier.wait();
         if let Some(c) = &call {
-            c.single(4);
+            c.single(5);
         }
         // Phase 3: down projections, one contiguous run of rows of one expert per item.
         loop {
@@ -500,7 +519,7 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
             }
         }
         if let Some(c) = &call {
-            c.pair(5);
+            c.pair(6);
         }
     };
     match super::spin_pool::pool(threads) {

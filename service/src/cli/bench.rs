@@ -195,6 +195,9 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         }
     }
     for r in &rows {
+        if let Some(c) = &r.prefill_copies {
+            println!("prefill of {} tokens: {c}", r.context);
+        }
         if !r.prefill_phases.is_empty() {
             let total: f64 = r.prefill_phases.iter().map(|p| p.1).sum();
             println!("prefill of {} tokens, phases (stream synchronised after each):", r.context);

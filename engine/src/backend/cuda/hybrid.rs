@@ -76,8 +76,9 @@ impl HybridParams {
 }
 
 /// The CPU MoE kernel's share of the DRAM read bandwidth on batch-1 decode (measured on the H200 machine's 14
-/// threads: 40 of 81-104 GB/s), used to predict the CPU path's cost from the measured bandwidth.
-const CPU_EXPERT_EFFICIENCY: f64 = 0.45;
+/// threads, with the spinning pool of `quant::spin_pool`: 57 of 90 GB/s; 40 of 81-104 before it), used to predict
+/// the CPU path's cost from the measured bandwidth.
+const CPU_EXPERT_EFFICIENCY: f64 = 0.6;
 
 /// Largest batch the CPU path takes (the pinned buffers are sized for it).
 const CPU_PATH_MAX_TOKENS: usize = 512;
@@ -270,6 +271,9 @@ impl CpuThread {
                         model.cpu_routed(job.layer, &job.x, job.n, &job.routing)
                     }));
                     cpu_ns.fetch_add(t.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                    if crate::quant::moe::trace::enabled() {
+                        crate::quant::moe::trace::job(t.elapsed().as_nanos() as u64);
+                    }
                     let failure = match result {
                         Ok(Ok(y)) if y.len() <= max_values => {
                             // SAFETY: the upload buffer holds `max_values` f32 and outlives this thread (joined
@@ -351,6 +355,34 @@ impl Drop for CpuThread {
     }
 }
 
+/// Sums a streamed-prefill timeline ([`Hybrid::copy_log`]): copy-stream busy time and rate, kernel time of the
+/// streamed groups, the time the copy stream waited for a free staging buffer and the compute stream for a
+/// group's weights, and the span from the first copy to the last kernel. `None` when empty. Synchronises on
+/// the events.
+pub(crate) fn copy_report(log: &[([CudaEvent; 4], usize)]) -> Result<Option<String>, CudaError> {
+    let (Some(first), Some(last)) = (log.first(), log.last()) else { return Ok(None) };
+    let ms = |a: &CudaEvent, b: &CudaEvent| -> Result<f64, CudaError> { Ok(a.elapsed_ms(b)? as f64) };
+    let (mut copy, mut kernels, mut copy_idle, mut compute_idle, mut bytes) = (0.0, 0.0, 0.0, 0.0, 0usize);
+    for (i, (ev, b)) in log.iter().enumerate() {
+        copy += ms(&ev[0], &ev[1])?;
+        kernels += ms(&ev[2], &ev[3])?;
+        bytes += b;
+        if i > 0 {
+            let prev = &log[i - 1].0;
+            copy_idle += ms(&prev[1], &ev[0])?.max(0.0);
+            compute_idle += ms(&prev[3], &ev[2])?.max(0.0);
+        }
+    }
+    let span = ms(&first.0[0], &last.0[3])?;
+    Ok(Some(format!(
+        "streamed prefill, {} expert groups: span {span:.1} ms; copies {copy:.1} ms busy ({:.1} GB/s), {copy_idle:.1} ms \
+         between groups; streamed expert kernels {kernels:.1} ms, {compute_idle:.1} ms between groups (the rest of \
+         the layers and the waits for weights)",
+        log.len(),
+        bytes as f64 / (copy.max(1e-6) * 1e6)
+    )))
+}
+
 /// The host half of the hybrid backend.
 pub(crate) struct Hybrid {
     /// The CPU model (placed), for the experts the GPU does not hold.
@@ -383,6 +415,9 @@ pub(crate) struct Hybrid {
     /// Nanoseconds the CPU spent on its experts, the host spent waiting for the GPU's pack, and round trips.
     pub(crate) cpu_ns: Arc<AtomicU64>,
     pub(crate) wait_ns: AtomicU64,
+    /// Streamed prefill's timeline when `NEBULA_CUDA_PROFILE=copies`: per expert group, events at the start and
+    /// end of its copies (copy stream) and of its kernels (compute stream), with the bytes copied.
+    pub(crate) copy_log: Option<Mutex<Vec<([CudaEvent; 4], usize)>>>,
     pub(crate) trips: AtomicU64,
 }
 
@@ -570,6 +605,7 @@ impl Hybrid {
             cpu_ns,
             wait_ns: AtomicU64::new(0),
             trips: AtomicU64::new(0),
+            copy_log: std::env::var("NEBULA_CUDA_PROFILE").is_ok_and(|v| v == "copies").then(Default::default),
         })
     }
 }
@@ -631,6 +667,107 @@ pub(crate) fn stage_expert(
         copied += bytes;
     }
     Ok(copied)
+}
+
+/// Queues the upload of the experts `experts` of layer `li` into slots `0..` of `stage` on `stream`, as
+/// [`stage_expert`] does one by one, but with one strided copy per matrix for every run of RAM-tier experts that
+/// lie at a constant stride in host memory (the RAM tier stores a layer's experts back to back, so a group of
+/// consecutive expert ids is one run): 3 copy commands instead of 3 per expert. Streamed prefill queues a whole
+/// chunk's copies ahead of the kernels; with 96 commands a group, the copy stream's queue filled and the host
+/// thread blocked in it while the compute stream ran dry (H200, 12 GB profile: both streams idle ~40 % of the
+/// span, whatever the ring depth). Returns the bytes copied.
+///
+/// Errors: as [`stage_expert`].
+pub(crate) fn stage_group(
+    stream: &CudaStream,
+    model: &Qwen4Exp,
+    li: usize,
+    experts: &[usize],
+    stage: &Stage,
+) -> Result<usize, CudaError> {
+    let sizes = expert_bytes(model, li);
+    let bufs = [&stage.gate, &stage.up, &stage.down];
+    // Host addresses of an expert's three matrices when it is in RAM and its sizes are the layer's (an SSD-tier
+    // expert goes through `stage_expert`, which reads it once).
+    let addrs = |e: usize| -> Result<Option<[usize; 3]>, CudaError> {
+        let Some(x) = model.ram_expert(li, e) else { return Ok(None) };
+        let m = [&x.gate_proj, &x.up_proj, &x.down_proj];
+        if m.iter().zip(sizes).any(|(m, b)| m.bytes().len() != b) {
+            return Ok(None);
+        }
+        Ok(Some(m.map(|m| m.bytes().as_ptr() as usize)))
+    };
+    let mut copied = 0;
+    let mut j = 0;
+    while j < experts.len() {
+        let Some(first) = addrs(experts[j])? else {
+            copied += stage_expert(stream, model, li, experts[j], stage, j)?;
+            j += 1;
+            continue;
+        };
+        // Extend the run while the next expert sits one more stride further, for all three matrices.
+        let mut len = 1;
+        let mut stride = 0usize;
+        while j + len < experts.len() {
+            let Some(next) = addrs(experts[j + len])? else { break };
+            let step = next[0].wrapping_sub(first[0]);
+            if len == 1 {
+                if step == 0 || step > isize::MAX as usize {
+                    break;
+                }
+                stride = step;
+            }
+            if (0..3).any(|m| next[m] != first[m] + len * stride) {
+                break;
+            }
+            len += 1;
+        }
+        for ((buf, &src), bytes) in bufs.iter().zip(&first).zip(sizes) {
+            let dst = stage_ptr(buf, stream, j * bytes);
+            if len == 1 {
+                htod(stream, dst, src as *const u8, bytes)?;
+            } else {
+                htod_strided(stream, dst, src as *const u8, stride, bytes, len)?;
+            }
+        }
+        copied += len * sizes.iter().sum::<usize>();
+        j += len;
+    }
+    Ok(copied)
+}
+
+/// Copies `count` host blocks of `bytes` bytes, `stride` bytes apart from `src` on, to `count` consecutive blocks
+/// at device address `dst` on `stream` (one `cuMemcpy2DAsync`).
+fn htod_strided(
+    stream: &CudaStream,
+    dst: u64,
+    src: *const u8,
+    stride: usize,
+    bytes: usize,
+    count: usize,
+) -> Result<(), CudaError> {
+    let c = driver_sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: driver_sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+        srcHost: src as *const std::ffi::c_void,
+        srcDevice: 0,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: stride,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: driver_sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: bytes,
+        WidthInBytes: bytes,
+        Height: count,
+    };
+    // SAFETY: the host blocks are readable and outlive the copy (the RAM tier), the device range holds `count`
+    // blocks (a staging buffer of the group's size).
+    let r = unsafe { driver_sys::cuMemcpy2DAsync_v2(&c, stream.cu_stream()) };
+    check(r, "copying experts to the GPU")
 }
 
 /// Copies `bytes` host bytes at `src` to device address `dst` on `stream` (asynchronous for registered memory).

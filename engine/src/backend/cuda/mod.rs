@@ -16,7 +16,7 @@ pub use mtp::{CudaChain, MAX_CHAIN_ROWS};
 
 use std::sync::Mutex;
 
-use nebula_kernels::cudarc::driver::{CudaGraph, CudaSlice, sys as driver_sys};
+use nebula_kernels::cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, sys as driver_sys};
 use nebula_kernels::{Gpu, GpuError};
 
 use crate::gguf::GgmlType;
@@ -778,6 +778,14 @@ impl CudaModel {
             gpu_s: h.gpu_ns.swap(0, Relaxed) as f64 * 1e-9,
             trips: h.trips.swap(0, Relaxed),
         })
+    }
+
+    /// The streamed-prefill timeline since the last call (`NEBULA_CUDA_PROFILE=copies`, hybrid only; see
+    /// [`hybrid::copy_report`]), then cleared.
+    pub fn take_copy_report(&self) -> Result<Option<String>, CudaError> {
+        let Some(log) = self.hybrid.as_ref().and_then(|h| h.copy_log.as_ref()) else { return Ok(None) };
+        let entries = std::mem::take(&mut *log.lock().expect("copy log lock"));
+        hybrid::copy_report(&entries)
     }
 
     /// Mean seconds of one host -> GPU -> host round trip of a small buffer (a copy each way and a stream
@@ -2001,12 +2009,21 @@ impl CudaModel {
             let stage = &h.stages[h.stage_turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % h.stages.len()];
             // The copy waits until the kernels that last read this buffer have run.
             copy.wait(&stage.free)?;
-            let mut copied = 0;
-            for (j, &e) in experts.iter().enumerate() {
-                copied += hybrid::stage_expert(copy, &h.host, li, e, stage, j)?;
+            let timing = h.copy_log.as_ref().map(|_| -> Result<[CudaEvent; 4], CudaError> {
+                let ev = || dev.gpu.ctx.new_event(Some(driver_sys::CUevent_flags::CU_EVENT_DEFAULT));
+                Ok([ev()?, ev()?, ev()?, ev()?])
+            });
+            let timing = timing.transpose()?;
+            if let Some(t) = &timing {
+                t[0].record(copy)?;
             }
+            let copied = hybrid::stage_group(copy, &h.host, li, experts, stage)?;
             stage.ready.record(copy)?;
             stream.wait(&stage.ready)?;
+            if let Some(t) = &timing {
+                t[1].record(copy)?;
+                t[2].record(stream)?;
+            }
             let views = [
                 StackView { ptr: hybrid::stage_ptr(&stage.gate, stream, 0), ..moe.gate.view(dev) },
                 StackView { ptr: hybrid::stage_ptr(&stage.up, stream, 0), ..moe.up.view(dev) },
@@ -2018,6 +2035,10 @@ impl CudaModel {
             self.grouped_ffn(views, experts.len(), se, offsets, perm, m, n, ys, true)?;
             self.arena_release(mark);
             stage.free.record(stream)?;
+            if let (Some(t), Some(log)) = (timing, &h.copy_log) {
+                t[3].record(stream)?;
+                log.lock().expect("copy log lock").push((t, copied));
+            }
             h.stats.pcie_bytes.fetch_add(copied as u64, std::sync::atomic::Ordering::Relaxed);
         }
         self.combine(ys, w, shared, sgate, 0, n, res)
