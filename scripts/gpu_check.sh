@@ -30,6 +30,7 @@ if [ ! -f "$MODEL" ]; then
     echo "=== nebula synth ($LAYERS layers, nebula-q4, no MTP block so llama.cpp 0.3.36 reads it)"
     "$NEBULA" synth --out "$MODEL" --layers "$LAYERS" --recipe nebula-q4 --no-mtp \
         --tokenizer-from "$ROOT/models/nebula-demo.gguf"
+    sync # the file's write-back competes with the CPU benchmarks below otherwise
 fi
 
 echo "=== all weights on the GPU"
@@ -57,9 +58,10 @@ echo "=== MTP speculative decoding, all on the GPU (random MTP weights: read the
 "$NEBULA" bench mtp --model "$MTP_MODEL" --backend cuda --prompt 2048 --tokens 128
 
 P12="--gpu-experts 27 --ram-experts 512 --ngram-table ram --threads 14 --vram-budget-gib 12 --ram-budget-gib 128"
-echo "=== hybrid, 12 GB VRAM / 128 GB RAM profile"
+echo "=== hybrid, 12 GB VRAM / 128 GB RAM profile (with the CPU MoE timeline and the streamed-prefill timeline)"
 # shellcheck disable=SC2086
-"$NEBULA" bench model --model "$MODEL" --backend cuda $P12 --contexts 2048,4096,8192 --decode 32
+NEBULA_CPU_MOE_TRACE=1 NEBULA_CUDA_PROFILE=copies \
+    "$NEBULA" bench model --model "$MODEL" --backend cuda $P12 --contexts 2048,4096,8192 --decode 32
 # shellcheck disable=SC2086
 "$NEBULA" bench model --model "$MODEL" --backend cuda $P12 --contexts 32768 --decode 8
 
