@@ -313,7 +313,7 @@ pub fn run_kernels(args: &KernelBenchArgs) -> anyhow::Result<()> {
         args.experts
     );
     println!(
-        "(pool: rayon's, or the spinning pool of the hybrid path's CPU thread, engine/src/quant/spin_pool.rs)\n{:>8} {:>8} {:>9} {:>12} {:>9}",
+        "(pool: rayon's, or the spinning pool the hybrid path's CPU thread uses for one-token batches,\n engine/src/quant/spin_pool.rs; NEBULA_CPU_SPIN_US=0 makes both rows rayon's)\n{:>8} {:>8} {:>9} {:>12} {:>9}",
         "tokens", "threads", "pool", "GB/s", "% of read"
     );
     let gate = build_stack(GgmlType::Q4_K, 640, 2560, args.experts, isa)?;
@@ -321,7 +321,9 @@ pub fn run_kernels(args: &KernelBenchArgs) -> anyhow::Result<()> {
     let down = build_stack(GgmlType::IQ4_NL, 2560, 640, args.experts, isa)?;
     for tokens in [1usize, 17] {
         for (ti, &t) in threads.iter().enumerate() {
-            for (spin, name) in [(0u64, "rayon"), (2000, "spinning")] {
+            // The spinning pool serves one-token batches only (engine/src/quant/moe.rs).
+            let pools: &[(u64, &str)] = if tokens == 1 { &[(0, "rayon"), (2000, "spinning")] } else { &[(0, "rayon")] };
+            for &(spin, name) in pools {
                 let _ = nebula_engine::quant::moe::trace::report(); // (drops earlier calls' events)
                 let r = moe_kernel_throughput(&gate, &up, &down, tokens, t, spin, args.seconds)?;
                 println!("{tokens:>8} {t:>8} {name:>9} {:>12.2} {:>8.1}%", r / 1e9, 100.0 * r / bw[ti]);

@@ -4,8 +4,8 @@
 //! For each expert `e` and each of its tokens `t` with router weight `w`:
 //! `out[t] += w * W_down[e] (silu(W_gate[e] x_t) * W_up[e] x_t)` (`Qwen4ExpTextExperts`, format doc §4.9).
 //!
-//! One parallel region ([`rayon::broadcast`], or the spinning pool of [`super::spin_pool`] on a thread that opted
-//! in, with as many participants as the rayon pool has threads) runs the first three phases separated by spin barriers, each phase taking work items
+//! One parallel region ([`rayon::broadcast`], or for a single token the spinning pool of [`super::spin_pool`] on a
+//! thread that opted in, with as many participants as the rayon pool has threads) runs the first three phases separated by spin barriers, each phase taking work items
 //! from a shared counter:
 //! 1. gate/up: items are (expert, 32 rows); each weight row is dotted with the expert's tokens in tiles of 4
 //!    (one decode of each weight block per tile), and `silu(gate) * up` is written at once;
@@ -66,6 +66,10 @@ fn item_rows() -> (usize, usize) {
         parsed.unwrap_or((32, 64))
     })
 }
+/// Largest batch the MoE kernel runs on the spinning pool (when the calling thread opted in, see
+/// [`super::spin_pool::set_spin`]).
+const SPIN_POOL_MAX_TOKENS: usize = 1;
+
 /// Output rows per combining work item.
 const COMBINE_ROWS: usize = 64;
 
@@ -522,7 +526,11 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
             c.pair(6);
         }
     };
-    match super::spin_pool::pool(threads) {
+    // The spinning pool serves one-token batches (hybrid decode); longer ones keep rayon, which was faster for
+    // 17 tokens in `nebula bench kernels` (H200 host: 54-68 % against 46-62 % of the read bandwidth), and whose
+    // wake-up costs little against a multi-millisecond call.
+    let spinning = if n <= SPIN_POOL_MAX_TOKENS { super::spin_pool::pool(threads) } else { None };
+    match spinning {
         Some(pool) => pool.run(&region),
         None => {
             rayon::broadcast(|ctx| region(ctx.index()));
