@@ -569,6 +569,20 @@ pub fn combine_expert_outputs(parts: &[ExpertContribution<'_>], n: usize, out: &
                 continue;
             }
             let y = &p.y[r0 * nt..r1 * nt];
+            if let [(t, wt)] = *p.tokens {
+                // One token (every part of a decode step): a strided axpy, contiguous (and vectorised) for a batch
+                // of one; the same operations in the same order as the general loop below.
+                if n == 1 {
+                    for (ov, &v) in o.iter_mut().zip(y) {
+                        *ov += wt * v;
+                    }
+                } else {
+                    for (k, &v) in y.iter().enumerate() {
+                        o[k * n + t] += wt * v;
+                    }
+                }
+                continue;
+            }
             for k in 0..r1 - r0 {
                 for (i, &(t, wt)) in p.tokens.iter().enumerate() {
                     o[k * n + t] += wt * y[k * nt + i];
