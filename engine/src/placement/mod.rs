@@ -891,22 +891,22 @@ impl Placement {
         &self.tiers
     }
 
-    /// Expert `e` of `layer` from its RAM copy, or read from SSD (waiting for the read): the weights the GPU
-    /// streams in hybrid prefill.
-    ///
-    /// Errors: [`ModelError::WeightRead`] when the SSD read fails.
     /// Expert `e` of `layer` when it is in the RAM tier (no SSD read, unlike [`Placement::host_expert`]).
     pub(crate) fn ram_expert(&self, layer: usize, e: usize) -> Option<&Expert> {
         self.resident.get(layer).and_then(|l| l.get(e)).and_then(|x| x.as_ref())
     }
 
+    /// Expert `e` of `layer` from its RAM copy, or read from SSD (waiting for the read): the weights the GPU
+    /// streams in hybrid prefill.
+    ///
+    /// Errors: [`ModelError::WeightRead`] when the SSD read fails.
     pub(crate) fn host_expert<'a>(
         &'a self,
         layer: usize,
         e: usize,
         moe: &'a SparseMoe,
     ) -> Result<HostExpert<'a>, ModelError> {
-        if let Some(x) = self.resident.get(layer).and_then(|l| l.get(e)).and_then(|x| x.as_ref()) {
+        if let Some(x) = self.ram_expert(layer, e) {
             return Ok(HostExpert::Borrowed(x));
         }
         match &self.ssd {

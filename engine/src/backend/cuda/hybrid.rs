@@ -200,8 +200,9 @@ pub(crate) struct HostBufs {
 
 /// How long the hybrid CPU thread and its MoE workers keep polling for the next layer's job before they sleep
 /// (microseconds; `NEBULA_CPU_SPIN_US` overrides, 0 = block at once and use rayon's pool). Decode hands the CPU
-/// a job every ~0.2-0.5 ms, so the threads never sleep during a request and start a job within microseconds;
-/// waking sleeping threads cost 30 us for the hand-off and 130 us until the 14th MoE worker ran, a layer (H200
+/// one job per layer (~0.7-0.9 ms apart on a 12-layer model, ~0.2 ms of GPU work between one job's end and the
+/// next one's start), so the threads never sleep during a request and start a job within microseconds; waking
+/// sleeping threads cost 30 us for the hand-off and up to 150 us until the 14th MoE worker ran, a layer (H200
 /// machine, NEBULA_CPU_MOE_TRACE). Between requests they sleep after this long.
 const CPU_SPIN_US: u64 = 2000;
 
@@ -244,8 +245,10 @@ impl CpuThread {
         let thread = std::thread::Builder::new()
             .name("nebula-hybrid-cpu".into())
             .spawn(move || {
-                // (Keeping the compute pool spinning between layers was measured slower on the H200's 16 cores:
-                // 75-77 against 79-81 tok/s, the spinning threads taking the cores the host and driver need.)
+                // An earlier attempt kept rayon's whole pool spinning between layers and measured slower (75-77
+                // against 79-81 tok/s on the H200's 16 cores: the spinning threads took the cores the host and
+                // driver need); the spinning pool has one participant fewer (this thread is one of them) and
+                // sleeps between requests (12 GB profile at 4K: 95.9 -> 118.9 tok/s in one run).
                 crate::quant::spin_pool::set_spin(CPU_SPIN_US);
                 let spin = std::time::Duration::from_micros(crate::quant::spin_pool::spin_us());
                 loop {
@@ -270,9 +273,10 @@ impl CpuThread {
                     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         model.cpu_routed(job.layer, &job.x, job.n, &job.routing)
                     }));
-                    cpu_ns.fetch_add(t.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+                    let took = t.elapsed().as_nanos() as u64;
+                    cpu_ns.fetch_add(took, std::sync::atomic::Ordering::Relaxed);
                     if crate::quant::moe::trace::enabled() {
-                        crate::quant::moe::trace::job(t.elapsed().as_nanos() as u64);
+                        crate::quant::moe::trace::job(took);
                     }
                     let failure = match result {
                         Ok(Ok(y)) if y.len() <= max_values => {
@@ -672,10 +676,9 @@ pub(crate) fn stage_expert(
 /// Queues the upload of the experts `experts` of layer `li` into slots `0..` of `stage` on `stream`, as
 /// [`stage_expert`] does one by one, but with one strided copy per matrix for every run of RAM-tier experts that
 /// lie at a constant stride in host memory (the RAM tier stores a layer's experts back to back, so a group of
-/// consecutive expert ids is one run): 3 copy commands instead of 3 per expert. Streamed prefill queues a whole
-/// chunk's copies ahead of the kernels; with 96 commands a group, the copy stream's queue filled and the host
-/// thread blocked in it while the compute stream ran dry (H200, 12 GB profile: both streams idle ~40 % of the
-/// span, whatever the ring depth). Returns the bytes copied.
+/// consecutive expert ids is one run): 3 copy commands instead of 3 per expert. On the H200 machine (12 GB
+/// profile, 2048-token chunks) the copy stream went from 47.5 to 53.6 GB/s; the prefill rate did not change (the
+/// grouped expert kernels set it, `NEBULA_CUDA_PROFILE=copies`). Returns the bytes copied.
 ///
 /// Errors: as [`stage_expert`].
 pub(crate) fn stage_group(
@@ -689,18 +692,15 @@ pub(crate) fn stage_group(
     let bufs = [&stage.gate, &stage.up, &stage.down];
     // Host addresses of an expert's three matrices when it is in RAM and its sizes are the layer's (an SSD-tier
     // expert goes through `stage_expert`, which reads it once).
-    let addrs = |e: usize| -> Result<Option<[usize; 3]>, CudaError> {
-        let Some(x) = model.ram_expert(li, e) else { return Ok(None) };
+    let addrs = |e: usize| -> Option<[usize; 3]> {
+        let x = model.ram_expert(li, e)?;
         let m = [&x.gate_proj, &x.up_proj, &x.down_proj];
-        if m.iter().zip(sizes).any(|(m, b)| m.bytes().len() != b) {
-            return Ok(None);
-        }
-        Ok(Some(m.map(|m| m.bytes().as_ptr() as usize)))
+        m.iter().zip(sizes).all(|(m, b)| m.bytes().len() == b).then(|| m.map(|m| m.bytes().as_ptr() as usize))
     };
     let mut copied = 0;
     let mut j = 0;
     while j < experts.len() {
-        let Some(first) = addrs(experts[j])? else {
+        let Some(first) = addrs(experts[j]) else {
             copied += stage_expert(stream, model, li, experts[j], stage, j)?;
             j += 1;
             continue;
@@ -709,7 +709,7 @@ pub(crate) fn stage_group(
         let mut len = 1;
         let mut stride = 0usize;
         while j + len < experts.len() {
-            let Some(next) = addrs(experts[j + len])? else { break };
+            let Some(next) = addrs(experts[j + len]) else { break };
             let step = next[0].wrapping_sub(first[0]);
             if len == 1 {
                 if step == 0 || step > isize::MAX as usize {
