@@ -359,11 +359,14 @@ impl Drop for CpuThread {
     }
 }
 
+/// One streamed expert group's events (copies start, copies end, kernels start, kernels end) and bytes copied.
+pub(crate) type GroupTiming = ([CudaEvent; 4], usize);
+
 /// Sums a streamed-prefill timeline ([`Hybrid::copy_log`]): copy-stream busy time and rate, kernel time of the
 /// streamed groups, the time the copy stream waited for a free staging buffer and the compute stream for a
 /// group's weights, and the span from the first copy to the last kernel. `None` when empty. Synchronises on
 /// the events.
-pub(crate) fn copy_report(log: &[([CudaEvent; 4], usize)]) -> Result<Option<String>, CudaError> {
+pub(crate) fn copy_report(log: &[GroupTiming]) -> Result<Option<String>, CudaError> {
     let (Some(first), Some(last)) = (log.first(), log.last()) else { return Ok(None) };
     let ms = |a: &CudaEvent, b: &CudaEvent| -> Result<f64, CudaError> { Ok(a.elapsed_ms(b)? as f64) };
     let (mut copy, mut kernels, mut copy_idle, mut compute_idle, mut bytes) = (0.0, 0.0, 0.0, 0.0, 0usize);
@@ -421,7 +424,7 @@ pub(crate) struct Hybrid {
     pub(crate) wait_ns: AtomicU64,
     /// Streamed prefill's timeline when `NEBULA_CUDA_PROFILE=copies`: per expert group, events at the start and
     /// end of its copies (copy stream) and of its kernels (compute stream), with the bytes copied.
-    pub(crate) copy_log: Option<Mutex<Vec<([CudaEvent; 4], usize)>>>,
+    pub(crate) copy_log: Option<Mutex<Vec<GroupTiming>>>,
     pub(crate) trips: AtomicU64,
 }
 
