@@ -615,3 +615,180 @@ GROUPEDQ(q8_0, T_Q8_0)
 GROUPEDQ(q4_0, T_Q4_0)
 GROUPEDQ(iq4_nl, T_IQ4_NL)
 GROUPEDQ(q4_k, T_Q4_K)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Routed experts, prefill, on tensor cores (sm_80+): the integer products of moe_groupedq (8-bit weights decoded
+// by QTask, 8-bit activations, 32-value chunks, each chunk's int32 dot scaled in f32 as dx * s * dot - m * dx *
+// sum(qx)) computed with mma.sync.m16n8k32 (s8 x s8 -> s32). A block of 128 threads (4 warps) owns MMA_ROWS rows
+// of one expert (blockIdx.y as in moe_grouped) and takes that expert's slots MMA_SLOTS at a time (tiles
+// blockIdx.z, blockIdx.z + gridDim.z, ...); per MMA_K columns it decodes the weight tile and the slots'
+// activation tile into shared memory, then each warp multiplies its 32 rows by the 32 slots (2 x 4 MMA tiles per
+// chunk). The integer dots equal the dp4a kernel's exactly; the f32 sums run in chunk order per (row, slot).
+// Requires cols % MMA_K == 0.
+#define MMA_ROWS 128
+#define MMA_SLOTS 32
+#define MMA_K 128
+#define MMA_LD 36  // 32-bit words per shared row: 32 of data + 4 of padding (conflict-free fragment loads)
+
+// d = A (16 x 32 int8, row-major fragments) . B (32 x 8 int8, column-major fragments), int32 (PTX ISA,
+// "Matrix Fragments for mma.m16n8k32").
+__device__ __forceinline__ void mma_s8_16832(int (&d)[4], const int (&a)[4], const int (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+#else
+    d[0] = d[1] = d[2] = d[3] = 0;
+    __trap();
+#endif
+}
+
+template <int T>
+__device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ W, long long expert_bytes,
+                                                    long long row_bytes, int rows, int cols,
+                                                    const int* __restrict__ offsets, const int* __restrict__ perm,
+                                                    const int* __restrict__ slot_expert,
+                                                    const signed char* __restrict__ qx,
+                                                    const float* __restrict__ dx, int x_div, long long x_stride,
+                                                    float* __restrict__ y, const uint16_t* pairs) {
+    constexpr int C = QTask<T>::chunks;
+    constexpr int KC = MMA_K / 32;  // chunks per step
+    __shared__ __align__(16) int ws[MMA_ROWS * MMA_LD];
+    __shared__ float wsc[MMA_ROWS][KC], wmn[MMA_ROWS][KC];
+    __shared__ __align__(16) int xs[MMA_SLOTS * MMA_LD];
+    __shared__ float xd[MMA_SLOTS][KC], xds[MMA_SLOTS][KC];  // dx and dx * sum(qx) per slot and chunk
+    __shared__ int slot_sh[MMA_SLOTS];
+    const int e = slot_expert ? slot_expert[blockIdx.y] : blockIdx.y;
+    if (e < 0) return;  // uniform over the block
+    const int start = offsets[e], end = offsets[e + 1];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
+    const int r0 = blockIdx.x * MMA_ROWS;
+    const bool lvalid = r0 + tid < rows;  // thread tid decodes row r0 + tid
+    const uint8_t* lrow = W + (long long)blockIdx.y * expert_bytes + (long long)(lvalid ? r0 + tid : 0) * row_bytes;
+    for (int base = start + blockIdx.z * MMA_SLOTS; base < end; base += gridDim.z * MMA_SLOTS) {
+        const int nt = min(MMA_SLOTS, end - base);
+        if (tid < MMA_SLOTS) slot_sh[tid] = tid < nt ? perm[base + tid] : -1;
+        float acc[2][4][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[mt][j][i] = 0.f;
+        __syncthreads();  // slot_sh written; the previous tile's reads of the shared tiles done
+        for (int k0 = 0; k0 < cols; k0 += MMA_K) {
+#pragma unroll
+            for (int tk = 0; tk < KC / C; tk++) {
+                int q[C][8];
+                float s[C], m[C];
+                if (lvalid) {
+                    qtask_load<T, C>(lrow, k0 / (32 * C) + tk, q, s, m, pairs);
+                } else {
+#pragma unroll
+                    for (int h = 0; h < C; h++) {
+                        s[h] = 0.f;
+                        m[h] = 0.f;
+#pragma unroll
+                        for (int i = 0; i < 8; i++) q[h][i] = 0;
+                    }
+                }
+#pragma unroll
+                for (int h = 0; h < C; h++) {
+                    const int c = tk * C + h;
+                    int4* dst = reinterpret_cast<int4*>(ws + tid * MMA_LD + 8 * c);
+                    dst[0] = make_int4(q[h][0], q[h][1], q[h][2], q[h][3]);
+                    dst[1] = make_int4(q[h][4], q[h][5], q[h][6], q[h][7]);
+                    wsc[tid][c] = s[h];
+                    wmn[tid][c] = m[h];
+                }
+            }
+            {
+                const int sl = tid / KC, c = tid % KC;  // 128 threads = MMA_SLOTS x KC
+                const int s = slot_sh[sl];
+                int4 a = make_int4(0, 0, 0, 0), b = a;
+                float d = 0.f;
+                if (s >= 0) {
+                    const long long xo = (long long)(s / x_div) * x_stride + k0 + 32 * c;
+                    const int4* xp = reinterpret_cast<const int4*>(qx + xo);
+                    a = __ldg(xp);
+                    b = __ldg(xp + 1);
+                    d = __ldg(dx + xo / 32);
+                }
+                int sum = 0;
+                sum = dp4a_(0x01010101, a.x, sum);
+                sum = dp4a_(0x01010101, a.y, sum);
+                sum = dp4a_(0x01010101, a.z, sum);
+                sum = dp4a_(0x01010101, a.w, sum);
+                sum = dp4a_(0x01010101, b.x, sum);
+                sum = dp4a_(0x01010101, b.y, sum);
+                sum = dp4a_(0x01010101, b.z, sum);
+                sum = dp4a_(0x01010101, b.w, sum);
+                int4* dst = reinterpret_cast<int4*>(xs + sl * MMA_LD + 8 * c);
+                dst[0] = a;
+                dst[1] = b;
+                xd[sl][c] = d;
+                xds[sl][c] = d * (float)sum;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int c = 0; c < KC; c++) {
+                int a[2][4];
+                float sa[2][2], ma[2][2];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    const int ra = warp * 32 + mt * 16 + g;
+                    a[mt][0] = ws[ra * MMA_LD + 8 * c + tig];
+                    a[mt][1] = ws[(ra + 8) * MMA_LD + 8 * c + tig];
+                    a[mt][2] = ws[ra * MMA_LD + 8 * c + 4 + tig];
+                    a[mt][3] = ws[(ra + 8) * MMA_LD + 8 * c + 4 + tig];
+                    sa[mt][0] = wsc[ra][c];
+                    sa[mt][1] = wsc[ra + 8][c];
+                    ma[mt][0] = wmn[ra][c];
+                    ma[mt][1] = wmn[ra + 8][c];
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const int b[2] = {xs[(j * 8 + g) * MMA_LD + 8 * c + tig], xs[(j * 8 + g) * MMA_LD + 8 * c + 4 + tig]};
+                    const int t0 = j * 8 + 2 * tig;
+                    const float dxv[2] = {xd[t0][c], xd[t0 + 1][c]}, dsv[2] = {xds[t0][c], xds[t0 + 1][c]};
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        int d[4];
+                        mma_s8_16832(d, a[mt], b);
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            acc[mt][j][i] += dxv[i & 1] * sa[mt][i >> 1] * (float)d[i] - ma[mt][i >> 1] * dsv[i & 1];
+                    }
+                }
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int r = r0 + warp * 32 + mt * 16 + g + 8 * (i >> 1);
+                    const int s = slot_sh[j * 8 + 2 * tig + (i & 1)];
+                    if (r < rows && s >= 0) y[(long long)s * rows + r] = acc[mt][j][i];
+                }
+        __syncthreads();  // every thread has read slot_sh before the next tile overwrites it
+    }
+}
+
+#define GROUPEDMMA(NAME, T)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128, 4) moe_groupedmma_##NAME(const uint8_t* W, long long eb, long long rb, int rows,     \
+                                                     int cols, const int* offsets, const int* perm, const int* se, \
+                                                     const signed char* qx, const float* dx, int x_div,           \
+                                                     long long xs, float* y) { pdl_entry();                       \
+        __shared__ uint16_t pairs[256];                                                                            \
+        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        moe_groupedmma_body<T>(W, eb, rb, rows, cols, offsets, perm, se, qx, dx, x_div, xs, y, pairs);           \
+    }
+
+GROUPEDMMA(q8_0, T_Q8_0)
+GROUPEDMMA(q4_0, T_Q4_0)
+GROUPEDMMA(iq4_nl, T_IQ4_NL)
+GROUPEDMMA(q4_k, T_Q4_K)

@@ -112,6 +112,11 @@ fn kernel_names(src: &str) -> Vec<String> {
     let mut names = Vec::new();
     for line in src.lines() {
         if let Some(rest) = line.split("__global__ void ").nth(1) {
+            // `__launch_bounds__(...)` may stand between the return type and the name.
+            let rest = match rest.strip_prefix("__launch_bounds__(") {
+                Some(r) => r.split_once(") ").map_or(r, |(_, name)| name),
+                None => rest,
+            };
             let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '#').collect();
             names.push(name);
         }
@@ -125,7 +130,7 @@ fn expand_names(src: &str) -> Vec<String> {
     let mut out: Vec<String> = templates.iter().filter(|n| !n.contains("##")).cloned().collect();
     for line in src.lines() {
         let line = line.trim();
-        for macro_name in ["GEMV", "GEMVQ", "GET_ROWS", "ELEM", "GROUPED", "GROUPEDQ"] {
+        for macro_name in ["GEMV", "GEMVQ", "GET_ROWS", "ELEM", "GROUPED", "GROUPEDQ", "GROUPEDMMA"] {
             if let Some(args) = line.strip_prefix(&format!("{macro_name}(")) {
                 let ty = args.split(',').next().unwrap_or("").trim();
                 let block: String = src
@@ -247,6 +252,7 @@ mod tests {
             "moe_gemvq_q8_0",
             "quantize_act",
             "moe_groupedq_q4_k",
+            "moe_groupedmma_iq4_nl",
         ] {
             assert!(names.iter().any(|x| x == n), "{n} missing from {names:?}");
         }

@@ -29,6 +29,11 @@ use ops::{Arg, Dev, ptr, type_suffix};
 
 /// Tokens up to which matrix products use the GEMV kernels (weights read once for all of them).
 const GEMV_MAX_TOKENS: usize = 8;
+/// The tensor-core grouped expert kernel's tile (kernels/cuda/gemv.cu `MMA_ROWS`, `MMA_SLOTS`, `MMA_K`): rows per
+/// block, slots per tile, columns per step.
+const MMA_ROWS: usize = 128;
+const MMA_SLOTS: usize = 32;
+const MMA_K: usize = 128;
 /// Key splits per query of decode attention (flash-decoding); parts are merged by `attention_combine`.
 const ATTN_SPLITS: usize = 16;
 /// Largest weight block dequantized at once for the SGEMM path, in values (64 Mi floats = 256 MiB).
@@ -245,6 +250,10 @@ pub struct CudaModel {
     /// The launch size below which a dense decode GEMV widens its rows ([`Self::gemv_lanes`]): 2^15 threads, or
     /// `NEBULA_CUDA_GEMV_THREADS` (tuning).
     gemv_min_threads: usize,
+    /// Routed experts of prefill batches on tensor cores (`moe_groupedmma_*`, int8 MMA, compute capability 8.0 and
+    /// newer) where the type has an 8-bit path and the rows are whole 128-column steps; otherwise (or with
+    /// `NEBULA_CUDA_MMA=0`) the dp4a kernel (`moe_groupedq_*`). Both compute the same integer dot products.
+    tensor_cores: bool,
     /// The last quantized activations: ((x, n, cols, block, write count), (qx, dx)).
     q8_cache: Mutex<Option<(Q8Key, (u64, u64))>>,
     /// Per-phase wall time (`NEBULA_CUDA_PROFILE=1`: the stream is synchronised after each phase).
@@ -700,6 +709,7 @@ impl CudaModel {
         let n_masked = model.masked.len();
         let masked = dev.stream().clone_htod(if ranges.is_empty() { &[0i32, 0][..] } else { &ranges[..] })?;
         let weight_bytes = up.bytes;
+        let capability = dev.gpu.capability.0;
         Ok(Self {
             dev,
             config: cfg,
@@ -719,6 +729,7 @@ impl CudaModel {
                 .and_then(|v| v.parse().ok())
                 .filter(|&t: &usize| t > 0)
                 .unwrap_or(GEMV_MIN_THREADS),
+            tensor_cores: capability >= 8 && std::env::var("NEBULA_CUDA_MMA").map_or(true, |v| v != "0"),
             q8_cache: Mutex::new(None),
             profile: std::env::var("NEBULA_CUDA_PROFILE")
                 .is_ok_and(|v| v == "1")
@@ -923,6 +934,13 @@ impl CudaModel {
     /// model never captures one: its steps synchronise with the host once per layer.
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs = on && self.hybrid.is_none();
+    }
+
+    /// Turns the tensor-core (int8 MMA) grouped expert kernel of prefill on or off (on by default where the GPU has
+    /// compute capability 8.0 or newer; `NEBULA_CUDA_MMA=0` turns it off). Off, prefill takes the dp4a kernel;
+    /// both compute the same integer products, so outputs differ only in f32 summation order.
+    pub fn set_tensor_cores(&mut self, on: bool) {
+        self.tensor_cores = on && self.dev.gpu.capability.0 >= 8;
     }
 
     /// The profile so far: (phase, total seconds, count), when `NEBULA_CUDA_PROFILE=1`; then clears it.
@@ -1824,7 +1842,7 @@ impl CudaModel {
         let u = self.tmp(slots * ff)?;
         for (view, out) in [(gate, g), (up, u)] {
             let xa = self.acts(view.ty, m, n, d)?;
-            self.moe_grouped(view, count, slot_expert, offsets, perm, xa, k, d, out)?;
+            self.moe_grouped(view, count, slot_expert, offsets, perm, xa, k, d, out, slots)?;
         }
         let h = if partial {
             let h = self.tmp(slots * ff)?;
@@ -1839,7 +1857,7 @@ impl CudaModel {
             g
         };
         let xh = self.acts(down.ty, h, slots, ff)?;
-        self.moe_grouped(down, count, slot_expert, offsets, perm, xh, 1, ff, ys)
+        self.moe_grouped(down, count, slot_expert, offsets, perm, xh, 1, ff, ys, slots)
     }
 
     /// Hybrid MoE for a short batch (decode, verification): see [`hybrid`]. The GPU splits each token's experts
@@ -2123,7 +2141,8 @@ impl CudaModel {
 
     /// Routed experts for prefill, grouped by expert (`offsets`/`perm` from `moe_sort`) over `count` weight
     /// slots of `w` (slot `j` holds expert `slot_expert[j]`, or `j` when `slot_expert` is 0): token slot `s`
-    /// reads the activations of row `s / x_div` and writes `y + s * rows`.
+    /// reads the activations of row `s / x_div` and writes `y + s * rows`; `slots` is the layer's slot count (for
+    /// the tensor-core kernel's split of each expert's slots).
     #[allow(clippy::too_many_arguments)]
     fn moe_grouped(
         &self,
@@ -2136,11 +2155,23 @@ impl CudaModel {
         x_div: usize,
         x_stride: usize,
         y: u64,
+        slots: usize,
     ) -> Result<(), CudaError> {
         let sfx = type_suffix(w.ty)?;
         let mut args = vec![Arg::Ptr(w.ptr)];
         args.extend(w.shape_args());
         args.extend([Arg::Ptr(offsets), Arg::Ptr(perm), Arg::Ptr(slot_expert)]);
+        if let Acts::Q8(qx, dx) = x
+            && self.tensor_cores
+            && w.cols % MMA_K == 0
+        {
+            args.extend([Arg::Ptr(qx), Arg::Ptr(dx), Arg::I32(x_div as i32), Arg::I64(x_stride as i64), Arg::Ptr(y)]);
+            // Slot tiles of 32 per expert split over blockIdx.z: about two per block for the layer's mean load.
+            let tiles = (2 * slots).div_ceil(self.config.n_expert * MMA_SLOTS).clamp(1, 8);
+            let grid = (w.rows.div_ceil(MMA_ROWS) as u32, count as u32, tiles as u32);
+            self.dev.launch(&format!("moe_groupedmma_{sfx}"), grid, 128, &args)?;
+            return Ok(());
+        }
         let (kernel, block, lanes) = match x {
             Acts::Q8(qx, dx) => {
                 args.extend([Arg::Ptr(qx), Arg::Ptr(dx)]);
