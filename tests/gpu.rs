@@ -373,14 +373,17 @@ fn hybrid_matches_the_reference_on_the_golden_checkpoints() {
     }
 }
 
-/// The tensor-core grouped expert kernel (`moe_groupedmma_*`, int8 MMA) against the dp4a kernel it replaces and
-/// against the CPU, on a real-width synthetic model (`nebula synth`: hidden 2560, experts 640 wide, Q4_K gate/up
-/// and IQ4_NL down, 64 experts so each gets several 32-slot tiles of a 256-token prefill). Both GPU kernels
-/// compute the same integer dot products, so their logits may differ only by f32 summation order; the hybrid
-/// model streams its missing experts through the same kernel in groups and must agree as well.
+/// The tensor-core kernel (`moe_groupedmma_*`, int8 MMA: prefill's routed experts and its quantized dense
+/// matmuls) against the CPU, on a real-width synthetic model (`nebula synth`: hidden 2560, experts 640 wide, Q4_K
+/// gate/up and IQ4_NL down, 64 experts so each gets several 32-slot tiles of a 256-token prefill). With tensor
+/// cores the GPU computes every quantized product on 8-bit activations, as the CPU does (the same integer dots;
+/// only f32 summation order differs); without, its experts take the dp4a kernel (same integers) and its dense
+/// prefill matmuls f32 cuBLAS on dequantized weights (no activation rounding). Both must agree with the CPU as the
+/// quantized decode test does; the hybrid model, which streams its missing experts through the same kernel in
+/// groups, must agree with the all-GPU run to 1e-3.
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
-fn tensor_core_expert_kernel_matches_dp4a_and_the_cpu() {
+fn tensor_core_prefill_matches_the_cpu() {
     use nebula_engine::backend::cuda::hybrid::HybridParams;
     use nebula_engine::gguf::GgufFile;
     use nebula_engine::synth::{SynthOptions, synth};
@@ -392,23 +395,21 @@ fn tensor_core_expert_kernel_matches_dp4a_and_the_cpu() {
     let cpu = Qwen4Exp::load(&path).unwrap();
     let vocab = cpu.config.vocab;
     let ids: Vec<u32> = (0..256u32).map(|i| (i * 7919 + 13) % 240_000).collect();
+    let mut cs = cpu.new_state(ids.len());
+    let reference = cpu.forward(&mut cs, &ids, LogitsFor::All).unwrap();
     let run = |tensor_cores: bool| {
         let mut gpu = CudaModel::from_cpu(&cpu, 0, None).expect("the GPU model loads");
         gpu.set_tensor_cores(tensor_cores);
         let mut st = gpu.new_state(ids.len()).unwrap();
         gpu.forward(&mut st, &ids, LogitsFor::All).unwrap()
     };
-    let (mma, dp4a) = (run(true), run(false));
-    let (rel, differ) = compare(&mma, &dp4a, vocab);
-    println!(
-        "synth 4 layers, 256-token prefill: tensor-core vs dp4a expert kernel {rel:.3e}, top-1 differs at {differ:?}"
-    );
-    assert!(rel <= 1e-3 && differ.len() <= 2, "tensor cores vs dp4a: {rel:.3e}, {differ:?}");
-    let mut cs = cpu.new_state(ids.len());
-    let c_last = cpu.forward(&mut cs, &ids, LogitsFor::Last).unwrap();
-    let (rel_cpu, differ_cpu) = compare(&mma[mma.len() - vocab..], &c_last, vocab);
-    println!("  last position vs the CPU: {rel_cpu:.3e}, top-1 differs: {}", !differ_cpu.is_empty());
-    assert!(rel_cpu <= 5e-2 && differ_cpu.is_empty(), "tensor cores vs CPU: {rel_cpu:.3e}");
+    let mma = run(true);
+    for (label, ours) in [("tensor cores", &mma), ("dp4a + f32 cuBLAS", &run(false))] {
+        let (rel, differ) = compare(ours, &reference, vocab);
+        let agree = 1.0 - differ.len() as f64 / ids.len() as f64;
+        println!("synth 4 layers, 256-token prefill, {label}: vs CPU {rel:.3e}, top-1 agreement {agree:.3}");
+        assert!(rel <= 5e-2 && agree >= 0.97, "{label} vs CPU: {rel:.3e}, top-1 differs at {differ:?}");
+    }
     let placed = std::sync::Arc::new({
         let mut m = Qwen4Exp::load(&path).unwrap();
         m.place(&nebula_engine::placement::PlacementOptions {

@@ -272,6 +272,119 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
     }
 }
 
+// Attention for all G = nh / nkv query heads of kv head blockIdx.x % nkv and query t = blockIdx.x / nkv
+// (prefill): the heads share their token's key list, so each key and value row is read once per block instead of
+// once per head. Same arithmetic, in the same order, as `attention` (scores: lane-strided products and a shuffle
+// tree; tiles of 32 keys; per head the running max, correction, sum and accumulator updated key by key), so the
+// output equals it bit for bit. block = 128 threads; G <= 16, hd <= 256 and hd % 32 == 0.
+#define AG_MAXG 16
+extern "C" __global__ void attention_gqa(const float* __restrict__ q, const float* __restrict__ Kc,
+                                         const float* __restrict__ Vc, const int* __restrict__ sel,
+                                         const int* __restrict__ count, int cap, int pos0, const int* pos_dev,
+                                         float* out, int nh, int nkv, int hd, float scale) {
+    pdl_entry();
+    if (pos_dev) pos0 = *pos_dev;
+    __shared__ float qs[AG_MAXG * 256];
+    __shared__ float ps[AG_MAXG][32];
+    __shared__ int ks[32];
+    __shared__ float m_sh[AG_MAXG], corr_sh[AG_MAXG], l_sh[AG_MAXG];
+    const int G = nh / nkv;
+    const int t = blockIdx.x / nkv, kvh = blockIdx.x % nkv;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nkeys = sel ? count[t] : pos0 + t + 1;
+    const int* list = sel ? sel + (long long)t * cap : nullptr;
+    const int kvw = nkv * hd, per_lane = hd / 32;
+    const float* qt = q + ((long long)t * nh + (long long)kvh * G) * hd;
+    for (int i = tid; i < G * hd; i += blockDim.x) qs[i] = qt[i];
+    if (tid < G) {
+        m_sh[tid] = -INFINITY;
+        l_sh[tid] = 0.f;
+    }
+    float acc[AG_MAXG][2];
+#pragma unroll
+    for (int h = 0; h < AG_MAXG; h++) acc[h][0] = acc[h][1] = 0.f;
+    __syncthreads();
+    for (int base = 0; base < nkeys; base += 32) {
+        const int tile = min(32, nkeys - base);
+        // Scores: warp w takes keys j = w + 4u (u < 8), two keys' rows in registers at a time.
+        for (int u0 = 0; u0 < 8; u0 += 2) {
+            float kr[2][8];
+            int key[2];
+#pragma unroll
+            for (int v = 0; v < 2; v++) {
+                const int j = warp + 4 * (u0 + v);
+                key[v] = j < tile ? (list ? list[base + j] : base + j) : 0;
+                const float* k = Kc + (long long)key[v] * kvw + kvh * hd;
+#pragma unroll
+                for (int i = 0; i < 8; i++) kr[v][i] = (j < tile && i < per_lane) ? __ldg(k + lane + 32 * i) : 0.f;
+            }
+#pragma unroll
+            for (int v = 0; v < 2; v++) {
+                const int j = warp + 4 * (u0 + v);
+                if (j >= tile) continue;  // uniform over the warp
+                for (int h = 0; h < G; h++) {
+                    float d = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        if (i < per_lane) d += qs[h * hd + lane + 32 * i] * kr[v][i];
+                    d = warp_sum(d);
+                    if (lane == 0) ps[h][j] = d * scale;
+                }
+                if (lane == 0) ks[j] = key[v];
+            }
+        }
+        __syncthreads();
+        if (tid < G) {
+            float tmax = -INFINITY;
+            for (int j = 0; j < tile; j++) tmax = fmaxf(tmax, ps[tid][j]);
+            const float m_new = fmaxf(m_sh[tid], tmax);
+            corr_sh[tid] = expf(m_sh[tid] - m_new);
+            m_sh[tid] = m_new;
+        }
+        __syncthreads();
+        // p = exp(score - m_new) in place, then each head's sum in key order (thread h).
+        for (int i = tid; i < G * 32; i += blockDim.x) {
+            const int h = i / 32, j = i % 32;
+            if (j < tile) ps[h][j] = expf(ps[h][j] - m_sh[h]);
+        }
+        __syncthreads();
+        if (tid < G) {
+            float l = l_sh[tid] * corr_sh[tid];
+            for (int j = 0; j < tile; j++) l += ps[tid][j];
+            l_sh[tid] = l;
+        }
+#pragma unroll
+        for (int h = 0; h < AG_MAXG; h++) {
+            if (h < G) {
+                acc[h][0] *= corr_sh[h];
+                acc[h][1] *= corr_sh[h];
+            }
+        }
+        for (int j = 0; j < tile; j++) {
+            const float* v = Vc + (long long)ks[j] * kvw + kvh * hd;
+            const float v0 = tid < hd ? __ldg(v + tid) : 0.f;
+            const float v1 = tid + 128 < hd ? __ldg(v + tid + 128) : 0.f;
+#pragma unroll
+            for (int h = 0; h < AG_MAXG; h++) {
+                if (h < G) {
+                    const float p = ps[h][j];
+                    acc[h][0] += p * v0;
+                    acc[h][1] += p * v1;
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int h = 0; h < AG_MAXG; h++) {
+        if (h < G) {
+            float* o = out + ((long long)t * nh + (long long)kvh * G + h) * hd;
+            if (tid < hd) o[tid] = acc[h][0] / l_sh[h];
+            if (tid + 128 < hd) o[tid + 128] = acc[h][1] / l_sh[h];
+        }
+    }
+}
+
 // Split-key attention for decode (flash-decoding): grid (n * nh, S); split s of query (t, h) takes keys
 // [s * per, min((s + 1) * per, nkeys)) of its list, per = ceil(nkeys / S) rounded up to 32, and writes its running
 // max m, sum l and unnormalised accumulator to part_m/part_l [n * nh][S] and part_acc [n * nh][S][hd].

@@ -2,21 +2,54 @@
 #include "common.cuh"
 
 // Causal depthwise conv of kernel K over n tokens with the kept history, then SiLU, in place on qkv [n][C];
-// state [K-1][C] (oldest first) is updated. One thread per channel walks the tokens in order.
-extern "C" __global__ void gdn_conv(float* qkv, float* state, const float* __restrict__ w, int n, int C, int K) {
-    pdl_entry();
+// state [K-1][C] (oldest first) is updated. One thread per channel walks the tokens in order, loading 16 tokens'
+// inputs ahead (no other thread touches its channel, so the loads may run before the stores), with the window
+// in registers when K is a compile-time constant (KC > 0; KC = 0: any K <= 8).
+template <int KC>
+__device__ __forceinline__ void gdn_conv_body(float* qkv, float* state, const float* __restrict__ w, int n, int C,
+                                              int K_) {
+    constexpr int B = 16;
+    const int K = KC > 0 ? KC : K_;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    float win[8];  // K <= 8
-    for (int k = 0; k < K - 1; k++) win[k] = state[(long long)k * C + c];
-    for (int t = 0; t < n; t++) {
-        win[K - 1] = qkv[(long long)t * C + c];
-        float acc = 0.f;
-        for (int k = 0; k < K; k++) acc += w[(long long)c * K + k] * win[k];
-        qkv[(long long)t * C + c] = siluf_(acc);
-        for (int k = 0; k < K - 1; k++) win[k] = win[k + 1];
+    float win[8], wk[8];  // K <= 8
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        win[k] = k < K - 1 ? state[(long long)k * C + c] : 0.f;
+        wk[k] = k < K ? w[(long long)c * K + k] : 0.f;
     }
-    for (int k = 0; k < K - 1; k++) state[(long long)k * C + c] = win[k];
+    for (int t0 = 0; t0 < n; t0 += B) {
+        float in[B];
+#pragma unroll
+        for (int i = 0; i < B; i++) in[i] = t0 + i < n ? qkv[(long long)(t0 + i) * C + c] : 0.f;
+#pragma unroll
+        for (int i = 0; i < B; i++) {
+            if (t0 + i >= n) break;
+            float acc = 0.f;
+            if constexpr (KC > 0) {
+                win[KC - 1] = in[i];
+#pragma unroll
+                for (int k = 0; k < KC; k++) acc += wk[k] * win[k];
+                qkv[(long long)(t0 + i) * C + c] = siluf_(acc);
+#pragma unroll
+                for (int k = 0; k < KC - 1; k++) win[k] = win[k + 1];
+            } else {
+                win[K - 1] = in[i];
+                for (int k = 0; k < K; k++) acc += wk[k] * win[k];
+                qkv[(long long)(t0 + i) * C + c] = siluf_(acc);
+                for (int k = 0; k < K - 1; k++) win[k] = win[k + 1];
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        if (k < K - 1) state[(long long)k * C + c] = win[k];
+}
+
+extern "C" __global__ void gdn_conv(float* qkv, float* state, const float* __restrict__ w, int n, int C, int K) {
+    pdl_entry();
+    if (K == 4) gdn_conv_body<4>(qkv, state, w, n, C, K);
+    else gdn_conv_body<0>(qkv, state, w, n, C, K);
 }
 
 __device__ __forceinline__ float softplus_(float x) { return x > 20.f ? x : log1pf(expf(x)); }

@@ -624,7 +624,8 @@ GROUPEDQ(q4_k, T_Q4_K)
 // blockIdx.z, blockIdx.z + gridDim.z, ...); per MMA_K columns it decodes the weight tile and the slots'
 // activation tile into shared memory, then each warp multiplies its 32 rows by the 32 slots (2 x 4 MMA tiles per
 // chunk). The integer dots equal the dp4a kernel's exactly; the f32 sums run in chunk order per (row, slot).
-// Requires cols % MMA_K == 0.
+// Requires cols % MMA_K == 0. With offsets null the launch is one dense matrix (blockIdx.y = 0) whose slots are
+// 0 .. nslots - 1 (perm null: slot i is perm entry i): a prefill matmul y[n][rows] = x[n][cols] . W^T.
 #define MMA_ROWS 128
 #define MMA_SLOTS 32
 #define MMA_K 128
@@ -644,6 +645,137 @@ __device__ __forceinline__ void mma_s8_16832(int (&d)[4], const int (&a)[4], con
 #endif
 }
 
+// One thread's share of a weight tile: one row's MMA_K values (4 chunks) of a k-step, loaded raw (`load`, issued a
+// step ahead so the loads overlap the previous step's MMAs) and decoded into packed int8 words, scales and mins
+// (`decode`, value = s * q - m, as QTask). Generic form: decoded at load time.
+template <int T>
+struct QStep {
+    static constexpr int C = QTask<T>::chunks;
+    int q[4][8];
+    float s[4], m[4];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t* pairs) {
+#pragma unroll
+        for (int tk = 0; tk < 4 / C; tk++) {
+            int qq[C][8];
+            float ss[C], mm[C];
+            qtask_load<T, C>(row, k0 / (32 * C) + tk, qq, ss, mm, pairs);
+#pragma unroll
+            for (int h = 0; h < C; h++) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) q[tk * C + h][i] = qq[h][i];
+                s[tk * C + h] = ss[h];
+                m[tk * C + h] = mm[h];
+            }
+        }
+    }
+    __device__ __forceinline__ void decode(int (&qo)[4][8], float (&so)[4], float (&mo)[4], const uint16_t*) const {
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) qo[c][i] = q[c][i];
+            so[c] = s[c];
+            mo[c] = m[c];
+        }
+    }
+};
+
+// Q4_0 / IQ4_NL: four 18-byte blocks (2-byte aligned): the f16 scale and the 16 nibble bytes of each.
+template <int T>
+struct QStepNibble32 {
+    unsigned int w[4][4];
+    unsigned short d[4];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const uint16_t* b = reinterpret_cast<const uint16_t*>(row + 18 * (k0 / 32 + c));
+            d[c] = __ldg(b);
+            nibble_words_(b, w[c]);
+        }
+    }
+    __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4],
+                                           const uint16_t* pairs) const {
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            s[c] = half_bits_to_f32(d[c]);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                if constexpr (T == T_IQ4_NL) {
+                    const unsigned int x = w[c][i];
+                    const unsigned int p0 = pairs[x & 0xFF], p1 = pairs[(x >> 8) & 0xFF];
+                    const unsigned int p2 = pairs[(x >> 16) & 0xFF], p3 = pairs[x >> 24];
+                    const unsigned int lo01 = p0 | (p1 << 16), lo23 = p2 | (p3 << 16);
+                    q[c][i] = (int)__byte_perm(lo01, lo23, 0x6420);
+                    q[c][i + 4] = (int)__byte_perm(lo01, lo23, 0x7531);
+                } else {
+                    q[c][i] = (int)(w[c][i] & 0x0F0F0F0Fu);
+                    q[c][i + 4] = (int)((w[c][i] >> 4) & 0x0F0F0F0Fu);
+                }
+            }
+            m[c] = T == T_IQ4_NL ? 0.f : 8.f * s[c];
+        }
+    }
+};
+template <>
+struct QStep<T_Q4_0> : QStepNibble32<T_Q4_0> {};
+template <>
+struct QStep<T_IQ4_NL> : QStepNibble32<T_IQ4_NL> {};
+
+// Q4_K: a k-step is half a super-block (sub-blocks 4h .. 4h + 3, h = (k0 / 128) % 2): the 16-byte header (d, dmin,
+// the 12 packed scale bytes) and 64 quant bytes (low nibbles of 32 bytes: sub-block 2p, high: 2p + 1).
+template <>
+struct QStep<T_Q4_K> {
+    unsigned int hdr[4];
+    uint4 qv[4];
+    int half;
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
+        const uint8_t* b = row + 144 * (k0 / 256);
+        half = (k0 / 128) & 1;
+        const uint4 h = __ldg(reinterpret_cast<const uint4*>(b));
+        hdr[0] = h.x;
+        hdr[1] = h.y;
+        hdr[2] = h.z;
+        hdr[3] = h.w;
+        const uint4* qp = reinterpret_cast<const uint4*>(b + 16 + 64 * half);
+#pragma unroll
+        for (int i = 0; i < 4; i++) qv[i] = __ldg(qp + i);
+    }
+    // Byte i of the 12 scale bytes (i a compile-time constant after unrolling).
+    __device__ __forceinline__ int sb(int i) const { return (int)((hdr[1 + i / 4] >> (8 * (i % 4))) & 0xFF); }
+    template <int H>
+    __device__ __forceinline__ void scales(float (&s)[4], float (&m)[4]) const {
+        const float d = half_bits_to_f32((unsigned short)(hdr[0] & 0xFFFF));
+        const float dmin = half_bits_to_f32((unsigned short)(hdr[0] >> 16));
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int j = 4 * H + c;
+            int sc, mn;
+            if (j < 4) {
+                sc = sb(j) & 63;
+                mn = sb(j + 4) & 63;
+            } else {
+                sc = (sb(j + 4) & 0xF) | ((sb(j - 4) >> 6) << 4);
+                mn = (sb(j + 4) >> 4) | ((sb(j) >> 6) << 4);
+            }
+            s[c] = d * (float)sc;
+            m[c] = dmin * (float)mn;
+        }
+    }
+    __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4], const uint16_t*) const {
+        if (half == 0) scales<0>(s, m);
+        else scales<1>(s, m);
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            const unsigned int w[8] = {qv[2 * p].x, qv[2 * p].y, qv[2 * p].z, qv[2 * p].w,
+                                       qv[2 * p + 1].x, qv[2 * p + 1].y, qv[2 * p + 1].z, qv[2 * p + 1].w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                q[2 * p][i] = (int)(w[i] & 0x0F0F0F0Fu);
+                q[2 * p + 1][i] = (int)((w[i] >> 4) & 0x0F0F0F0Fu);
+            }
+        }
+    }
+};
+
 template <int T>
 __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ W, long long expert_bytes,
                                                     long long row_bytes, int rows, int cols,
@@ -651,9 +783,9 @@ __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ 
                                                     const int* __restrict__ slot_expert,
                                                     const signed char* __restrict__ qx,
                                                     const float* __restrict__ dx, int x_div, long long x_stride,
-                                                    float* __restrict__ y, const uint16_t* pairs) {
-    constexpr int C = QTask<T>::chunks;
+                                                    float* __restrict__ y, int nslots, const uint16_t* pairs) {
     constexpr int KC = MMA_K / 32;  // chunks per step
+    static_assert(KC == 4, "QStep holds 4 chunks");
     __shared__ __align__(16) int ws[MMA_ROWS * MMA_LD];
     __shared__ float wsc[MMA_ROWS][KC], wmn[MMA_ROWS][KC];
     __shared__ __align__(16) int xs[MMA_SLOTS * MMA_LD];
@@ -661,14 +793,15 @@ __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ 
     __shared__ int slot_sh[MMA_SLOTS];
     const int e = slot_expert ? slot_expert[blockIdx.y] : blockIdx.y;
     if (e < 0) return;  // uniform over the block
-    const int start = offsets[e], end = offsets[e + 1];
+    const int start = offsets ? offsets[e] : 0, end = offsets ? offsets[e + 1] : nslots;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
     const int r0 = blockIdx.x * MMA_ROWS;
     const bool lvalid = r0 + tid < rows;  // thread tid decodes row r0 + tid
     const uint8_t* lrow = W + (long long)blockIdx.y * expert_bytes + (long long)(lvalid ? r0 + tid : 0) * row_bytes;
+    const int xsl = tid / KC, xc = tid % KC;  // the activation chunk this thread loads: 128 = MMA_SLOTS x KC
     for (int base = start + blockIdx.z * MMA_SLOTS; base < end; base += gridDim.z * MMA_SLOTS) {
         const int nt = min(MMA_SLOTS, end - base);
-        if (tid < MMA_SLOTS) slot_sh[tid] = tid < nt ? perm[base + tid] : -1;
+        if (tid < MMA_SLOTS) slot_sh[tid] = tid < nt ? (perm ? perm[base + tid] : base + tid) : -1;
         float acc[2][4][4];
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
@@ -677,61 +810,63 @@ __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ 
 #pragma unroll
                 for (int i = 0; i < 4; i++) acc[mt][j][i] = 0.f;
         __syncthreads();  // slot_sh written; the previous tile's reads of the shared tiles done
+        const int xslot = slot_sh[xsl];
+        const signed char* xrow = xslot >= 0 ? qx + (long long)(xslot / x_div) * x_stride + 32 * xc : nullptr;
+        // Step k0's raw weights and activations, loaded one step ahead.
+        QStep<T> wn;
+        int4 an = make_int4(0, 0, 0, 0), bn = an;
+        float dn = 0.f;
+        auto load_step = [&](int k0) {
+            if (lvalid) wn.load(lrow, k0, pairs);
+            if (xrow) {
+                const int4* xp = reinterpret_cast<const int4*>(xrow + k0);
+                an = __ldg(xp);
+                bn = __ldg(xp + 1);
+                dn = __ldg(dx + ((xrow + k0) - qx) / 32);
+            }
+        };
+        load_step(0);
         for (int k0 = 0; k0 < cols; k0 += MMA_K) {
-#pragma unroll
-            for (int tk = 0; tk < KC / C; tk++) {
-                int q[C][8];
-                float s[C], m[C];
+            {
+                int q[4][8];
+                float s[4], m[4];
                 if (lvalid) {
-                    qtask_load<T, C>(lrow, k0 / (32 * C) + tk, q, s, m, pairs);
+                    wn.decode(q, s, m, pairs);
                 } else {
 #pragma unroll
-                    for (int h = 0; h < C; h++) {
-                        s[h] = 0.f;
-                        m[h] = 0.f;
+                    for (int c = 0; c < 4; c++) {
+                        s[c] = 0.f;
+                        m[c] = 0.f;
 #pragma unroll
-                        for (int i = 0; i < 8; i++) q[h][i] = 0;
+                        for (int i = 0; i < 8; i++) q[c][i] = 0;
                     }
                 }
 #pragma unroll
-                for (int h = 0; h < C; h++) {
-                    const int c = tk * C + h;
+                for (int c = 0; c < 4; c++) {
                     int4* dst = reinterpret_cast<int4*>(ws + tid * MMA_LD + 8 * c);
-                    dst[0] = make_int4(q[h][0], q[h][1], q[h][2], q[h][3]);
-                    dst[1] = make_int4(q[h][4], q[h][5], q[h][6], q[h][7]);
-                    wsc[tid][c] = s[h];
-                    wmn[tid][c] = m[h];
-                }
-            }
-            {
-                const int sl = tid / KC, c = tid % KC;  // 128 threads = MMA_SLOTS x KC
-                const int s = slot_sh[sl];
-                int4 a = make_int4(0, 0, 0, 0), b = a;
-                float d = 0.f;
-                if (s >= 0) {
-                    const long long xo = (long long)(s / x_div) * x_stride + k0 + 32 * c;
-                    const int4* xp = reinterpret_cast<const int4*>(qx + xo);
-                    a = __ldg(xp);
-                    b = __ldg(xp + 1);
-                    d = __ldg(dx + xo / 32);
+                    dst[0] = make_int4(q[c][0], q[c][1], q[c][2], q[c][3]);
+                    dst[1] = make_int4(q[c][4], q[c][5], q[c][6], q[c][7]);
+                    wsc[tid][c] = s[c];
+                    wmn[tid][c] = m[c];
                 }
                 int sum = 0;
-                sum = dp4a_(0x01010101, a.x, sum);
-                sum = dp4a_(0x01010101, a.y, sum);
-                sum = dp4a_(0x01010101, a.z, sum);
-                sum = dp4a_(0x01010101, a.w, sum);
-                sum = dp4a_(0x01010101, b.x, sum);
-                sum = dp4a_(0x01010101, b.y, sum);
-                sum = dp4a_(0x01010101, b.z, sum);
-                sum = dp4a_(0x01010101, b.w, sum);
-                int4* dst = reinterpret_cast<int4*>(xs + sl * MMA_LD + 8 * c);
-                dst[0] = a;
-                dst[1] = b;
-                xd[sl][c] = d;
-                xds[sl][c] = d * (float)sum;
+                sum = dp4a_(0x01010101, an.x, sum);
+                sum = dp4a_(0x01010101, an.y, sum);
+                sum = dp4a_(0x01010101, an.z, sum);
+                sum = dp4a_(0x01010101, an.w, sum);
+                sum = dp4a_(0x01010101, bn.x, sum);
+                sum = dp4a_(0x01010101, bn.y, sum);
+                sum = dp4a_(0x01010101, bn.z, sum);
+                sum = dp4a_(0x01010101, bn.w, sum);
+                int4* xdst = reinterpret_cast<int4*>(xs + xsl * MMA_LD + 8 * xc);
+                xdst[0] = an;
+                xdst[1] = bn;
+                xd[xsl][xc] = dn;
+                xds[xsl][xc] = dn * (float)sum;
             }
             __syncthreads();
-#pragma unroll
+            if (k0 + MMA_K < cols) load_step(k0 + MMA_K);  // in flight during this step's MMAs
+#pragma unroll 1
             for (int c = 0; c < KC; c++) {
                 int a[2][4];
                 float sa[2][2], ma[2][2];
@@ -782,10 +917,10 @@ __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ 
     extern "C" __global__ void __launch_bounds__(128, 4) moe_groupedmma_##NAME(const uint8_t* W, long long eb, long long rb, int rows,     \
                                                      int cols, const int* offsets, const int* perm, const int* se, \
                                                      const signed char* qx, const float* dx, int x_div,           \
-                                                     long long xs, float* y) { pdl_entry();                       \
+                                                     long long xs, float* y, int nslots) { pdl_entry();           \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
-        moe_groupedmma_body<T>(W, eb, rb, rows, cols, offsets, perm, se, qx, dx, x_div, xs, y, pairs);           \
+        moe_groupedmma_body<T>(W, eb, rb, rows, cols, offsets, perm, se, qx, dx, x_div, xs, y, nslots, pairs);   \
     }
 
 GROUPEDMMA(q8_0, T_Q8_0)

@@ -1099,6 +1099,33 @@ impl CudaModel {
             }
             return Ok(());
         }
+        if self.tensor_cores
+            && w.cols % MMA_K == 0
+            && let Some(blk) = self.q8_block(w.ty, w.cols)
+        {
+            // 8-bit activations times the weights on tensor cores (the grouped expert kernel with one "expert"
+            // and the identity slot map): no dequantized copy of the matrix, integer products as the GEMVs.
+            let (qx, dx) = self.quantize_act(x, n, w.cols, blk)?;
+            let args = [
+                Arg::Ptr(w.ptr),
+                Arg::I64(0),
+                Arg::I64(w.row_bytes as i64),
+                Arg::I32(w.rows as i32),
+                Arg::I32(w.cols as i32),
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::Ptr(qx),
+                Arg::Ptr(dx),
+                Arg::I32(1),
+                Arg::I64(w.cols as i64),
+                Arg::Ptr(y),
+                Arg::I32(n as i32),
+            ];
+            let grid = (w.rows.div_ceil(MMA_ROWS) as u32, 1, n.div_ceil(MMA_SLOTS) as u32);
+            dev.launch(&format!("moe_groupedmma_{sfx}"), grid, 128, &args)?;
+            return Ok(());
+        }
         // Dequantize row blocks to f32 and multiply with cuBLAS.
         let rows_per = (DEQUANT_CHUNK / w.cols).clamp(1, w.rows);
         let mut guard = self.scratch.lock().expect("scratch lock");
@@ -1428,8 +1455,8 @@ impl CudaModel {
         let (vd, c) = (nv * dk, cfg.ssm_conv_dim());
         dev.launch(
             "gdn_conv",
-            (c.div_ceil(256) as u32, 1, 1),
-            256,
+            (c.div_ceil(64) as u32, 1, 1),
+            64,
             &[
                 Arg::Ptr(qkv),
                 Arg::Ptr(self.p(conv, 0)),
@@ -1641,7 +1668,12 @@ impl CudaModel {
         } else {
             args.push(Arg::Ptr(out));
             args.extend(head);
-            dev.launch("attention", ((n * nh) as u32, 1, 1), 128, &args)?;
+            if nh % nkv == 0 && nh / nkv <= 16 && hd <= 256 && hd % 32 == 0 {
+                // The query heads of a kv head together: each key row read once for all of them.
+                dev.launch("attention_gqa", ((n * nkv) as u32, 1, 1), 128, &args)?;
+            } else {
+                dev.launch("attention", ((n * nh) as u32, 1, 1), 128, &args)?;
+            }
         }
         dev.launch_1d("mul_sigmoid", n * nh * hd, &[Arg::Ptr(out), Arg::Ptr(gate), Arg::I64((n * nh * hd) as i64)])?;
         let y = self.tmp(n * cfg.hidden)?;
@@ -2165,7 +2197,14 @@ impl CudaModel {
             && self.tensor_cores
             && w.cols % MMA_K == 0
         {
-            args.extend([Arg::Ptr(qx), Arg::Ptr(dx), Arg::I32(x_div as i32), Arg::I64(x_stride as i64), Arg::Ptr(y)]);
+            args.extend([
+                Arg::Ptr(qx),
+                Arg::Ptr(dx),
+                Arg::I32(x_div as i32),
+                Arg::I64(x_stride as i64),
+                Arg::Ptr(y),
+                Arg::I32(0),
+            ]);
             // Slot tiles of 32 per expert split over blockIdx.z: about two per block for the layer's mean load.
             let tiles = (2 * slots).div_ceil(self.config.n_expert * MMA_SLOTS).clamp(1, 8);
             let grid = (w.rows.div_ceil(MMA_ROWS) as u32, count as u32, tiles as u32);
