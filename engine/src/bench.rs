@@ -67,6 +67,11 @@ pub struct HybridDecode {
     pub gpu_experts: f64,
     /// Token-layers handed to the CPU per token.
     pub handoffs: f64,
+    /// Expert reads from SSD per token that a compute step needed: its own reads plus prefetches it used (a
+    /// share of the SSD-tier uses in `cpu_experts`; the rest were still in the pool).
+    pub ssd_needed: f64,
+    /// Expert reads from SSD per token, prefetches that went unused included.
+    pub ssd_reads: f64,
 }
 
 impl BenchRow {
@@ -156,6 +161,11 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
                         / per,
                     gpu_experts: (s1.expert_hits_gpu - s0.expert_hits_gpu) as f64 / per,
                     handoffs: (s1.handoffs - s0.handoffs) as f64 / per,
+                    ssd_needed: ((s1.ssd_expert_reads - s0.ssd_expert_reads)
+                        - (s1.prefetch_issued - s0.prefetch_issued)
+                        + (s1.prefetch_hits - s0.prefetch_hits)) as f64
+                        / per,
+                    ssd_reads: (s1.ssd_expert_reads - s0.ssd_expert_reads) as f64 / per,
                 }
             }),
             _ => None,

@@ -96,6 +96,15 @@ impl Runner {
         }
     }
 
+    /// Read bandwidth of a placed model's SSD tier in bytes/s (see [`Qwen4Exp::ssd_read_bandwidth`]); `None`
+    /// without an SSD tier.
+    pub fn ssd_read_bandwidth(&self, seconds: f64) -> Option<Result<f64, crate::model::ModelError>> {
+        match self {
+            Runner::Cpu(m) => m.ssd_read_bandwidth(seconds),
+            Runner::Cuda(m) => m.host_model().and_then(|h| h.ssd_read_bandwidth(seconds)),
+        }
+    }
+
     /// One line for logs: backend and device.
     pub fn describe(&self) -> String {
         match self {

@@ -403,6 +403,17 @@ impl Qwen4Exp {
         }
     }
 
+    /// Read bandwidth of the SSD tier in bytes/s, measured now for about `seconds` (whole experts read through
+    /// the tier's reader, `O_DIRECT` where the file system allows it); `None` when the placement has no SSD tier.
+    /// For benchmarks (the floor of decode with an SSD tier), while nothing else reads.
+    ///
+    /// Errors: [`ModelError::WeightRead`] when a read fails.
+    pub fn ssd_read_bandwidth(&self, seconds: f64) -> Option<Result<f64, ModelError>> {
+        let p = self.placement.as_ref()?;
+        p.ssd_read_bandwidth(seconds)
+            .map(|r| r.map_err(|e| ModelError::WeightRead { what: "SSD tier bandwidth".into(), detail: e.to_string() }))
+    }
+
     /// The placement's counters (expert uses by tier, SSD reads), shared: they keep counting after the call.
     pub fn placement_stats(&self) -> Arc<PlacementStats> {
         self.placement_stats.clone()

@@ -933,6 +933,12 @@ impl Placement {
         }
     }
 
+    /// Read bandwidth of the SSD tier's experts in bytes/s (see `SsdTier::read_bandwidth`); `None` without an
+    /// SSD tier.
+    pub(crate) fn ssd_read_bandwidth(&self, seconds: f64) -> Option<Result<f64, reader::ReadError>> {
+        self.ssd.as_ref().map(|s| s.read_bandwidth(0, seconds))
+    }
+
     /// The address ranges of the RAM tier, one per layer (`(start, len)`): registered with the GPU driver in
     /// hybrid mode so expert uploads run at full PCIe speed.
     pub(crate) fn resident_ranges(&self) -> Vec<(usize, usize)> {
@@ -972,7 +978,7 @@ impl Placement {
     /// and starts reading those on SSD, most likely first, while the pool has free or evictable buffers.
     pub(crate) fn prefetch(&self, target: usize, moe: &SparseMoe, x: &[f32], n: usize) {
         let Some(ssd) = &self.ssd else { return };
-        if !self.layer_has_ssd.get(target).copied().unwrap_or(false) {
+        if !self.layer_has_ssd.get(target).copied().unwrap_or(false) || !ssd.prefetch_allowed() {
             return;
         }
         let routing = moe.route(x, n);

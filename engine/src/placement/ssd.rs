@@ -202,8 +202,62 @@ pub(crate) enum Requested {
     NoBuffer,
 }
 
+/// Turns prefetching off while it does not pay: a prefetched expert that no compute step takes cost a read the
+/// compute steps' own reads had to queue behind. Every [`PrefetchGate::WINDOW`] prefetches the share a compute
+/// step then used is checked; below [`PrefetchGate::MIN_USED`] the gate closes, and after
+/// [`PrefetchGate::PROBE`] skipped prefetch calls it opens again for a fresh window (routing, and with it the
+/// prediction's accuracy, changes with the text). `NEBULA_SSD_PREFETCH_GATE=0` keeps it open.
+#[derive(Debug, Clone)]
+pub(crate) struct PrefetchGate {
+    open: bool,
+    /// Prefetches issued and used at the start of the window.
+    issued0: u64,
+    used0: u64,
+    /// Prefetch calls skipped since the gate closed.
+    skipped: u64,
+}
+
+impl PrefetchGate {
+    /// Prefetches judged together.
+    pub(crate) const WINDOW: u64 = 128;
+    /// Share of prefetched experts a compute step must take for prefetching to stay on.
+    pub(crate) const MIN_USED: f64 = 0.3;
+    /// Prefetch calls (one per layer and step) skipped before trying again.
+    pub(crate) const PROBE: u64 = 384;
+
+    pub(crate) fn new() -> Self {
+        Self { open: true, issued0: 0, used0: 0, skipped: 0 }
+    }
+
+    /// Whether a prefetch call should run, given the counters so far (`issued` prefetches, `used` of them taken
+    /// by a compute step).
+    pub(crate) fn allow(&mut self, issued: u64, used: u64) -> bool {
+        if self.open {
+            let n = issued.saturating_sub(self.issued0);
+            if n >= Self::WINDOW {
+                let share = used.saturating_sub(self.used0) as f64 / n as f64;
+                self.issued0 = issued;
+                self.used0 = used;
+                if share < Self::MIN_USED {
+                    self.open = false;
+                    self.skipped = 0;
+                }
+            }
+        } else {
+            self.skipped += 1;
+            if self.skipped >= Self::PROBE {
+                self.open = true;
+                self.issued0 = issued;
+                self.used0 = used;
+            }
+        }
+        self.open
+    }
+}
+
 /// The SSD tier of one model: sources of every SSD expert, the buffer pool, the cache and the I/O threads.
 pub(crate) struct SsdTier {
+    gate: Option<Mutex<PrefetchGate>>,
     shared: Arc<Shared>,
     sources: HashMap<(u32, u32), ExpertSource>,
     reader: Arc<dyn WeightReader>,
@@ -225,7 +279,9 @@ impl SsdTier {
         stats: Arc<PlacementStats>,
     ) -> Self {
         let capacity = buffers.len();
+        let gated = std::env::var("NEBULA_SSD_PREFETCH_GATE").map_or(true, |v| v != "0");
         Self {
+            gate: gated.then(|| Mutex::new(PrefetchGate::new())),
             shared: Arc::new(Shared {
                 state: Mutex::new(State { free: buffers, entries: HashMap::new(), tick: 0 }),
                 changed: Condvar::new(),
@@ -237,6 +293,67 @@ impl SsdTier {
             capacity,
             slot_bytes,
         }
+    }
+
+    /// Whether prefetching pays at the moment ([`PrefetchGate`]; always true with the gate off).
+    pub(crate) fn prefetch_allowed(&self) -> bool {
+        let Some(gate) = &self.gate else { return true };
+        let issued = self.stats.prefetch_issued.load(Ordering::Relaxed);
+        let used = self.stats.prefetch_hits.load(Ordering::Relaxed);
+        let mut g = gate.lock().unwrap_or_else(|p| p.into_inner());
+        let was_open = g.open;
+        let open = g.allow(issued, used);
+        if was_open && !open {
+            self.stats.prefetch_gate_closed.fetch_add(1, Ordering::Relaxed);
+        }
+        open
+    }
+
+    /// Read bandwidth of this tier's experts in bytes/s: `threads` threads (the I/O pool's count when 0) each
+    /// read whole experts, in turn from the tier's sources (spread over the file), into their own aligned buffer
+    /// through the tier's reader, for about `seconds`. Meant for benchmarks while nothing else reads (the floor of
+    /// decode with an SSD tier); with buffered reads (no `O_DIRECT`) the page cache can inflate it.
+    ///
+    /// Errors: a read failed.
+    pub(crate) fn read_bandwidth(&self, threads: usize, seconds: f64) -> Result<f64, ReadError> {
+        let mut keys: Vec<&(u32, u32)> = self.sources.keys().collect();
+        keys.sort();
+        if keys.is_empty() {
+            return Ok(0.0);
+        }
+        let threads = if threads == 0 { self.io.threads() } else { threads }.max(1);
+        // A stride coprime-ish with the count walks the experts of every layer rather than one layer's in order.
+        let stride = (keys.len() / 7).max(1) | 1;
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let bytes = std::sync::atomic::AtomicU64::new(0);
+        let t0 = std::time::Instant::now();
+        let deadline = std::time::Duration::from_secs_f64(seconds);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| -> Result<(), ReadError> {
+                        let mut buf = AlignedBuf::new(self.slot_bytes).map_err(|e| ReadError {
+                            file: self.reader.part_name(0),
+                            offset: 0,
+                            len: self.slot_bytes,
+                            detail: format!("allocating a read buffer: {e}"),
+                        })?;
+                        while t0.elapsed() < deadline {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            let src = &self.sources[keys[(i * stride) % keys.len()]];
+                            src.read_into(self.reader.as_ref(), buf.as_mut_slice())?;
+                            bytes.fetch_add(src.spans.iter().map(|s| s.len as u64).sum(), Ordering::Relaxed);
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            for w in workers {
+                w.join().expect("read bandwidth worker panicked")?;
+            }
+            Ok::<(), ReadError>(())
+        })?;
+        Ok(bytes.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64())
     }
 
     /// Pool buffers.

@@ -50,6 +50,8 @@ pub struct PlacementStats {
     pub prefetch_issued: AtomicU64,
     /// Of those, experts a compute step then found loaded or loading.
     pub prefetch_hits: AtomicU64,
+    /// Times the prefetch gate closed because too few prefetched experts were used (see `ssd::PrefetchGate`).
+    pub prefetch_gate_closed: AtomicU64,
     /// n-gram table rows read from SSD.
     pub ngram_rows: AtomicU64,
     /// Bytes of n-gram table rows read from SSD.
@@ -97,6 +99,7 @@ impl PlacementStats {
             ssd_read_errors: l(&self.ssd_errors),
             prefetch_issued: l(&self.prefetch_issued),
             prefetch_hits: l(&self.prefetch_hits),
+            prefetch_gate_closed: l(&self.prefetch_gate_closed),
             ngram_rows_read: l(&self.ngram_rows),
             ngram_bytes_read: l(&self.ngram_bytes),
             handoffs: l(&self.handoffs),
@@ -125,6 +128,8 @@ pub struct StatsSnapshot {
     pub prefetch_issued: u64,
     /// Prefetched experts then used.
     pub prefetch_hits: u64,
+    /// Times the prefetch gate closed.
+    pub prefetch_gate_closed: u64,
     /// n-gram rows read from SSD.
     pub ngram_rows_read: u64,
     /// n-gram bytes read from SSD.

@@ -302,3 +302,48 @@ fn the_hybrid_cpu_half_matches_the_moe_and_the_table() {
     ple.ngram_embedding.dequantize_row(rows[2] as usize, &mut one);
     assert_eq!(&a[2 * cols..3 * cols], &one[..]);
 }
+
+#[test]
+fn the_prefetch_gate_closes_while_prefetches_go_unused_and_probes_again() {
+    use super::ssd::PrefetchGate;
+    let mut g = PrefetchGate::new();
+    let (mut issued, mut used) = (0u64, 0u64);
+    // Useful prefetches (half of them used): the gate stays open over several windows.
+    for _ in 0..10 * PrefetchGate::WINDOW {
+        assert!(g.allow(issued, used), "closed with {used} of {issued} used");
+        issued += 2;
+        used += 1;
+    }
+    // One in ten used: it closes within two windows (the first may still hold the earlier, useful share).
+    let mut calls = 0;
+    while g.allow(issued, used) {
+        issued += 10;
+        used += 1;
+        calls += 1;
+        assert!(calls as u64 <= 2 * PrefetchGate::WINDOW / 10 + 2, "still open after {calls} calls");
+    }
+    // Closed: the next PROBE - 1 calls are refused, then it opens for a fresh window.
+    for i in 1..PrefetchGate::PROBE {
+        assert!(!g.allow(issued, used), "open again after {i} skipped calls");
+    }
+    assert!(g.allow(issued, used), "the probe window did not open");
+    // In the probe window prefetches pay again: it stays open.
+    for _ in 0..3 * PrefetchGate::WINDOW {
+        issued += 1;
+        used += 1;
+        assert!(g.allow(issued, used));
+    }
+}
+
+#[test]
+fn the_ssd_tier_read_bandwidth_is_measured_only_with_an_ssd_tier() {
+    let mut m = Qwen4Exp::load(&demo_path()).unwrap();
+    assert!(m.ssd_read_bandwidth(0.05).is_none(), "an unplaced model has no SSD tier");
+    m.place(&PlacementOptions { ram_experts: 8, lock_memory: false, ..Default::default() }).unwrap();
+    let b = m.ssd_read_bandwidth(0.05).expect("an SSD tier").unwrap();
+    assert!(b > 0.0 && b.is_finite(), "{b}");
+    // Reading for the measurement leaves the model's outputs unchanged.
+    let mut plain = Qwen4Exp::load(&demo_path()).unwrap();
+    plain.place(&PlacementOptions { ram_experts: usize::MAX, lock_memory: false, ..Default::default() }).unwrap();
+    assert_eq!(run(&m, 2).unwrap(), run(&plain, 2).unwrap());
+}

@@ -138,19 +138,23 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         let threads = rayon::current_num_threads();
         let dram = nebula_engine::bench::dram_read_bandwidth(threads, 1 << 30, 1.0)?;
         let rtt = m.round_trip()?;
+        // The SSD tier's read bandwidth (whole experts through its reader and I/O threads), when there is one.
+        let ssd = runner.ssd_read_bandwidth(1.0).transpose()?;
         println!(
-            "hybrid: DRAM read {:.1} GB/s ({threads} threads), host-GPU-host round trip {:.1} us, expert {:.2} MiB; \
+            "hybrid: DRAM read {:.1} GB/s ({threads} threads), host-GPU-host round trip {:.1} us, expert {:.2} MiB{}; \
              batches up to {} tokens use the CPU for non-resident experts, longer ones stream them",
             dram / 1e9,
             rtt * 1e6,
             per_expert as f64 / (1u64 << 20) as f64,
+            ssd.map_or(String::new(), |b| format!(", SSD tier read {:.2} GB/s", b / 1e9)),
             m.hybrid_params().map_or(0, |p| p.cpu_max_tokens)
         );
         println!(
-            "{:>8} {:>10} {:>10} {:>8} {:>10} {:>10} {:>10} {:>9} {:>10} {:>9}",
+            "{:>8} {:>10} {:>10} {:>10} {:>8} {:>10} {:>10} {:>10} {:>9} {:>10} {:>9}",
             "context",
             "CPU exp/t",
             "GPU exp/t",
+            "SSD rd/t",
             "handoff",
             "CPU ms/t",
             "GPU ms/t",
@@ -161,15 +165,23 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         );
         for r in &rows {
             if let Some(h) = r.hybrid {
-                // Floor: the CPU's expert bytes at the measured DRAM read bandwidth, the GPU's critical-path work
-                // (CUDA events) and one measured round trip per layer, in series (each layer's GPU work needs the
-                // previous layer's CPU result).
-                let floor_ms = h.cpu_experts * per_expert as f64 / dram * 1e3 + h.gpu_ms + h.trips * rtt * 1e3;
+                // Floor: the CPU's expert bytes at the measured DRAM read bandwidth (the SSD reads a step needed at
+                // the SSD tier's measured bandwidth instead), the GPU's critical-path work (CUDA events) and one
+                // measured round trip per layer, in series (each layer's GPU work needs the previous layer's CPU
+                // result).
+                let (ssd_needed, ssd_s) = match ssd {
+                    Some(b) if b > 0.0 => (h.ssd_needed.min(h.cpu_experts), per_expert as f64 / b),
+                    _ => (0.0, 0.0),
+                };
+                let floor_ms = ((h.cpu_experts - ssd_needed) * per_expert as f64 / dram + ssd_needed * ssd_s) * 1e3
+                    + h.gpu_ms
+                    + h.trips * rtt * 1e3;
                 println!(
-                    "{:>8} {:>10.1} {:>10.1} {:>8.1} {:>10.3} {:>10.3} {:>10.3} {:>9.0} {:>10.3} {:>8.0} %",
+                    "{:>8} {:>10.1} {:>10.1} {:>10.1} {:>8.1} {:>10.3} {:>10.3} {:>10.3} {:>9.0} {:>10.3} {:>8.0} %",
                     r.context,
                     h.cpu_experts,
                     h.gpu_experts,
+                    h.ssd_reads,
                     h.handoffs,
                     h.cpu_ms,
                     h.gpu_ms,
@@ -247,7 +259,7 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
     if s.expert_hits_ssd > 0 || s.expert_hits_gpu > 0 {
         println!(
             "expert uses by tier over the run: GPU {:.1} %, RAM {:.1} %, SSD {:.1} %; SSD read {:.1} MiB in {} expert \
-             reads ({} errors), prefetched {} of which {} used; n-gram rows read {}",
+             reads ({} errors), prefetched {} of which {} used (prefetch gate closed {} times); n-gram rows read {}",
             s.expert_hits_gpu as f64 / uses * 100.0,
             s.expert_hits_ram as f64 / uses * 100.0,
             s.expert_hits_ssd as f64 / uses * 100.0,
@@ -256,6 +268,7 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             s.ssd_read_errors,
             s.prefetch_issued,
             s.prefetch_hits,
+            s.prefetch_gate_closed,
             s.ngram_rows_read
         );
     }
