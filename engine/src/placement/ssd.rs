@@ -400,17 +400,31 @@ impl SsdTier {
                 self.issue(key, source.clone(), buf, prefetch);
                 return Requested::Issued;
             }
-            // Evict the least recently used expert nobody wants or holds.
+            // Evict an expert nobody wants or holds: the least recently used of those a compute step took
+            // already; failing that, and only for a compute step, the prefetched expert read last (read-ahead
+            // runs in the order of use, so it is needed furthest ahead). A prefetch never evicts a prefetched
+            // expert not yet used: a read-ahead longer than the pool would otherwise evict its own head and
+            // read it twice.
+            let evictable = |e: &Entry| match e {
+                Entry::Ready { expert, last_use, wanted: false, prefetch } if Arc::strong_count(expert) == 1 => {
+                    Some((*prefetch, *last_use))
+                }
+                _ => None,
+            };
             let victim = st
                 .entries
                 .iter()
-                .filter_map(|(k, e)| match e {
-                    Entry::Ready { expert, last_use, wanted: false, .. } if Arc::strong_count(expert) == 1 => {
-                        Some((*last_use, *k))
+                .filter_map(|(k, e)| evictable(e).filter(|(pending, _)| !pending).map(|(_, t)| (t, *k)))
+                .min()
+                .or_else(|| {
+                    if prefetch {
+                        return None;
                     }
-                    _ => None,
-                })
-                .min();
+                    st.entries
+                        .iter()
+                        .filter_map(|(k, e)| evictable(e).filter(|(pending, _)| *pending).map(|(_, t)| (t, *k)))
+                        .max()
+                });
             if let Some((_, k)) = victim {
                 let evicted = st.entries.remove(&k);
                 drop(st);
