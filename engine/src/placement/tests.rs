@@ -347,3 +347,30 @@ fn the_ssd_tier_read_bandwidth_is_measured_only_with_an_ssd_tier() {
     plain.place(&PlacementOptions { ram_experts: usize::MAX, lock_memory: false, ..Default::default() }).unwrap();
     assert_eq!(run(&m, 2).unwrap(), run(&plain, 2).unwrap());
 }
+
+/// Streamed prefill reads the next group's SSD experts ahead (`request_experts`) while it takes the current
+/// group's in order (`host_expert`): the read-ahead must not evict the current group's experts that have landed but
+/// were not taken yet (they would be read twice), even when the two groups do not fit in the pool together.
+#[test]
+fn a_read_ahead_never_evicts_experts_read_ahead_and_not_yet_used() {
+    let mut m = Qwen4Exp::load(&demo_path()).unwrap();
+    m.place(&PlacementOptions { ram_experts: 0, lock_memory: false, prefetch_layers: 0, ..Default::default() })
+        .unwrap();
+    let p = m.placement.as_ref().expect("placed");
+    let capacity = p.ssd.as_ref().expect("an SSD tier").capacity();
+    let group = capacity - capacity / 4;
+    assert!(2 * group > capacity && 2 * group <= m.config.n_expert, "pool {capacity}, groups of {group}");
+    let (g0, g1): (Vec<usize>, Vec<usize>) = ((0..group).collect(), (group..2 * group).collect());
+    let layer = 1;
+    let moe = &m.layers[layer].mlp;
+    let before = m.placement_stats().snapshot();
+    p.request_experts(layer, &g0);
+    // Let the first group's reads land (then they are evictable by age alone).
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    p.request_experts(layer, &g1);
+    for &e in g0.iter().chain(&g1) {
+        drop(p.host_expert(layer, e, moe).unwrap());
+    }
+    let after = m.placement_stats().snapshot();
+    assert_eq!(after.ssd_expert_reads - before.ssd_expert_reads, 2 * group as u64, "an expert was read twice");
+}
