@@ -4,9 +4,11 @@
 //!
 //! Truth: the golden logits of transformers (`tests/fixtures/golden`, as in `tests/golden.rs`) and the demo
 //! model's reference greedy answers. Tolerance for the GPU: max |delta logit| <= 1e-3 x max |logit| with the same
-//! top-1 at every position. Accumulation: every product and reduction is f32 (GEMV: per-lane f32 partial sums
-//! combined by warp shuffles; prefill: cuBLAS SGEMM on f32-dequantized weights, no TF32; attention: f32 online
-//! softmax; Gated DeltaNet: f32 state).
+//! top-1 at every position. Accumulation: every product and reduction of the F32 checkpoints is f32 (GEMV:
+//! per-lane f32 partial sums combined by warp shuffles; prefill: cuBLAS SGEMM, no TF32; attention: f32 online
+//! softmax; Gated DeltaNet: f32 state). Quantized weights with an 8-bit path (Q8_0, Q4_0, IQ4_NL, Q4_K) multiply
+//! 8-bit activations in exact integer dot products (dp4a in decode, int8 MMA in prefill), each 32-value chunk
+//! scaled and summed in f32, as the CPU backend does.
 
 use nebula_engine::backend::cuda::CudaModel;
 use nebula_engine::convert::{ConvertOptions, OutType, convert};
