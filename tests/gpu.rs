@@ -391,7 +391,7 @@ fn tensor_core_prefill_matches_the_cpu() {
     use nebula_engine::synth::{SynthOptions, synth};
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("synth4.gguf");
-    let tok = GgufFile::open(&nebula_tests::repo_root().join("models/nebula-demo.gguf")).unwrap();
+    let tok = GgufFile::open(nebula_tests::repo_root().join("models/nebula-demo.gguf")).unwrap();
     let opts = SynthOptions { layers: 4, experts: 64, ngram_rows_per_head: 4096, mtp: false, ..Default::default() };
     synth(&path, &opts, &tok).unwrap();
     let cpu = Qwen4Exp::load(&path).unwrap();

@@ -1100,7 +1100,7 @@ impl CudaModel {
             return Ok(());
         }
         if self.tensor_cores
-            && w.cols % MMA_K == 0
+            && w.cols.is_multiple_of(MMA_K)
             && let Some(blk) = self.q8_block(w.ty, w.cols)
         {
             // 8-bit activations times the weights on tensor cores (the grouped expert kernel with one "expert"
@@ -2195,7 +2195,7 @@ impl CudaModel {
         args.extend([Arg::Ptr(offsets), Arg::Ptr(perm), Arg::Ptr(slot_expert)]);
         if let Acts::Q8(qx, dx) = x
             && self.tensor_cores
-            && w.cols % MMA_K == 0
+            && w.cols.is_multiple_of(MMA_K)
         {
             args.extend([
                 Arg::Ptr(qx),
