@@ -377,7 +377,7 @@ fn hybrid_matches_the_reference_on_the_golden_checkpoints() {
 
 /// The tensor-core kernel (`moe_groupedmma_*`, int8 MMA: prefill's routed experts and its quantized dense
 /// matmuls) against the CPU, on a real-width synthetic model (`nebula synth`: hidden 2560, experts 640 wide, Q4_K
-/// gate/up and IQ4_NL down, 64 experts so each gets several 32-slot tiles of a 256-token prefill). With tensor
+/// gate/up and IQ4_NL down, 64 experts: about 40 slots each in a 256-token prefill, one full 32-slot tile and a partial one). With tensor
 /// cores the GPU computes every quantized product on 8-bit activations, as the CPU does (the same integer dots;
 /// only f32 summation order differs); without, its experts take the dp4a kernel (same integers) and its dense
 /// prefill matmuls f32 cuBLAS on dequantized weights (no activation rounding). Both must agree with the CPU as the

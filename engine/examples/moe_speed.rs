@@ -1,5 +1,6 @@
 //! The MoE kernel alone, for profiling: `cargo run --release -p nebula-engine --example moe_speed [tokens]`
-//! (`POOL=N` runs it inside an `install`ed pool of N threads instead of the global pool).
+//! (`POOL=N` runs it inside an `install`ed pool of N threads instead of the global pool; `NEBULA_CPU_MOE_TRACE=1`
+//! prints where a call's time goes).
 
 use std::time::Instant;
 
@@ -63,4 +64,7 @@ fn main() {
         iters += 1;
     }
     println!("{iters} iterations, {:.2} GB/s", bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    if let Some(t) = nebula_engine::quant::moe::trace::report() {
+        println!("{t} (NEBULA_CPU_MOE_TRACE=1)");
+    }
 }

@@ -96,8 +96,10 @@ impl Runner {
         }
     }
 
-    /// Read bandwidth of a placed model's SSD tier in bytes/s (see [`Qwen4Exp::ssd_read_bandwidth`]); `None`
-    /// without an SSD tier.
+    /// Read bandwidth of a placed model's SSD tier in bytes/s, measured for about `seconds` (see
+    /// [`Qwen4Exp::ssd_read_bandwidth`]); `None` without an SSD tier (an unplaced or all-GPU model).
+    ///
+    /// Errors: [`crate::model::ModelError::WeightRead`] when a read fails.
     pub fn ssd_read_bandwidth(&self, seconds: f64) -> Option<Result<f64, crate::model::ModelError>> {
         match self {
             Runner::Cpu(m) => m.ssd_read_bandwidth(seconds),

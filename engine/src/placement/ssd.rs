@@ -1,6 +1,7 @@
 //! The SSD tier: experts read on demand into a bounded pool of aligned buffers by a few I/O threads, kept while
-//! the pool has room (least recently used out first), and prefetched from a prediction of the next layers'
-//! routing.
+//! the pool has room (experts a compute step used go first, least recently used first; then a compute step may
+//! evict the prefetched expert read last; a prefetch never evicts a prefetched expert not yet used), and
+//! prefetched from a prediction of the next layers' routing while that pays ([`PrefetchGate`]).
 //!
 //! An expert's entry is `Loading` (a read is in flight), `Ready` (its three matrices live in a pool buffer) or
 //! `Failed` (the read's error, handed to the one who asked). A compute step *wants* the experts it asked for:

@@ -250,9 +250,10 @@ pub struct CudaModel {
     /// The launch size below which a dense decode GEMV widens its rows ([`Self::gemv_lanes`]): 2^15 threads, or
     /// `NEBULA_CUDA_GEMV_THREADS` (tuning).
     gemv_min_threads: usize,
-    /// Routed experts of prefill batches on tensor cores (`moe_groupedmma_*`, int8 MMA, compute capability 8.0 and
-    /// newer) where the type has an 8-bit path and the rows are whole 128-column steps; otherwise (or with
-    /// `NEBULA_CUDA_MMA=0`) the dp4a kernel (`moe_groupedq_*`). Both compute the same integer dot products.
+    /// Routed experts and quantized dense matmuls of prefill batches (over `GEMV_MAX_TOKENS` tokens) on tensor
+    /// cores (`moe_groupedmma_*`, int8 MMA, compute capability 8.0 and newer) where the type has an 8-bit path
+    /// (needs `q8_acts`) and the column count is a multiple of 128; otherwise (or with `NEBULA_CUDA_MMA=0`) the
+    /// dp4a expert kernel (`moe_groupedq_*`, the same integer dot products) and f32 cuBLAS for dense matmuls.
     tensor_cores: bool,
     /// The last quantized activations: ((x, n, cols, block, write count), (qx, dx)).
     q8_cache: Mutex<Option<(Q8Key, (u64, u64))>>,
@@ -936,9 +937,11 @@ impl CudaModel {
         self.graphs = on && self.hybrid.is_none();
     }
 
-    /// Turns the tensor-core (int8 MMA) grouped expert kernel of prefill on or off (on by default where the GPU has
-    /// compute capability 8.0 or newer; `NEBULA_CUDA_MMA=0` turns it off). Off, prefill takes the dp4a kernel;
-    /// both compute the same integer products, so outputs differ only in f32 summation order.
+    /// Turns int8 tensor-core prefill on or off (on by default where the GPU has compute capability 8.0 or newer;
+    /// `NEBULA_CUDA_MMA=0` turns it off): routed experts (`moe_groupedmma_*` instead of the dp4a `moe_groupedq_*`,
+    /// the same integer products) and quantized dense matmuls (MMA on 8-bit activations instead of f32 cuBLAS on
+    /// dequantized weights, so outputs also differ by activation rounding). Below compute capability 8.0, or with
+    /// 8-bit activations off (`NEBULA_CUDA_Q8=0`), it stays off.
     pub fn set_tensor_cores(&mut self, on: bool) {
         self.tensor_cores = on && self.dev.gpu.capability.0 >= 8;
     }
