@@ -35,6 +35,8 @@ fi
 
 echo "=== all weights on the GPU"
 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048,8192 --decode 64
+echo "=== all on the GPU, prefill without tensor cores (NEBULA_CUDA_MMA=0: dp4a experts, f32 cuBLAS dense)"
+NEBULA_CUDA_MMA=0 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048 --decode 4
 
 if command -v ncu > /dev/null; then
     echo "=== where one all-GPU decode step's time goes (Nsight Compute, CUDA Graphs off)"
@@ -68,7 +70,11 @@ NEBULA_CPU_MOE_TRACE=1 NEBULA_CUDA_PROFILE=copies \
 P8="--gpu-experts 11 --ram-experts 152 --ngram-table ssd --threads 14 --vram-budget-gib 8 --ram-budget-gib 32"
 echo "=== hybrid, 8 GB VRAM / 32 GB RAM profile (SSD tier, n-gram table on SSD)"
 # shellcheck disable=SC2086
-"$NEBULA" bench model --model "$MODEL" --backend cuda $P8 --contexts 1024 --decode 16 --prefill-chunk 1024
+"$NEBULA" bench model --model "$MODEL" --backend cuda $P8 --contexts 1024 --decode 32 --prefill-chunk 1024
+echo "=== the same without the SSD prefetch gate (NEBULA_SSD_PREFETCH_GATE=0)"
+# shellcheck disable=SC2086
+NEBULA_SSD_PREFETCH_GATE=0 "$NEBULA" bench model --model "$MODEL" --backend cuda $P8 --contexts 1024 --decode 32 \
+    --prefill-chunk 1024
 
 if [ -n "${LLAMA_BENCH:-}" ]; then
     echo "=== llama.cpp, every routed expert in RAM (--n-cpu-moe $LAYERS), 14 threads, same file"
