@@ -231,6 +231,25 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
+/// The rows of one matrix with its bytes resolved once (a work item's loop then slices them directly instead of
+/// going through [`Matrix::row_bytes_of`]'s shared-owner indirection for every row).
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    bytes: &'a [u8],
+    rb: usize,
+}
+
+impl<'a> Rows<'a> {
+    fn of(m: &'a Matrix) -> Self {
+        Self { bytes: m.bytes(), rb: m.row_bytes() }
+    }
+    /// Raw bytes of row `r` (as [`Matrix::row_bytes_of`]).
+    #[inline(always)]
+    fn row(&self, r: usize) -> &'a [u8] {
+        &self.bytes[r * self.rb..(r + 1) * self.rb]
+    }
+}
+
 /// A slice shared by the threads of the region, each item writing a range no other item writes.
 struct Shared<T>(*mut T, usize);
 unsafe impl<T: Send> Send for Shared<T> {}
@@ -440,9 +459,10 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
             let mut gv = [0f32; 4];
             let mut uv = [0f32; 4];
             let ahead = prefetch_rows();
+            let (gr, ur) = (Rows::of(w.expert.gate), Rows::of(w.expert.up));
             for r in r0..(r0 + ahead).min(r1) {
-                prefetch(w.expert.gate.row_bytes_of(r));
-                prefetch(w.expert.up.row_bytes_of(r));
+                prefetch(gr.row(r));
+                prefetch(ur.row(r));
             }
             // Token tiles outside, rows inside: the tile's views are built once, the item's rows stay in cache.
             for (c, tile) in w.tokens.chunks(4).enumerate() {
@@ -451,11 +471,11 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
                 let tu: [ActRow<'_>; 4] = std::array::from_fn(|i| ua.row(tile[i.min(m - 1)].0));
                 for (k, r) in (r0..r1).enumerate() {
                     if c == 0 && ahead > 0 && r + ahead < r1 {
-                        prefetch(w.expert.gate.row_bytes_of(r + ahead));
-                        prefetch(w.expert.up.row_bytes_of(r + ahead));
+                        prefetch(gr.row(r + ahead));
+                        prefetch(ur.row(r + ahead));
                     }
-                    (w.expert.gate.kernels().dot)(w.expert.gate.row_bytes_of(r), &tg[..m], &mut gv[..m]);
-                    (w.expert.up.kernels().dot)(w.expert.up.row_bytes_of(r), &tu[..m], &mut uv[..m]);
+                    (w.expert.gate.kernels().dot)(gr.row(r), &tg[..m], &mut gv[..m]);
+                    (w.expert.up.kernels().dot)(ur.row(r), &tu[..m], &mut uv[..m]);
                     for i in 0..m {
                         h[k * nt + 4 * c + i] = silu(gv[i]) * uv[i];
                     }
@@ -507,18 +527,22 @@ pub fn expert_outputs(work: &[ExpertWork<'_>], x: &[f32], n: usize) -> ExpertOut
             let mut v = [0f32; 4];
             // Down rows are short (640 values): twice as many rows ahead.
             let ahead = 2 * prefetch_rows();
+            let dr = Rows::of(w.expert.down);
             for r in r0..(r0 + ahead).min(r1) {
-                prefetch(w.expert.down.row_bytes_of(r));
+                prefetch(dr.row(r));
             }
             for (c, tile) in w.tokens.chunks(4).enumerate() {
                 let m = tile.len();
                 let tx: [ActRow<'_>; 4] = std::array::from_fn(|i| da.row(4 * c + i.min(m - 1)));
                 for (k, r) in (r0..r1).enumerate() {
                     if c == 0 && ahead > 0 && r + ahead < r1 {
-                        prefetch(w.expert.down.row_bytes_of(r + ahead));
+                        prefetch(dr.row(r + ahead));
                     }
-                    (w.expert.down.kernels().dot)(w.expert.down.row_bytes_of(r), &tx[..m], &mut v[..m]);
-                    y[k * nt + 4 * c..k * nt + 4 * c + m].copy_from_slice(&v[..m]);
+                    (w.expert.down.kernels().dot)(dr.row(r), &tx[..m], &mut v[..m]);
+                    // Element by element: a copy of 1-4 values as `copy_from_slice` is a `memcpy` call per row.
+                    for (i, &vi) in v[..m].iter().enumerate() {
+                        y[k * nt + 4 * c + i] = vi;
+                    }
                 }
             }
         }
