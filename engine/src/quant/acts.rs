@@ -130,7 +130,7 @@ impl Activations {
 /// set has it) computes the same values.
 fn quantize_block_i8(x: &[f32], q: &mut [i8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if super::Isa::detect() >= super::Isa::Avx2 && x.len() % 8 == 0 {
+    if super::Isa::detect() >= super::Isa::Avx2 && x.len().is_multiple_of(8) {
         // SAFETY: the CPU has AVX2 (Isa::detect only reports what it has).
         if let Some(d) = unsafe { x86::quantize_block_i8_avx2(x, q) } {
             return d;
