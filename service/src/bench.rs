@@ -273,7 +273,12 @@ pub fn run_kernels(args: &KernelBenchArgs) -> anyhow::Result<()> {
     }
     drop(buf);
 
-    println!("\nexpert matrix-vector products: 10 random experts of {} per iteration, one token", args.experts);
+    println!(
+        "\nexpert matrix-vector products: 10 random experts of {} per iteration, one token\n(moe10: the 10 products in \
+         one parallel region over their rows; matvec: 10 calls one after another; % of read: of the read bandwidth \
+         above at the same thread count)",
+        args.experts
+    );
     println!(
         "{:>8} {:>12} {:>7} {:>8} {:>10} {:>12} {:>9}",
         "type", "rows x cols", "mode", "threads", "stack MiB", "GB/s", "% of read"
@@ -282,7 +287,7 @@ pub fn run_kernels(args: &KernelBenchArgs) -> anyhow::Result<()> {
         for (rows, cols) in [(640usize, 2560usize), (2560, 640)] {
             if cols % ty.block_size() != 0 {
                 println!(
-                    "{:>8} {:>12} {:>7} n/a: rows of {cols} values are not whole {}-value blocks (stored as the 32-block fallback)",
+                    "{:>8} {:>12} {:>7} not measured: rows of {cols} values are not whole {}-value blocks (such rows are stored in a 32-block type)",
                     ty.name(),
                     format!("{rows}x{cols}"),
                     "-",

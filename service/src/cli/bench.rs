@@ -92,10 +92,14 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         println!("device copy bandwidth (read + write): {:.0} GB/s", bw / 1e9);
     }
     println!(
-        "weights: dense {:.2} GiB, experts {:.2} GiB ({:.2} MiB each), n-gram table {:.2} GiB",
+        "weights: dense {:.2} GiB, experts {:.2} GiB ({} each), n-gram table {:.2} GiB",
         dense as f64 / (1u64 << 30) as f64,
         experts as f64 / (1u64 << 30) as f64,
-        per_expert as f64 / (1u64 << 20) as f64,
+        if per_expert >= 1 << 20 {
+            format!("{:.2} MiB", per_expert as f64 / (1u64 << 20) as f64)
+        } else {
+            format!("{:.1} KiB", per_expert as f64 / 1024.0)
+        },
         table as f64 / (1u64 << 30) as f64
     );
     let rows = run(
