@@ -412,17 +412,6 @@ fn tensor_core_prefill_matches_the_cpu() {
         println!("synth 4 layers, 256-token prefill, {label}: vs CPU {rel:.3e}, top-1 agreement {agree:.3}");
         assert!(rel <= 5e-2 && agree >= 0.97, "{label} vs CPU: {rel:.3e}, top-1 differs at {differ:?}");
     }
-    let placed = std::sync::Arc::new({
-        let mut m = Qwen4Exp::load(&path).unwrap();
-        m.place(&nebula_engine::placement::PlacementOptions {
-            gpu_experts: 8,
-            ram_experts: usize::MAX,
-            lock_memory: false,
-            ..Default::default()
-        })
-        .unwrap();
-        m
-    });
     let params = HybridParams {
         handoff: 0.9,
         omit: 0.0,
@@ -431,7 +420,7 @@ fn tensor_core_prefill_matches_the_cpu() {
         stages: 2,
         verify_handoff: false,
     };
-    let hybrid = CudaModel::hybrid_with(placed, 0, None, params).expect("the hybrid model loads");
+    let hybrid = CudaModel::hybrid_with(placed(&path, 8), 0, None, params).expect("the hybrid model loads");
     let mut hs = hybrid.new_state(ids.len()).unwrap();
     let streamed = hybrid.forward(&mut hs, &ids, LogitsFor::All).unwrap();
     let (rel_h, differ_h) = compare(&streamed, &mma, vocab);

@@ -115,6 +115,22 @@ fn draw10(state: &mut u64, n: usize) -> [usize; 10] {
     out
 }
 
+/// Bytes/s of `step` (each call returns the weight bytes it read): three untimed calls, then calls for at least
+/// `seconds` and at least five times. Run it inside the benchmark's pool, as the engine calls its kernels
+/// (entering a rayon pool from outside costs a thread wake-up each way, tens of microseconds a call).
+fn timed_rate(seconds: f64, mut step: impl FnMut() -> usize) -> f64 {
+    for _ in 0..3 {
+        step();
+    }
+    let start = Instant::now();
+    let (mut iters, mut bytes) = (0u64, 0usize);
+    while start.elapsed().as_secs_f64() < seconds || iters < 5 {
+        bytes += step();
+        iters += 1;
+    }
+    bytes as f64 / start.elapsed().as_secs_f64()
+}
+
 /// Weight bytes/s of the 10-expert products in `mode`.
 fn expert_throughput(stack: &Stack, threads: usize, seconds: f64, one_region: bool) -> anyhow::Result<f64> {
     const ROWS: usize = 16;
@@ -143,21 +159,14 @@ fn expert_throughput(stack: &Stack, threads: usize, seconds: f64, one_region: bo
     if rows % ROWS != 0 {
         bail!("expert rows {rows} are not a multiple of {ROWS}");
     }
-    // The whole loop inside the pool (see `moe_kernel_throughput`).
     let n = stack.experts.len();
     let rate = p.install(|| {
-        for _ in 0..3 {
+        timed_rate(seconds, || {
             run(draw10(&mut rng, n), &mut y);
-        }
-        let start = Instant::now();
-        let mut iters = 0u64;
-        while start.elapsed().as_secs_f64() < seconds || iters < 5 {
-            run(draw10(&mut rng, n), &mut y);
-            iters += 1;
-        }
-        std::hint::black_box(&y);
-        iters as f64 * 10.0 * stack.bytes_each as f64 / start.elapsed().as_secs_f64()
+            10 * stack.bytes_each
+        })
     });
+    std::hint::black_box(&y);
     Ok(rate)
 }
 
@@ -197,22 +206,11 @@ fn moe_kernel_throughput(
         routed_experts(&work, &x, tokens, out);
         work.len() * expert_bytes
     };
-    // The whole loop on one thread of the pool, as the engine calls the kernel (entering a rayon pool from
-    // outside costs a thread wake-up each way, tens of microseconds a call, that the engine does not pay).
     let rate = p.install(|| {
         nebula_engine::quant::spin_pool::set_spin(spin_us);
-        for _ in 0..3 {
-            step(&mut out, &mut rng);
-        }
-        let start = Instant::now();
-        let (mut iters, mut bytes) = (0u64, 0usize);
-        while start.elapsed().as_secs_f64() < seconds || iters < 5 {
-            bytes += step(&mut out, &mut rng);
-            iters += 1;
-        }
-        std::hint::black_box(&out);
-        bytes as f64 / start.elapsed().as_secs_f64()
+        timed_rate(seconds, || step(&mut out, &mut rng))
     });
+    std::hint::black_box(&out);
     Ok(rate)
 }
 

@@ -936,7 +936,7 @@ impl Placement {
     /// Read bandwidth of the SSD tier's experts in bytes/s (see `SsdTier::read_bandwidth`); `None` without an
     /// SSD tier.
     pub(crate) fn ssd_read_bandwidth(&self, seconds: f64) -> Option<Result<f64, reader::ReadError>> {
-        self.ssd.as_ref().map(|s| s.read_bandwidth(0, seconds))
+        self.ssd.as_ref().map(|s| s.read_bandwidth(seconds))
     }
 
     /// The address ranges of the RAM tier, one per layer (`(start, len)`): registered with the GPU driver in

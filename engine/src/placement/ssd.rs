@@ -310,19 +310,19 @@ impl SsdTier {
         open
     }
 
-    /// Read bandwidth of this tier's experts in bytes/s: `threads` threads (the I/O pool's count when 0) each
-    /// read whole experts, in turn from the tier's sources (spread over the file), into their own aligned buffer
-    /// through the tier's reader, for about `seconds`. Meant for benchmarks while nothing else reads (the floor of
+    /// Read bandwidth of this tier's experts in bytes/s: as many threads as the I/O pool has each read whole
+    /// experts, in turn from the tier's sources (spread over the file), into their own aligned buffer through the
+    /// tier's reader, for about `seconds`. Meant for benchmarks while nothing else reads (the floor of
     /// decode with an SSD tier); with buffered reads (no `O_DIRECT`) the page cache can inflate it.
     ///
     /// Errors: a read failed.
-    pub(crate) fn read_bandwidth(&self, threads: usize, seconds: f64) -> Result<f64, ReadError> {
+    pub(crate) fn read_bandwidth(&self, seconds: f64) -> Result<f64, ReadError> {
         let mut keys: Vec<&(u32, u32)> = self.sources.keys().collect();
         keys.sort();
         if keys.is_empty() {
             return Ok(0.0);
         }
-        let threads = if threads == 0 { self.io.threads() } else { threads }.max(1);
+        let threads = self.io.threads().max(1);
         // A stride coprime-ish with the count walks the experts of every layer rather than one layer's in order.
         let stride = (keys.len() / 7).max(1) | 1;
         let next = std::sync::atomic::AtomicUsize::new(0);

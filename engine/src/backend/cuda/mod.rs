@@ -1108,26 +1108,9 @@ impl CudaModel {
         {
             // 8-bit activations times the weights on tensor cores (the grouped expert kernel with one "expert"
             // and the identity slot map): no dequantized copy of the matrix, integer products as the GEMVs.
-            let (qx, dx) = self.quantize_act(x, n, w.cols, blk)?;
-            let args = [
-                Arg::Ptr(w.ptr),
-                Arg::I64(0),
-                Arg::I64(w.row_bytes as i64),
-                Arg::I32(w.rows as i32),
-                Arg::I32(w.cols as i32),
-                Arg::Ptr(0),
-                Arg::Ptr(0),
-                Arg::Ptr(0),
-                Arg::Ptr(qx),
-                Arg::Ptr(dx),
-                Arg::I32(1),
-                Arg::I64(w.cols as i64),
-                Arg::Ptr(y),
-                Arg::I32(n as i32),
-            ];
-            let grid = (w.rows.div_ceil(MMA_ROWS) as u32, 1, n.div_ceil(MMA_SLOTS) as u32);
-            dev.launch(&format!("moe_groupedmma_{sfx}"), grid, 128, &args)?;
-            return Ok(());
+            let q = self.quantize_act(x, n, w.cols, blk)?;
+            let shape = StackView { ptr: w.ptr, ty: w.ty, rows: w.rows, cols: w.cols, row_bytes: w.row_bytes };
+            return self.mma(shape, 1, None, q, 1, w.cols, y, n, n.div_ceil(MMA_SLOTS));
         }
         // Dequantize row blocks to f32 and multiply with cuBLAS.
         let rows_per = (DEQUANT_CHUNK / w.cols).clamp(1, w.rows);
@@ -1179,15 +1162,15 @@ impl CudaModel {
         Ok(())
     }
 
-    /// `out[r] = x[r] / rms(x[r]) * w[(r % w_rows)]` over `rows` rows of `width` (in place when out == x).
     /// Threads of a one-block-per-row norm over rows of `width`: about two values per thread, a multiple of
     /// `multiple` (32, or 256 when the kernel also quantizes in 256-value blocks), at most 1024.
     fn norm_threads(width: usize, multiple: usize) -> usize {
         width.div_ceil(2).next_multiple_of(multiple).clamp(multiple, 1024)
     }
 
-    /// RMS norm of `rows` rows of `width` (weights row `r % w_rows`), one block per row with about two values per
-    /// thread (up to 1024 threads): a decode step's few wide rows are latency-bound, so each thread loads little.
+    /// `out[r] = x[r] / rms(x[r]) * w[(r % w_rows)]` over `rows` rows of `width` (in place when out == x), one
+    /// block per row with about two values per thread (up to 1024 threads): a decode step's few wide rows are
+    /// latency-bound, so each thread loads little.
     fn rms_norm(&self, x: u64, w: u64, out: u64, rows: usize, width: usize, w_rows: usize) -> Result<(), CudaError> {
         let threads = Self::norm_threads(width, 32);
         self.dev.launch(
@@ -2192,28 +2175,19 @@ impl CudaModel {
         y: u64,
         slots: usize,
     ) -> Result<(), CudaError> {
-        let sfx = type_suffix(w.ty)?;
-        let mut args = vec![Arg::Ptr(w.ptr)];
-        args.extend(w.shape_args());
-        args.extend([Arg::Ptr(offsets), Arg::Ptr(perm), Arg::Ptr(slot_expert)]);
         if let Acts::Q8(qx, dx) = x
             && self.tensor_cores
             && w.cols.is_multiple_of(MMA_K)
         {
-            args.extend([
-                Arg::Ptr(qx),
-                Arg::Ptr(dx),
-                Arg::I32(x_div as i32),
-                Arg::I64(x_stride as i64),
-                Arg::Ptr(y),
-                Arg::I32(0),
-            ]);
             // Slot tiles of 32 per expert split over blockIdx.z: about two per block for the layer's mean load.
             let tiles = (2 * slots).div_ceil(self.config.n_expert * MMA_SLOTS).clamp(1, 8);
-            let grid = (w.rows.div_ceil(MMA_ROWS) as u32, count as u32, tiles as u32);
-            self.dev.launch(&format!("moe_groupedmma_{sfx}"), grid, 128, &args)?;
-            return Ok(());
+            let map = Some((offsets, perm, slot_expert));
+            return self.mma(w, count, map, (qx, dx), x_div, x_stride, y, 0, tiles);
         }
+        let sfx = type_suffix(w.ty)?;
+        let mut args = vec![Arg::Ptr(w.ptr)];
+        args.extend(w.shape_args());
+        args.extend([Arg::Ptr(offsets), Arg::Ptr(perm), Arg::Ptr(slot_expert)]);
         let (kernel, block, lanes) = match x {
             Acts::Q8(qx, dx) => {
                 args.extend([Arg::Ptr(qx), Arg::Ptr(dx)]);
@@ -2227,6 +2201,43 @@ impl CudaModel {
         args.extend([Arg::I32(x_div as i32), Arg::I64(x_stride as i64), Arg::Ptr(y), Arg::I32(lanes as i32)]);
         let grid = (w.rows.div_ceil(block as usize / lanes) as u32, count as u32, 1);
         self.dev.launch(&kernel, grid, block, &args)?;
+        Ok(())
+    }
+
+    /// Launches the tensor-core kernel `moe_groupedmma_*` (kernels/cuda/gemv.cu) over `count` weight slots of `w`
+    /// (slot `j` at `j * rows * row_bytes`): with `map = Some((offsets, perm, slot_expert))` the routed experts of
+    /// [`Self::moe_grouped`]; with `None` one dense matrix whose token slots are `0..nslots`. Slot `s` multiplies
+    /// the 8-bit activations `q = (qx, dx)` of row `s / x_div` (`x_stride` values apart) and writes
+    /// `y + s * rows`; `tiles` slot tiles of `MMA_SLOTS` per block split over the grid's z.
+    #[allow(clippy::too_many_arguments)]
+    fn mma(
+        &self,
+        w: StackView,
+        count: usize,
+        map: Option<(u64, u64, u64)>,
+        q: (u64, u64),
+        x_div: usize,
+        x_stride: usize,
+        y: u64,
+        nslots: usize,
+        tiles: usize,
+    ) -> Result<(), CudaError> {
+        let (offsets, perm, slot_expert) = map.unwrap_or((0, 0, 0));
+        let mut args = vec![Arg::Ptr(w.ptr)];
+        args.extend(w.shape_args());
+        args.extend([
+            Arg::Ptr(offsets),
+            Arg::Ptr(perm),
+            Arg::Ptr(slot_expert),
+            Arg::Ptr(q.0),
+            Arg::Ptr(q.1),
+            Arg::I32(x_div as i32),
+            Arg::I64(x_stride as i64),
+            Arg::Ptr(y),
+            Arg::I32(nslots as i32),
+        ]);
+        let grid = (w.rows.div_ceil(MMA_ROWS) as u32, count as u32, tiles as u32);
+        self.dev.launch(&format!("moe_groupedmma_{}", type_suffix(w.ty)?), grid, 128, &args)?;
         Ok(())
     }
 
