@@ -27,6 +27,15 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// The first statement of a kernel that loads immutable weights (never written by a kernel: dense matrices) before
+// it waits: a no-op that marks the kernel for the pdl_entry check (nebula-kernels tests); the kernel's body calls
+// pdl_wait() after those loads and before it reads any activation or writes anything, which overlaps the weights'
+// first DRAM round trip with the previous kernel's tail.
+__device__ __forceinline__ void pdl_deferred() {}
+
+// pdl_entry's wait and launch, for a kernel that began with pdl_deferred().
+__device__ __forceinline__ void pdl_wait() { pdl_entry(); }
+
 // IEEE half bits to f32 (exact), through the PTX conversion instruction.
 __device__ __forceinline__ float half_bits_to_f32(unsigned short h) {
     float f;

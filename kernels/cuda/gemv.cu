@@ -435,7 +435,9 @@ __device__ __forceinline__ void iq4nl_pairs_(uint16_t* pairs) {
 
 // acc += the task's C chunks times one token's 8-bit activations (xq: the token's int8 values, xd: its scales,
 // one per 32), chunk by chunk in order: dx * (s * sum(q * x) - m * sum(x)).
-template <int C>
+// With SMEM, xq and xd point at shared memory (a GEMV prologue's quantization: quantize_prologue), read with
+// plain loads.
+template <int C, bool SMEM = false>
 __device__ __forceinline__ void q8_task_accumulate(float& acc, const int (&q)[C][8], const float (&s)[C],
                                                    const float (&m)[C], const signed char* __restrict__ xq,
                                                    const float* __restrict__ xd, int task) {
@@ -443,7 +445,7 @@ __device__ __forceinline__ void q8_task_accumulate(float& acc, const int (&q)[C]
     for (int h = 0; h < C; h++) {
         const int chunk = task * C + h;
         const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
-        const int4 a = __ldg(xp), b = __ldg(xp + 1);
+        const int4 a = SMEM ? xp[0] : __ldg(xp), b = SMEM ? xp[1] : __ldg(xp + 1);
         const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
         int dot = 0, sum = 0;
 #pragma unroll
@@ -451,17 +453,213 @@ __device__ __forceinline__ void q8_task_accumulate(float& acc, const int (&q)[C]
             dot = dp4a_(q[h][i], xs[i], dot);
             sum = dp4a_(0x01010101, xs[i], sum);
         }
-        acc += __ldg(xd + chunk) * (s[h] * (float)dot - m[h] * (float)sum);
+        acc += (SMEM ? xd[chunk] : __ldg(xd + chunk)) * (s[h] * (float)dot - m[h] * (float)sum);
     }
 }
 
-// y[t][r] for NT tokens: a group of `lanes` threads per row, each taking tasks lane, lane + lanes, ...
-template <int T, int NT>
+// One decode-GEMV task's weight bytes, loaded raw (`load`: plain 16-, 4- or 2-byte loads, nothing decoded) so that
+// several tasks' loads are in flight before the first is decoded (`decode`: the same q, s, m as QTask<T>::load, bit
+// for bit). Q8_0: the f16 scale and the 32 int8 values of a block.
+template <int T>
+struct QRaw;
+template <>
+struct QRaw<T_Q8_0> {
+    unsigned short d;
+    int w[8];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int t) {
+        const uint16_t* b = reinterpret_cast<const uint16_t*>(row + 34 * t);
+        d = __ldg(b);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = (int)__ldg(b + 1 + 2 * i) | ((int)__ldg(b + 2 + 2 * i) << 16);
+    }
+    __device__ __forceinline__ void decode(int (&q)[1][8], float (&s)[1], float (&m)[1], const uint16_t*) const {
+        s[0] = half_bits_to_f32(d);
+        m[0] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) q[0][i] = w[i];
+    }
+};
+
+// Q4_0 / IQ4_NL: the f16 scale and the 16 nibble bytes of an 18-byte block (2-byte aligned).
+template <int T>
+struct QRawNibble32 {
+    unsigned short d;
+    unsigned int w[4];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int t) {
+        const uint16_t* b = reinterpret_cast<const uint16_t*>(row + 18 * t);
+        d = __ldg(b);
+        nibble_words_(b, w);
+    }
+    __device__ __forceinline__ void decode(int (&q)[1][8], float (&s)[1], float (&m)[1],
+                                           const uint16_t* __restrict__ pairs) const {
+        s[0] = half_bits_to_f32(d);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if constexpr (T == T_IQ4_NL) {
+                const unsigned int p0 = pairs[w[i] & 0xFF], p1 = pairs[(w[i] >> 8) & 0xFF];
+                const unsigned int p2 = pairs[(w[i] >> 16) & 0xFF], p3 = pairs[w[i] >> 24];
+                const unsigned int lo01 = p0 | (p1 << 16), lo23 = p2 | (p3 << 16);
+                q[0][i] = (int)__byte_perm(lo01, lo23, 0x6420);
+                q[0][i + 4] = (int)__byte_perm(lo01, lo23, 0x7531);
+            } else {
+                q[0][i] = (int)(w[i] & 0x0F0F0F0Fu);
+                q[0][i + 4] = (int)((w[i] >> 4) & 0x0F0F0F0Fu);
+            }
+        }
+        m[0] = T == T_IQ4_NL ? 0.f : 8.f * s[0];
+    }
+};
+template <>
+struct QRaw<T_Q4_0> : QRawNibble32<T_Q4_0> {};
+template <>
+struct QRaw<T_IQ4_NL> : QRawNibble32<T_IQ4_NL> {};
+
+// Q4_K: the super-block's 16-byte header (d, dmin, 12 packed scale bytes) and the task's 32 quant bytes (sub-blocks
+// 2 * pair and 2 * pair + 1, pair = t % 4). decode unpacks the scales as scale_min_k4 does, from registers.
+template <>
+struct QRaw<T_Q4_K> {
+    unsigned int hdr[4];
+    uint4 qa, qb;
+    int pair;
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int t) {
+        const uint8_t* b = row + 144 * (t >> 2);
+        pair = t & 3;
+        const uint4 h = __ldg(reinterpret_cast<const uint4*>(b));
+        hdr[0] = h.x;
+        hdr[1] = h.y;
+        hdr[2] = h.z;
+        hdr[3] = h.w;
+        const uint4* qp = reinterpret_cast<const uint4*>(b + 16 + 32 * pair);
+        qa = __ldg(qp);
+        qb = __ldg(qp + 1);
+    }
+    __device__ __forceinline__ void decode(int (&q)[2][8], float (&s)[2], float (&m)[2], const uint16_t*) const {
+        const float d = half_bits_to_f32((unsigned short)(hdr[0] & 0xFFFF));
+        const float dmin = half_bits_to_f32((unsigned short)(hdr[0] >> 16));
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            // Sub-block j = 2 * pair + h; scale bytes j & 3 of each of the three scale words (scale_min_k4).
+            const int j = 2 * pair + h, sh = 8 * (j & 3);
+            const int b1 = (int)((hdr[1] >> sh) & 0xFF), b2 = (int)((hdr[2] >> sh) & 0xFF);
+            const int b3 = (int)((hdr[3] >> sh) & 0xFF);
+            const int sc = j < 4 ? (b1 & 63) : ((b3 & 0xF) | ((b1 >> 6) << 4));
+            const int mn = j < 4 ? (b2 & 63) : ((b3 >> 4) | ((b2 >> 6) << 4));
+            s[h] = d * (float)sc;
+            m[h] = dmin * (float)mn;
+        }
+        const unsigned int w[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            q[0][i] = (int)(w[i] & 0x0F0F0F0Fu);
+            q[1][i] = (int)((w[i] >> 4) & 0x0F0F0F0Fu);
+        }
+    }
+};
+
+// The most activations a GEMV prologue quantizes into shared memory (quantize_prologue): an expert's or the shared
+// expert's hidden layer, a hyper-connection's low-rank activation.
+#define PRO_MAX_COLS 2560
+
+// What a decode GEMV's input is: 8-bit activations quantized by an earlier kernel (PRO_Q8: qx, dx in global
+// memory), or an f32 row that the GEMV's own blocks turn into its activation and quantize into shared memory
+// (PRO_ACT: ProIn), which saves the launch of the activation kernel before it.
+#define PRO_Q8 0
+#define PRO_ACT 1
+
+// A prologue's input row: with x2, the SwiGLU hidden layer silu(x) * x2 (bit for bit the silu_mul kernel's
+// value); without, the hyper-connection's low-rank activation silu(x * scale) (hc_acts' value), and then aux[s] =
+// 2 sigmoid(x[cols + s] * scale) for s < aux_n (its injection weights, written by block 0 when aux is set).
+struct ProIn {
+    const float* x;
+    const float* x2;
+    float scale;
+    int blk;
+    float* aux;
+    int aux_n;
+};
+
+// A GEMV prologue: the block computes one row of `cols` activations (ProIn) and quantizes it into sq (int8) and
+// sd (one f32 scale per 32 values) exactly as quantize_thread does (blocks of blk = 32 or 256 values, d = max|v| /
+// 127, q = round(v / d) clamped to +-127, a block with a NaN or an infinity: d = NaN, q = 0). A warp takes 256
+// values at a time, 8 per lane. cols a multiple of blk and at most PRO_MAX_COLS; x, x2 16-byte aligned. Every
+// thread of the block must call it; the block is synchronised on return.
+__device__ __forceinline__ void quantize_prologue(const ProIn& in, int cols, signed char* sq, float* sd) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (in.aux && blockIdx.x == 0 && threadIdx.x < in.aux_n)
+        in.aux[threadIdx.x] = 2.f * sigmoidf_(in.x[cols + threadIdx.x] * in.scale);
+    for (int g0 = 256 * warp; g0 < cols; g0 += 256 * nw) {
+        const int i = g0 + 8 * lane;
+        const bool live = i < cols;
+        float v[8];
+        if (live) {
+            const float4 a = *reinterpret_cast<const float4*>(in.x + i);
+            const float4 b = *reinterpret_cast<const float4*>(in.x + i + 4);
+            v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+            if (in.x2) {
+                const float4 c = *reinterpret_cast<const float4*>(in.x2 + i);
+                const float4 e = *reinterpret_cast<const float4*>(in.x2 + i + 4);
+                const float u[8] = {c.x, c.y, c.z, c.w, e.x, e.y, e.z, e.w};
+#pragma unroll
+                for (int j = 0; j < 8; j++) v[j] = siluf_(v[j]) * u[j];
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) v[j] = siluf_(v[j] * in.scale);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = 0.f;
+        }
+        float amax = 0.f;
+        int bad = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            amax = fmaxf(amax, fabsf(v[j]));
+            bad |= nonfinite_(v[j]);
+        }
+        // The quantization block: 4 lanes (32 values) or the whole warp (256).
+        for (int o = 1; o < (in.blk == 256 ? 32 : 4); o <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+        }
+        const float d = amax / 127.0f;
+        const float id = d > 0.f ? 1.0f / d : 0.f;
+        unsigned int w[2] = {0u, 0u};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float q = roundf(v[j] * id);
+            q = fminf(fmaxf(q, -127.f), 127.f);
+            const unsigned int b8 = bad ? 0u : (unsigned int)(unsigned char)(signed char)(int)q;
+            w[j / 4] |= b8 << (8 * (j % 4));
+        }
+        if (live) {
+            *reinterpret_cast<uint2*>(sq + i) = make_uint2(w[0], w[1]);
+            if ((i & 31) == 0) sd[i / 32] = bad ? __int_as_float(0x7fc00000) : d;
+        }
+    }
+    __syncthreads();
+}
+
+// Tasks whose raw weight bytes a decode-GEMV thread keeps in flight (QRaw): task i + 1's loads are issued before
+// task i is decoded. (3 took more registers than 7 blocks of 128 threads per SM leave: the 800-block expert
+// launches no longer fitted in one wave and ran slower, H200 ncu.)
+#define GEMVQ_DEPTH 2
+
+// y[t][r] for NT tokens: a group of `lanes` threads per row, each taking tasks lane, lane + lanes, ... in that
+// order (the f32 sums, hence the results, do not depend on the prefetch). With WAIT, the kernel's dependent-launch
+// wait (pdl_wait) comes after the first tasks' weight loads: only for weights no kernel writes (dense matrices; a
+// routed expert's address depends on the router, so those kernels wait first).
+// With PRO_ACT (NT = 1), the block first computes and quantizes its input row (pro) into shared memory
+// (quantize_prologue) and qx, dx are ignored.
+template <int T, int NT, bool WAIT, int PRO = PRO_Q8>
 __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long long row_bytes, int rows, int cols,
                                            const signed char* __restrict__ qx, const float* __restrict__ dx,
                                            long long x_stride, float* __restrict__ y, long long y_stride, int lanes,
-                                           const uint16_t* pairs) {
+                                           const uint16_t* pairs, ProIn pro = {}) {
+    static_assert(PRO == PRO_Q8 || NT == 1, "a prologue quantizes one input row");
+    __shared__ __align__(16) signed char sq[PRO == PRO_Q8 ? 16 : PRO_MAX_COLS];
+    __shared__ float sd[PRO == PRO_Q8 ? 1 : PRO_MAX_COLS / 32];
     constexpr int C = QTask<T>::chunks;
+    constexpr int D = GEMVQ_DEPTH;
     const int rows_per_block = blockDim.x / lanes;
     const int r = blockIdx.x * rows_per_block + threadIdx.x / lanes;
     const int lane = threadIdx.x % lanes;
@@ -469,16 +667,35 @@ __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long l
     const bool valid = r < rows;
     const uint8_t* row = W + (long long)(valid ? r : 0) * row_bytes;
     const int ntasks = valid ? cols / (32 * C) : 0;
+    QRaw<T> raw[D];
+#pragma unroll
+    for (int k = 0; k < D; k++) {
+        if (lane + k * lanes < ntasks) raw[k].load(row, lane + k * lanes);
+    }
+    if constexpr (WAIT) pdl_wait();
+    if constexpr (PRO != PRO_Q8) {
+        quantize_prologue(pro, cols, sq, sd);
+        qx = sq;
+        dx = sd;
+    }
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
-    for (int task = lane; task < ntasks; task += lanes) {
-        int q[C][8];
-        float s[C], m[C];
-        qtask_load<T, C>(row, task, q, s, m, pairs);
+    for (int base = lane; base < ntasks; base += D * lanes) {
 #pragma unroll
-        for (int t = 0; t < NT; t++) {
-            q8_task_accumulate<C>(acc[t], q, s, m, qx + t * x_stride, dx + t * (x_stride / 32), task);
+        for (int k = 0; k < D; k++) {
+            const int task = base + k * lanes;
+            if (task < ntasks) {
+                int q[C][8];
+                float s[C], m[C];
+                raw[k].decode(q, s, m, pairs);
+                if (task + D * lanes < ntasks) raw[k].load(row, task + D * lanes);
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    q8_task_accumulate<C, PRO != PRO_Q8>(acc[t], q, s, m, qx + t * x_stride,
+                                                         dx + t * (x_stride / 32), task);
+                }
+            }
         }
     }
     row_group_sum<NT>(acc, lanes);
@@ -490,50 +707,59 @@ __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long l
 
 // Routed experts, decode: slot s = blockIdx.y multiplies expert ids[s] with token s / slots_per_x's activations.
 // blockIdx.z picks (W0, y0) or (W1, y1) so gate and up run in one launch.
-template <int T>
+// With PRO_ACT the slot's input row is pro's row xt (x and x2 advanced by xt * x_stride), computed and quantized by
+// the block (gemvq_body).
+template <int T, int PRO = PRO_Q8>
 __device__ __forceinline__ void moe_gemvq_body(const uint8_t* W0, const uint8_t* W1, long long expert_bytes,
                                                long long row_bytes, int rows, int cols, const int* __restrict__ ids,
                                                const signed char* qx, const float* dx, long long x_stride,
                                                int slots_per_x, float* y0, float* y1, int lanes,
-                                               const uint16_t* pairs) {
+                                               const uint16_t* pairs, ProIn pro = {}) {
     const int s = blockIdx.y;
     const long long e = ids[s];
     if (e < 0) return;  // a slot computed elsewhere (the CPU, in hybrid decode): its output is not read
     const uint8_t* W = blockIdx.z == 0 ? W0 : W1;
     float* y = blockIdx.z == 0 ? y0 : y1;
     const long long xt = s / slots_per_x;
-    gemvq_body<T, 1>(W + e * expert_bytes, row_bytes, rows, cols, qx + xt * x_stride, dx + xt * (x_stride / 32), 0,
-                     y + (long long)s * rows, 0, lanes, pairs);
+    if constexpr (PRO == PRO_Q8) {
+        gemvq_body<T, 1, false>(W + e * expert_bytes, row_bytes, rows, cols, qx + xt * x_stride,
+                                dx + xt * (x_stride / 32), 0, y + (long long)s * rows, 0, lanes, pairs);
+    } else {
+        pro.x += xt * x_stride;
+        if (pro.x2) pro.x2 += xt * x_stride;
+        gemvq_body<T, 1, false, PRO>(W + e * expert_bytes, row_bytes, rows, cols, nullptr, nullptr, 0,
+                                     y + (long long)s * rows, 0, lanes, pairs, pro);
+    }
 }
 
 #define GEMVQ(NAME, T)                                                                                            \
     extern "C" __global__ void gemvq_##NAME##_1(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
-                                                long long ys, int lanes) { pdl_entry();             \
+                                                long long ys, int lanes) { pdl_deferred();          \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
-        gemvq_body<T, 1>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
+        gemvq_body<T, 1, true>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                               \
     }                                                                                                             \
     extern "C" __global__ void gemvq_##NAME##_2(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
-                                                long long ys, int lanes) { pdl_entry();             \
+                                                long long ys, int lanes) { pdl_deferred();          \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
-        gemvq_body<T, 2>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
+        gemvq_body<T, 2, true>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                               \
     }                                                                                                             \
     extern "C" __global__ void gemvq_##NAME##_4(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
-                                                long long ys, int lanes) { pdl_entry();             \
+                                                long long ys, int lanes) { pdl_deferred();          \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
-        gemvq_body<T, 4>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
+        gemvq_body<T, 4, true>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                               \
     }                                                                                                             \
     extern "C" __global__ void gemvq_##NAME##_8(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
-                                                long long ys, int lanes) { pdl_entry();             \
+                                                long long ys, int lanes) { pdl_deferred();          \
         __shared__ uint16_t pairs[256];                                                                            \
         if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
-        gemvq_body<T, 8>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                                     \
+        gemvq_body<T, 8, true>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                               \
     }                                                                                                             \
     extern "C" __global__ void moe_gemvq_##NAME(const uint8_t* W0, const uint8_t* W1, long long eb, long long rb, \
                                                 int rows, int cols, const int* ids, const signed char* qx,         \
@@ -548,6 +774,34 @@ GEMVQ(q8_0, T_Q8_0)
 GEMVQ(q4_0, T_Q4_0)
 GEMVQ(iq4_nl, T_IQ4_NL)
 GEMVQ(q4_k, T_Q4_K)
+
+// Decode GEMVs of one token whose blocks compute and quantize their own input (quantize_prologue: x2 set,
+// silu(x) * x2; x2 null, silu(x * scale) and the injection weights into aux): gemvqp_* (dense) and moe_gemvqp_*
+// (routed experts as moe_gemvq_*, slot s reading row s / spx of x and x2; x2 set). No SiLU kernel before a down
+// projection, no hc_acts before a hyper-connection's up projection.
+#define GEMVQP(NAME, T)                                                                                           \
+    extern "C" __global__ void gemvqp_##NAME(const uint8_t* W, long long rb, int rows, int cols, const float* x,  \
+                                             const float* x2, float scale, int blk, float* aux, int aux_n,       \
+                                             float* y, int lanes) { pdl_deferred();                               \
+        __shared__ uint16_t pairs[256];                                                                            \
+        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        gemvq_body<T, 1, true, PRO_ACT>(W, rb, rows, cols, nullptr, nullptr, 0, y, 0, lanes, pairs,              \
+                                        ProIn{x, x2, scale, blk, aux, aux_n});                                     \
+    }                                                                                                             \
+    extern "C" __global__ void moe_gemvqp_##NAME(const uint8_t* W0, const uint8_t* W1, long long eb, long long rb, \
+                                                 int rows, int cols, const int* ids, const float* x,               \
+                                                 const float* x2, int blk, long long xs, int spx, float* y0,        \
+                                                 float* y1, int lanes) { pdl_entry();                              \
+        __shared__ uint16_t pairs[256];                                                                            \
+        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        moe_gemvq_body<T, PRO_ACT>(W0, W1, eb, rb, rows, cols, ids, nullptr, nullptr, xs, spx, y0, y1, lanes, pairs, \
+                                   ProIn{x, x2, 1.f, blk, nullptr, 0});                                            \
+    }
+
+GEMVQP(q8_0, T_Q8_0)
+GEMVQP(q4_0, T_Q4_0)
+GEMVQP(iq4_nl, T_IQ4_NL)
+GEMVQP(q4_k, T_Q4_K)
 
 // Routed experts, prefill, on 8-bit activations: as moe_grouped (blockIdx.y = expert e, its slots
 // perm[offsets[e] .. offsets[e+1]] 8 at a time) with each weight task decoded once per 8 slots and multiplied by

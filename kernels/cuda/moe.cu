@@ -2,77 +2,92 @@
 #include "common.cuh"
 
 // Softmax over E router logits, the top k (ties to the lower expert id), weights renormalised to sum 1.
-// One block per token; E <= 1024.
-extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int k, int* ids, float* weights) {
+// One warp per token (blockDim 32), E <= 1024: lane l holds p[l + 32 j] in registers, so a round of the top-k
+// is a 32-value scan of the lane that lost its best and a 5-step shuffle argmax, with no block barrier.
+// With sgw (f32 [d], d a multiple of 128), also the shared expert's gate logit sgate[t] = sgw . x[t] (x [n][d]):
+// the one-row product that otherwise takes a launch of its own.
+#define ROUTER_PER_LANE 32
+extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int k, int* ids, float* weights,
+                                       const float* __restrict__ x, int d, const float* __restrict__ sgw,
+                                       float* sgate) {
     pdl_entry();
-    const int t = blockIdx.x;
-    __shared__ float p[1024];
-    __shared__ float bv[32];
-    __shared__ int bi[32];
-    __shared__ float sum_sh;
+    const int t = blockIdx.x, lane = threadIdx.x;
+    if (sgw) {
+        const float4* xp = reinterpret_cast<const float4*>(x + (long long)t * d);
+        const float4* wp = reinterpret_cast<const float4*>(sgw);
+        float a = 0.f;
+        for (int i = lane; i < d / 4; i += 32) {
+            const float4 u = xp[i], v = __ldg(wp + i);
+            a += u.x * v.x + u.y * v.y + u.z * v.z + u.w * v.w;
+        }
+        a = warp_sum(a);
+        if (lane == 0) sgate[t] = a;
+    }
     const float* lg = logits + (long long)t * E;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    float p[ROUTER_PER_LANE];
     float mx = -INFINITY;
-    for (int i = tid; i < E; i += blockDim.x) mx = fmaxf(mx, lg[i]);
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_LANE; j++) {
+        const int i = lane + 32 * j;
+        p[j] = i < E ? lg[i] : -INFINITY;
+        mx = fmaxf(mx, p[j]);
+    }
     mx = warp_max(mx);
-    if (lane == 0) bv[warp] = mx;
-    __syncthreads();
-    if (tid == 0) {
-        float v = -INFINITY;
-        for (int w = 0; w < nw; w++) v = fmaxf(v, bv[w]);
-        bv[0] = v;
-    }
-    __syncthreads();
-    mx = bv[0];
     float s = 0.f;
-    for (int i = tid; i < E; i += blockDim.x) {
-        p[i] = expf(lg[i] - mx);
-        s += p[i];
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_LANE; j++) {
+        p[j] = lane + 32 * j < E ? expf(p[j] - mx) : 0.f;
+        s += p[j];
     }
-    s = block_sum(s);
-    for (int i = tid; i < E; i += blockDim.x) p[i] /= s;
-    __syncthreads();
-    float chosen_sum = 0.f;
+    s = warp_sum(s);
+    // The lane's best (value, id): -1 after the lane's values are all taken (probabilities are >= 0).
+    float best = -1.f;
+    int besti = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_LANE; j++) {
+        if (lane + 32 * j < E) {
+            p[j] /= s;
+            if (p[j] > best) {
+                best = p[j];
+                besti = lane + 32 * j;
+            }
+        } else {
+            p[j] = -2.f;
+        }
+    }
+    float chosen_sum = 0.f, mine = 0.f;
     for (int r = 0; r < k; r++) {
-        float best = -1.f;
-        int besti = 0x7fffffff;
-        for (int i = tid; i < E; i += blockDim.x)
-            if (p[i] > best || (p[i] == best && i < besti)) {
-                best = p[i];
-                besti = i;
-            }
+        float b = best;
+        int bi = besti;
+#pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, besti, o);
-            if (ov > best || (ov == best && oi < besti)) {
-                best = ov;
-                besti = oi;
+            const float ov = __shfl_xor_sync(0xffffffffu, b, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > b || (ov == b && oi < bi)) {
+                b = ov;
+                bi = oi;
             }
         }
-        __syncthreads();
-        if (lane == 0) {
-            bv[warp] = best;
-            bi[warp] = besti;
+        chosen_sum += b;
+        if (lane == r) {
+            ids[t * k + r] = bi;
+            mine = b;
         }
-        __syncthreads();
-        if (tid == 0) {
-            float b = bv[0];
-            int i0 = bi[0];
-            for (int w = 1; w < nw; w++)
-                if (bv[w] > b || (bv[w] == b && bi[w] < i0)) {
-                    b = bv[w];
-                    i0 = bi[w];
+        if ((bi & 31) == lane) {
+            // This lane gave the winner: take it out and find the lane's next best (ties: lower id first).
+            best = -1.f;
+            besti = 0x7fffffff;
+#pragma unroll
+            for (int j = 0; j < ROUTER_PER_LANE; j++) {
+                if (lane + 32 * j == bi) p[j] = -2.f;
+                if (p[j] > best) {
+                    best = p[j];
+                    besti = lane + 32 * j;
                 }
-            ids[t * k + r] = i0;
-            weights[t * k + r] = b;
-            chosen_sum += b;
-            p[i0] = -2.f;
+            }
         }
-        __syncthreads();
     }
-    if (tid == 0) sum_sh = chosen_sum;
-    __syncthreads();
-    if (tid < k) weights[t * k + tid] /= sum_sh;
+    if (lane < k) weights[t * k + lane] = mine / chosen_sum;
 }
 
 // out[t][i] = sum_j w[t][j] * ys[t*k + j][i] + extra[t][i] + sigmoid(sg[t]) * shared[t][i]. Slots of weight 0

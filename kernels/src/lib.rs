@@ -124,13 +124,18 @@ fn kernel_names(src: &str) -> Vec<String> {
     names
 }
 
-/// Expands the `NAME(name, T)` macro instantiations of a source into concrete kernel names.
+/// Expands the `NAME(name, T)` macro instantiations of a source into concrete kernel names (every macro
+/// `#define FAMILY(NAME, T)` is a kernel family).
 fn expand_names(src: &str) -> Vec<String> {
     let templates = kernel_names(src);
     let mut out: Vec<String> = templates.iter().filter(|n| !n.contains("##")).cloned().collect();
+    let families: Vec<&str> = src
+        .lines()
+        .filter_map(|l| l.strip_prefix("#define ")?.split_once("(NAME, T)").map(|(family, _)| family))
+        .collect();
     for line in src.lines() {
         let line = line.trim();
-        for macro_name in ["GEMV", "GEMVQ", "GET_ROWS", "ELEM", "GROUPED", "GROUPEDQ", "GROUPEDMMA"] {
+        for &macro_name in &families {
             if let Some(args) = line.strip_prefix(&format!("{macro_name}(")) {
                 let ty = args.split(',').next().unwrap_or("").trim();
                 let block: String = src
@@ -250,6 +255,8 @@ mod tests {
             "gemvq_q4_k_1",
             "gemvq_iq4_nl_8",
             "moe_gemvq_q8_0",
+            "gemvqp_q4_k",
+            "moe_gemvqp_iq4_nl",
             "quantize_act",
             "moe_groupedq_q4_k",
             "moe_groupedmma_iq4_nl",
@@ -261,7 +268,9 @@ mod tests {
 
     /// Programmatic dependent launch is safe only if every kernel waits for its predecessor before anything else
     /// (common.cuh `pdl_entry`): a kernel that read first, or returned before waiting, could see stale inputs or let
-    /// a later kernel overtake the one before it.
+    /// a later kernel overtake the one before it. The one exception, marked `pdl_deferred()`, is the dense decode
+    /// GEMV, which loads weights (written by no kernel) first: its body must be `gemvq_body` with the wait on, and
+    /// that body must wait before its first activation read or output write.
     #[test]
     fn every_kernel_body_begins_with_the_dependent_launch_wait() {
         let mut kernels = 0;
@@ -274,11 +283,27 @@ mod tests {
                     .take("pdl_entry();".len())
                     .collect();
                 let head: String = src[i..open].chars().take(80).collect();
-                assert_eq!(first, "pdl_entry();", "{stem}.cu: the kernel at `{head}` does not begin with pdl_entry()");
+                if first.starts_with("pdl_deferred") {
+                    let body = &src[open..open + src[open..].find("\n    }").expect("the kernel's end")];
+                    assert!(body.contains("gemvq_body<T, 1, true") || body.contains(", true>("), "{stem}.cu: `{head}`");
+                    assert!(body.contains("gemvq_body<T, "), "{stem}.cu: `{head}`");
+                } else {
+                    assert_eq!(
+                        first, "pdl_entry();",
+                        "{stem}.cu: the kernel at `{head}` does not begin with pdl_entry()"
+                    );
+                }
                 kernels += 1;
             }
         }
         assert!(kernels >= 50, "found only {kernels} kernel definitions");
+        let gemv = SOURCES.iter().find(|(stem, _)| *stem == "gemv").expect("gemv.cu").1;
+        let body = &gemv[gemv.find("__device__ __forceinline__ void gemvq_body").expect("gemvq_body")..];
+        let body = &body[..body.find("\n}\n").expect("gemvq_body's end")];
+        let wait = body.find("if constexpr (WAIT) pdl_wait();").expect("gemvq_body waits");
+        for use_ in ["quantize_prologue", "q8_task_accumulate", "y["] {
+            assert!(body.find(use_).is_some_and(|u| u > wait), "gemvq_body uses `{use_}` before it waits");
+        }
     }
 
     /// Needs libnvrtc (e.g. `pip install nvidia-cuda-nvrtc`, then point LD_LIBRARY_PATH at its lib folder):

@@ -149,10 +149,32 @@ struct DevMoe {
     gate: DevStack,
     up: DevStack,
     down: DevStack,
-    sh_gate: DevMatrix,
-    sh_up: DevMatrix,
+    /// The shared expert's gate projection `[sff, d]`, with its up projection stacked under it (`[2 sff, d]`,
+    /// one decode GEMV for both) when the two share a type; `sh_up` holds the up projection otherwise.
+    sh_gate_up: DevMatrix,
+    sh_up: Option<DevMatrix>,
+    /// The shared expert's hidden size `sff`.
+    sh_ff: usize,
     sh_down: DevMatrix,
-    sh_gate_inp: DevMatrix,
+    /// The shared expert's gate row (f32 `[d]`), applied by the router kernel.
+    sh_gate_inp: CudaSlice<f32>,
+}
+
+impl DevMoe {
+    /// The shared expert's gate projection `[sff, d]`.
+    fn sh_gate(&self, dev: &Dev) -> MatRef {
+        MatRef { rows: self.sh_ff, ..self.sh_gate_up.r(dev) }
+    }
+    /// The shared expert's up projection `[sff, d]` (the lower half of the stack when stacked).
+    fn sh_up(&self, dev: &Dev) -> MatRef {
+        match &self.sh_up {
+            Some(u) => u.r(dev),
+            None => {
+                let g = self.sh_gate(dev);
+                MatRef { ptr: g.ptr + (self.sh_ff * g.row_bytes) as u64, ..g }
+            }
+        }
+    }
 }
 
 struct DevPle {
@@ -247,6 +269,12 @@ pub struct CudaModel {
     /// Quantize activations to 8 bits for the GEMVs of Q8_0, Q4_0, IQ4_NL and Q4_K weights (integer dot products,
     /// as the CPU kernels do); `NEBULA_CUDA_Q8=0` keeps f32 activations for every type.
     q8_acts: bool,
+    /// Whether down projections and hyper-connection up projections compute and quantize their input themselves
+    /// (`Acts::Pro`) instead of after a SiLU or `hc_acts` kernel: off unless `NEBULA_CUDA_GEMV_PROLOGUE=1`. It
+    /// takes 60 launches out of a 12-layer decode step and Nsight Compute times each fused kernel below the
+    /// two it replaces, yet the CUDA Graph step measured slower with it (H200: 384 against 432 tok/s); not
+    /// understood yet, so it is opt-in for study.
+    gemv_prologue: bool,
     /// The launch size below which a dense decode GEMV widens its rows ([`Self::gemv_lanes`]): 2^15 threads, or
     /// `NEBULA_CUDA_GEMV_THREADS` (tuning).
     gemv_min_threads: usize,
@@ -442,22 +470,22 @@ impl Uploader<'_> {
         let ups: Vec<&Matrix> = held.iter().map(|e| &e.up_proj).collect();
         let downs: Vec<&Matrix> = held.iter().map(|e| &e.down_proj).collect();
         let e0 = &m.experts[0];
-        let sg = Matrix::new(
-            GgmlType::F32,
-            1,
-            m.shared_expert_gate.len(),
-            crate::quant::WeightBytes::from_vec(m.shared_expert_gate.iter().flat_map(|v| v.to_le_bytes()).collect()),
-        )
-        .map_err(|e| CudaError::Unsupported(e.to_string()))?;
+        let se = &m.shared_expert;
+        Self::check_shape(&se.up_proj, what)?;
+        let (sh_gate_up, sh_up) = match self.stacked(&[&se.gate_proj, &se.up_proj], what)? {
+            Some(both) => (both, None),
+            None => (self.matrix(&se.gate_proj, what)?, Some(self.matrix(&se.up_proj, what)?)),
+        };
         Ok(DevMoe {
             router: self.matrix(&m.gate, what)?,
             gate: self.stack(&gates, &e0.gate_proj, what)?,
             up: self.stack(&ups, &e0.up_proj, what)?,
             down: self.stack(&downs, &e0.down_proj, what)?,
-            sh_gate: self.matrix(&m.shared_expert.gate_proj, what)?,
-            sh_up: self.matrix(&m.shared_expert.up_proj, what)?,
+            sh_gate_up,
+            sh_up,
+            sh_ff: se.gate_proj.rows(),
             sh_down: self.matrix(&m.shared_expert.down_proj, what)?,
-            sh_gate_inp: self.matrix(&sg, what)?,
+            sh_gate_inp: self.vector(&m.shared_expert_gate)?,
         })
     }
     fn hc(&mut self, g: &GatedResidual, what: &str) -> Result<DevHc, CudaError> {
@@ -512,12 +540,30 @@ impl DevMatrix {
 /// What a quantized activation buffer was made from: (x, rows, cols, block, the device's write count).
 type Q8Key = (u64, usize, usize, usize, u64);
 
-/// A GEMV's input rows on the device: f32, or quantized to 8 bits (int8 values, f32 scales per 32).
+/// A GEMV's input rows on the device: f32, or quantized to 8 bits (int8 values, f32 scales per 32), or f32 rows
+/// that the 8-bit GEMV's blocks turn into the activation and quantize themselves (`gemvqp_*`, `moe_gemvqp_*`).
 #[derive(Debug, Clone, Copy)]
 enum Acts {
     F32(u64),
     Q8(u64, u64),
+    Pro(Pro),
 }
+
+/// The input of a GEMV with a prologue (gemv.cu `ProIn`, `quantize_prologue`): with `x2` not 0 the SwiGLU
+/// hidden layer `silu(x) * x2`; with `x2 = 0` the hyper-connection activation `silu(x * scale)`, and then block
+/// 0 also writes `aux[s] = 2 sigmoid(x[cols + s] * scale)` for `s < aux_n` (0 = none). Quantized in blocks of `blk`.
+#[derive(Debug, Clone, Copy)]
+struct Pro {
+    x: u64,
+    x2: u64,
+    scale: f32,
+    blk: usize,
+    aux: u64,
+    aux_n: usize,
+}
+
+/// The most columns a GEMV prologue quantizes (gemv.cu `PRO_MAX_COLS`).
+const PRO_MAX_COLS: usize = 2560;
 
 /// One stack of expert matrices by address: `ty`/`rows`/`cols`/`row_bytes` per matrix, consecutive matrices
 /// `rows * row_bytes` apart from `ptr` (the resident stack or a staging buffer).
@@ -725,6 +771,7 @@ impl CudaModel {
             graphs: std::env::var("NEBULA_CUDA_GRAPHS").map_or(true, |v| v != "0")
                 && std::env::var("NEBULA_CUDA_PROFILE").is_err(),
             q8_acts: std::env::var("NEBULA_CUDA_Q8").map_or(true, |v| v != "0"),
+            gemv_prologue: std::env::var("NEBULA_CUDA_GEMV_PROLOGUE").is_ok_and(|v| v == "1"),
             gemv_min_threads: std::env::var("NEBULA_CUDA_GEMV_THREADS")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -1065,43 +1112,73 @@ impl CudaModel {
 
     /// `y[n][rows] = x[n][cols] . W^T`.
     fn matmul(&self, w: MatRef, x: u64, n: usize, y: u64) -> Result<(), CudaError> {
-        let dev = &self.dev;
-        let sfx = type_suffix(w.ty)?;
         if n <= GEMV_MAX_TOKENS || self.exact() {
             // 8-bit activations where the type has an integer path (`gemvq_*`: x is (qx, dx)), else f32 (`gemv_*`).
             let xa = self.acts(w.ty, x, n, w.cols)?;
-            // 128-thread blocks, [`Self::gemv_lanes`] threads per row.
-            let tasks = Self::tasks_per_row(w.ty, w.cols, matches!(xa, Acts::Q8(..)));
-            let lanes = Self::gemv_lanes(tasks, w.rows, self.gemv_min_threads);
-            let rows_per_block = 128 / lanes;
-            let mut t0 = 0;
-            while t0 < n {
-                let c = [8usize, 4, 2, 1].into_iter().find(|&c| c <= n - t0).expect("1 always fits");
-                let (kernel, x_args) = match xa {
-                    Acts::Q8(qx, dx) => (
-                        format!("gemvq_{sfx}_{c}"),
-                        vec![Arg::Ptr(qx + (t0 * w.cols) as u64), Arg::Ptr(dx + (t0 * w.cols / 32 * 4) as u64)],
-                    ),
-                    Acts::F32(xp) => (format!("gemv_{sfx}_{c}"), vec![Arg::Ptr(xp + (t0 * w.cols * 4) as u64)]),
-                };
-                let mut args = vec![
-                    Arg::Ptr(w.ptr),
-                    Arg::I64(w.row_bytes as i64),
-                    Arg::I32(w.rows as i32),
-                    Arg::I32(w.cols as i32),
-                ];
-                args.extend(x_args);
-                args.extend([
-                    Arg::I64(w.cols as i64),
-                    Arg::Ptr(y + (t0 * w.rows * 4) as u64),
-                    Arg::I64(w.rows as i64),
-                    Arg::I32(lanes as i32),
-                ]);
-                dev.launch(&kernel, (w.rows.div_ceil(rows_per_block) as u32, 1, 1), 128, &args)?;
-                t0 += c;
-            }
+            self.gemv(w, xa, n, y)
+        } else {
+            self.matmul_batch(w, x, n, y)
+        }
+    }
+
+    /// Decode GEMVs `y[n][rows] = x[n][cols] . W^T` on activations `xa` (n = 1 for `Acts::Pro`).
+    fn gemv(&self, w: MatRef, xa: Acts, n: usize, y: u64) -> Result<(), CudaError> {
+        let dev = &self.dev;
+        let sfx = type_suffix(w.ty)?;
+        // 128-thread blocks, [`Self::gemv_lanes`] threads per row.
+        let tasks = Self::tasks_per_row(w.ty, w.cols, !matches!(xa, Acts::F32(..)));
+        let lanes = Self::gemv_lanes(tasks, w.rows, self.gemv_min_threads);
+        let rows_per_block = 128 / lanes;
+        if let Acts::Pro(p) = xa {
+            debug_assert_eq!(n, 1);
+            let args = [
+                Arg::Ptr(w.ptr),
+                Arg::I64(w.row_bytes as i64),
+                Arg::I32(w.rows as i32),
+                Arg::I32(w.cols as i32),
+                Arg::Ptr(p.x),
+                Arg::Ptr(p.x2),
+                Arg::F32(p.scale),
+                Arg::I32(p.blk as i32),
+                Arg::Ptr(p.aux),
+                Arg::I32(p.aux_n as i32),
+                Arg::Ptr(y),
+                Arg::I32(lanes as i32),
+            ];
+            dev.launch(&format!("gemvqp_{sfx}"), (w.rows.div_ceil(rows_per_block) as u32, 1, 1), 128, &args)?;
             return Ok(());
         }
+        let mut t0 = 0;
+        while t0 < n {
+            let c = [8usize, 4, 2, 1].into_iter().find(|&c| c <= n - t0).expect("1 always fits");
+            let (kernel, x_args) = match xa {
+                Acts::Q8(qx, dx) => (
+                    format!("gemvq_{sfx}_{c}"),
+                    vec![Arg::Ptr(qx + (t0 * w.cols) as u64), Arg::Ptr(dx + (t0 * w.cols / 32 * 4) as u64)],
+                ),
+                Acts::F32(xp) => (format!("gemv_{sfx}_{c}"), vec![Arg::Ptr(xp + (t0 * w.cols * 4) as u64)]),
+                Acts::Pro(_) => unreachable!("launched above"),
+            };
+            let mut args =
+                vec![Arg::Ptr(w.ptr), Arg::I64(w.row_bytes as i64), Arg::I32(w.rows as i32), Arg::I32(w.cols as i32)];
+            args.extend(x_args);
+            args.extend([
+                Arg::I64(w.cols as i64),
+                Arg::Ptr(y + (t0 * w.rows * 4) as u64),
+                Arg::I64(w.rows as i64),
+                Arg::I32(lanes as i32),
+            ]);
+            dev.launch(&kernel, (w.rows.div_ceil(rows_per_block) as u32, 1, 1), 128, &args)?;
+            t0 += c;
+        }
+        Ok(())
+    }
+
+    /// `y[n][rows] = x[n][cols] . W^T` for more than `GEMV_MAX_TOKENS` tokens (prefill): tensor cores on 8-bit
+    /// activations, else the weights dequantized for cuBLAS.
+    fn matmul_batch(&self, w: MatRef, x: u64, n: usize, y: u64) -> Result<(), CudaError> {
+        let dev = &self.dev;
+        let sfx = type_suffix(w.ty)?;
         if self.tensor_cores
             && w.cols.is_multiple_of(MMA_K)
             && let Some(blk) = self.q8_block(w.ty, w.cols)
@@ -1270,7 +1347,24 @@ impl CudaModel {
         let rank = hc.rank;
         let low = self.tmp(n * rank)?;
         let q_low = self.q8_outputs(hc.up.ty, n, rank)?;
+        let g = self.tmp(n * dim)?;
+        let fused_up = n == 1
+            && self.gemv_prologue
+            && rank <= PRO_MAX_COLS
+            && matches!(hc.inject, HcInject::Stacked)
+            && self.q8_block(hc.up.ty, rank).is_some();
         let a = match &hc.inject {
+            HcInject::Stacked if fused_up => {
+                // One token: the up projection's blocks compute silu(y / S) themselves (and block 0 the injection
+                // weights), so no hc_acts launch.
+                let both = self.tmp(hc.down.rows)?;
+                self.matmul(hc.down.r(dev), xn, 1, both)?;
+                let a = self.tmp(s)?;
+                let blk = self.q8_block(hc.up.ty, rank).expect("checked above");
+                let pro = Pro { x: both, x2: 0, scale: inv_s, blk, aux: a, aux_n: s };
+                self.gemv(hc.up.r(dev), Acts::Pro(pro), 1, g)?;
+                Some(a)
+            }
             HcInject::Stacked => {
                 let both = self.tmp(n * hc.down.rows)?;
                 self.matmul(hc.down.r(dev), xn, n, both)?;
@@ -1317,9 +1411,10 @@ impl CudaModel {
                 a
             }
         };
-        self.q8_produced(low, n, rank, q_low);
-        let g = self.tmp(n * dim)?;
-        self.matmul(hc.up.r(dev), low, n, g)?;
+        if !fused_up {
+            self.q8_produced(low, n, rank, q_low);
+            self.matmul(hc.up.r(dev), low, n, g)?;
+        }
         let m = self.tmp(n * d)?;
         let q_m = match m_for {
             Some(ty) => self.q8_outputs(ty, n, d)?,
@@ -1685,22 +1780,39 @@ impl CudaModel {
         self.matmul(moe.router.r(dev), m, n, logits)?;
         let ids = self.tmp(n * k)?;
         let w = self.tmp(n * k)?;
+        // The shared expert's gate logits, computed by the router kernel's warp (d a multiple of 128: float4 loads).
+        let sgate = self.tmp(n)?;
+        let (sgw, sg_out) = if d.is_multiple_of(128) { (self.p(&moe.sh_gate_inp, 0), sgate) } else { (0, 0) };
         dev.launch(
             "router_topk",
             (n as u32, 1, 1),
-            256,
-            &[Arg::Ptr(logits), Arg::I32(e as i32), Arg::I32(k as i32), Arg::Ptr(ids), Arg::Ptr(w)],
+            32,
+            &[
+                Arg::Ptr(logits),
+                Arg::I32(e as i32),
+                Arg::I32(k as i32),
+                Arg::Ptr(ids),
+                Arg::Ptr(w),
+                Arg::Ptr(m),
+                Arg::I32(d as i32),
+                Arg::Ptr(sgw),
+                Arg::Ptr(sg_out),
+            ],
         )?;
+        if sgw == 0 {
+            let gi = MatRef { ty: GgmlType::F32, rows: 1, cols: d, row_bytes: 4 * d, ptr: self.p(&moe.sh_gate_inp, 0) };
+            self.matmul(gi, m, n, sgate)?;
+        }
         if let Some(h) = &self.hybrid {
             return if n <= h.params.cpu_max_tokens || self.exact() {
-                self.moe_hybrid_cpu(h, li, moe, m, n, ids, w, res)
+                self.moe_hybrid_cpu(h, li, moe, m, n, ids, w, sgate, res)
             } else {
-                self.moe_streamed(h, li, moe, m, n, ids, w, res)
+                self.moe_streamed(h, li, moe, m, n, ids, w, sgate, res)
             };
         }
         let slots = n * k;
         let ys = self.tmp(slots * d)?;
-        let (shared, sgate) = if n <= GEMV_MAX_TOKENS / 2 || self.exact() {
+        let shared = if n <= GEMV_MAX_TOKENS / 2 || self.exact() {
             // Decode: one GEMV per (token, expert) slot, expert ids read on the device.
             self.shared_and_routed(moe, m, n, Some((ids, ys)))?
         } else {
@@ -1714,33 +1826,33 @@ impl CudaModel {
         self.combine(ys, w, shared, sgate, 0, n, res)
     }
 
-    /// The gated shared expert of `n` tokens `m`: (its outputs `[n, d]`, the gate logits `[n]`).
-    fn shared_expert(&self, moe: &DevMoe, m: u64, n: usize) -> Result<(u64, u64), CudaError> {
+    /// The shared expert of `n` tokens `m`: its outputs `[n, d]`, before the gate (the router kernel computes the
+    /// gate logits).
+    fn shared_expert(&self, moe: &DevMoe, m: u64, n: usize) -> Result<u64, CudaError> {
         self.shared_and_routed(moe, m, n, None)
     }
 
-    /// The gated shared expert of `n` tokens `m` (returned as in [`Self::shared_expert`]) and, with
+    /// The shared expert of `n` tokens `m` (returned as in [`Self::shared_expert`]) and, with
     /// `routed = Some((ids, ys))`, the routed experts' decode GEMVs: slot `s` multiplies the stacks' matrix
     /// `ids[s]` (a slot of the stack; negative = skipped) into `ys + s * d`. Every product of `m` runs before the
-    /// first activation kernel, so they all read one 8-bit form of `m`; each SiLU kernel writes the 8-bit form of
-    /// its output for the down projection.
-    fn shared_and_routed(
-        &self,
-        moe: &DevMoe,
-        m: u64,
-        n: usize,
-        routed: Option<(u64, u64)>,
-    ) -> Result<(u64, u64), CudaError> {
+    /// first activation kernel, so they all read one 8-bit form of `m`; the down projections compute and
+    /// quantize `silu(g) * u` in their prologues where they can ([`Self::acts_silu`]), else a SiLU kernel does.
+    fn shared_and_routed(&self, moe: &DevMoe, m: u64, n: usize, routed: Option<(u64, u64)>) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
         let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
-        let sff = moe.sh_gate.rows;
-        let sg = self.tmp(n * sff)?;
-        let su = self.tmp(n * sff)?;
-        self.matmul(moe.sh_gate.r(dev), m, n, sg)?;
-        self.matmul(moe.sh_up.r(dev), m, n, su)?;
-        let sgate = self.tmp(n)?;
-        self.matmul(moe.sh_gate_inp.r(dev), m, n, sgate)?;
+        let sff = moe.sh_ff;
+        let (sg, su) = if n == 1 && moe.sh_up.is_none() {
+            // Gate and up in one GEMV of the stacked matrix: [gate | up] for the one token.
+            let both = self.tmp(2 * sff)?;
+            self.matmul(moe.sh_gate_up.r(dev), m, 1, both)?;
+            (both, both + (4 * sff) as u64)
+        } else {
+            let (sg, su) = (self.tmp(n * sff)?, self.tmp(n * sff)?);
+            self.matmul(moe.sh_gate(dev), m, n, sg)?;
+            self.matmul(moe.sh_up(dev), m, n, su)?;
+            (sg, su)
+        };
         let slots = n * k;
         let gu = match routed {
             None => None,
@@ -1758,15 +1870,21 @@ impl CudaModel {
                 Some((g, u))
             }
         };
-        self.silu_mul_q8(sg, su, n, sff, moe.sh_down.ty)?;
+        // The SwiGLU hidden layers silu(g) * u: computed by the down projections' prologues where they can.
         let shared = self.tmp(n * d)?;
-        self.matmul(moe.sh_down.r(dev), sg, n, shared)?;
+        let sh = moe.sh_down.r(dev);
+        if n == 1 && self.q8_block(sh.ty, sff).is_some() {
+            let xa = self.acts_silu(sh.ty, sg, su, 1, sff, false)?;
+            self.gemv(sh, xa, 1, shared)?;
+        } else {
+            self.silu_mul_q8(sg, su, n, sff, moe.sh_down.ty)?;
+            self.matmul(sh, sg, n, shared)?;
+        }
         if let (Some((g, u)), Some((ids, ys))) = (gu, routed) {
-            self.silu_mul_q8(g, u, slots, ff, moe.down.ty)?;
-            let xg = self.acts(moe.down.ty, g, slots, ff)?;
+            let xg = self.acts_silu(moe.down.ty, g, u, slots, ff, true)?;
             self.moe_gemv(&moe.down, None, ids, slots, xg, ff, 1, (ys, ys))?;
         }
-        Ok((shared, sgate))
+        Ok(shared)
     }
 
     /// `g = silu(g) * u` over `rows` rows of `cols`, writing the 8-bit form of `g` for a consumer of type `ty`.
@@ -1891,6 +2009,7 @@ impl CudaModel {
         n: usize,
         ids: u64,
         w: u64,
+        sgate: u64,
         res: Option<(u64, u64)>,
     ) -> Result<u64, CudaError> {
         let dev = &self.dev;
@@ -1928,7 +2047,7 @@ impl CudaModel {
         // The GPU's share, queued before the host waits: it runs while the CPU computes.
         let ys = self.tmp(slots * d)?;
         let routed = (!hl.resident.is_empty()).then_some((gpu_slot, ys));
-        let (shared, sgate) = self.shared_and_routed(moe, m, n, routed)?;
+        let shared = self.shared_and_routed(moe, m, n, routed)?;
         let t_wait = std::time::Instant::now();
         h.packed.synchronize()?;
         let waited = t_wait.elapsed();
@@ -2015,6 +2134,7 @@ impl CudaModel {
         n: usize,
         ids: u64,
         w: u64,
+        sgate: u64,
         res: Option<(u64, u64)>,
     ) -> Result<u64, CudaError> {
         let dev = &self.dev;
@@ -2023,7 +2143,7 @@ impl CudaModel {
         let stream = dev.stream();
         let hl = &h.layers[li];
         let slots = n * k;
-        let (shared, sgate) = self.shared_expert(moe, m, n)?;
+        let shared = self.shared_expert(moe, m, n)?;
         let ys = self.tmp(slots * d)?;
         let (offsets, perm) = self.sort_slots(ids, slots)?;
         if !hl.resident.is_empty() {
@@ -2096,6 +2216,32 @@ impl CudaModel {
         })
     }
 
+    /// Activations `silu(x) * x2` (`[rows][cols]` each) for the 8-bit decode GEMVs of a down projection of type
+    /// `ty` whose blocks each read one row (routed experts with `per_row`, else a dense GEMV of one row): the GEMV
+    /// computes and quantizes them itself ([`Acts::Pro`]) when it can (at most `PRO_MAX_COLS` columns,
+    /// `NEBULA_CUDA_GEMV_PROLOGUE=1`); otherwise the SiLU kernel writes them into `x` (and their 8-bit form)
+    /// first. (A prologue that only quantizes an f32 row was measured slower than `quantize_act` on a 6144-wide
+    /// row, H200: each block re-reads the row; the SiLU kernel's launch is what the prologue saves.)
+    fn acts_silu(
+        &self,
+        ty: GgmlType,
+        x: u64,
+        x2: u64,
+        rows: usize,
+        cols: usize,
+        per_row: bool,
+    ) -> Result<Acts, CudaError> {
+        if let Some(blk) = self.q8_block(ty, cols)
+            && self.gemv_prologue
+            && cols <= PRO_MAX_COLS
+            && (rows == 1 || per_row)
+        {
+            return Ok(Acts::Pro(Pro { x, x2, scale: 1.0, blk, aux: 0, aux_n: 0 }));
+        }
+        self.silu_mul_q8(x, x2, rows, cols, ty)?;
+        self.acts(ty, x, rows, cols)
+    }
+
     /// Routed-expert GEMVs for decode: slot `s` multiplies expert `ids[s]` of `stack` with the activations of
     /// token `s / slots_per_x` into `y.0`. With `second` (same shape and type), the same slots also multiply it
     /// into `y.1` (gate and up: one launch on 8-bit activations, two on f32).
@@ -2134,6 +2280,28 @@ impl CudaModel {
                 let grid =
                     (stack.rows.div_ceil(128 / lanes) as u32, slots as u32, if second.is_some() { 2 } else { 1 });
                 self.dev.launch(&format!("moe_gemvq_{sfx}"), grid, 128, &args)?;
+            }
+            Acts::Pro(p) => {
+                let tasks = Self::tasks_per_row(stack.ty, stack.cols, true);
+                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used, GEMV_MIN_THREADS);
+                let w0 = ptr(&stack.data, stream, 0);
+                let w1 = second.map_or(w0, |s| ptr(&s.data, stream, 0));
+                let mut args = vec![Arg::Ptr(w0), Arg::Ptr(w1)];
+                args.extend(stack.shape_args());
+                args.extend([
+                    Arg::Ptr(ids),
+                    Arg::Ptr(p.x),
+                    Arg::Ptr(p.x2),
+                    Arg::I32(p.blk as i32),
+                    Arg::I64(x_stride as i64),
+                    Arg::I32(slots_per_x as i32),
+                    Arg::Ptr(y.0),
+                    Arg::Ptr(y.1),
+                    Arg::I32(lanes as i32),
+                ]);
+                let grid =
+                    (stack.rows.div_ceil(128 / lanes) as u32, slots as u32, if second.is_some() { 2 } else { 1 });
+                self.dev.launch(&format!("moe_gemvqp_{sfx}"), grid, 128, &args)?;
             }
             Acts::F32(xp) => {
                 let tasks = Self::tasks_per_row(stack.ty, stack.cols, false);
@@ -2196,6 +2364,9 @@ impl CudaModel {
             Acts::F32(xp) => {
                 args.push(Arg::Ptr(xp));
                 (format!("moe_grouped_{sfx}"), 256, Self::lanes(w.cols) as usize)
+            }
+            Acts::Pro(_) => {
+                return Err(CudaError::Unsupported("a grouped expert launch on prologue-quantized input".into()));
             }
         };
         args.extend([Arg::I32(x_div as i32), Arg::I64(x_stride as i64), Arg::Ptr(y), Arg::I32(lanes as i32)]);
@@ -2455,7 +2626,7 @@ impl CudaModel {
                 }
             };
             let a = a.expect("layers inject");
-            let (m, a) = self.hc_mix(&layer.mlp_hc, x, n, Some(layer.moe.sh_gate.ty), Some((y, a)))?;
+            let (m, a) = self.hc_mix(&layer.mlp_hc, x, n, Some(layer.moe.sh_gate_up.ty), Some((y, a)))?;
             self.phase("hyper-connections")?;
             self.moe(li, &layer.moe, m, n, Some((x, a.expect("layers inject"))))?;
             self.phase("moe")?;

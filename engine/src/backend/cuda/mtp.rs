@@ -235,7 +235,7 @@ impl CudaModel {
             let (m, a) = self.hc_mix(&mtp.attn_hc, x, n, Some(mtp.attn.q.ty), None)?;
             let y = self.attn(&mtp.attn, &ms.attn, m, n, pos_dev, capacity)?;
             let res = Some((y, a.expect("the MTP layer injects")));
-            let (m, a) = self.hc_mix(&mtp.mlp_hc, x, n, Some(mtp.moe.sh_gate.ty), res)?;
+            let (m, a) = self.hc_mix(&mtp.mlp_hc, x, n, Some(mtp.moe.sh_gate_up.ty), res)?;
             self.moe(self.layers.len(), &mtp.moe, m, n, Some((x, a.expect("the MTP layer injects"))))?;
             if let Some(out) = logits {
                 let (h, _) = self.hc_mix(&mtp.mixer, x + ((n - 1) * dim * 4) as u64, 1, Some(self.lm_head.ty), None)?;
