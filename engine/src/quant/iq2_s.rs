@@ -4,7 +4,7 @@
 //! `d * (0.5 + s) * 0.25 * grid * sign` (ggml `block_iq2_s`; tables from `gguf.quants.IQ2_S`).
 
 use super::grids::IQ2S_GRID;
-use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
+use super::unpacked::{Grid32, SIGN_BYTES, Unpack256, Unpacked, grid_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -63,4 +63,14 @@ impl Unpack256 for Iq2S {
     }
 }
 
-unpacked_simd!(Iq2S);
+impl Grid32 for Iq2S {
+    #[inline(always)]
+    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+        let g = |l: usize| grid(block, 4 * ib + l);
+        let n = |l: usize| SIGN_BYTES[block[34 + 4 * ib + l] as usize];
+        let s = |j: usize| 2 * scale16(block, j) as i16 + 1;
+        ([g(0), g(1), g(2), g(3)], [n(0), n(1), n(2), n(3)], s(2 * ib), s(2 * ib + 1))
+    }
+}
+
+grid_simd!(Iq2S);

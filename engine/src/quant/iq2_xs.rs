@@ -4,7 +4,7 @@
 //! `block_iq2_xs`; tables and order of operations from `gguf.quants.IQ2_XS`).
 
 use super::grids::{IQ2XS_GRID, KSIGNS_IQ2XS};
-use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
+use super::unpacked::{Grid32, KSIGN_BYTES, Unpack256, Unpacked, grid_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -64,4 +64,16 @@ impl Unpack256 for Iq2Xs {
     }
 }
 
-unpacked_simd!(Iq2Xs);
+impl Grid32 for Iq2Xs {
+    #[inline(always)]
+    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+        let q = |l: usize| u16::from_le_bytes([block[2 + 2 * (4 * ib + l)], block[3 + 2 * (4 * ib + l)]]);
+        let (q0, q1, q2, q3) = (q(0), q(1), q(2), q(3));
+        let g = |q: u16| IQ2XS_GRID[(q & 511) as usize];
+        let n = |q: u16| KSIGN_BYTES[(q >> 9) as usize];
+        let s = |j: usize| 2 * scale16(block, j) as i16 + 1;
+        ([g(q0), g(q1), g(q2), g(q3)], [n(q0), n(q1), n(q2), n(q3)], s(2 * ib), s(2 * ib + 1))
+    }
+}
+
+grid_simd!(Iq2Xs);

@@ -4,7 +4,7 @@
 //! (ggml `block_iq2_xxs`; tables and order of operations from `gguf.quants.IQ2_XXS`).
 
 use super::grids::{IQ2XXS_GRID, KSIGNS_IQ2XS};
-use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
+use super::unpacked::{Grid32, KSIGN_BYTES, Unpack256, Unpacked, grid_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -69,4 +69,15 @@ impl Unpack256 for Iq2Xxs {
     }
 }
 
-unpacked_simd!(Iq2Xxs);
+impl Grid32 for Iq2Xxs {
+    #[inline(always)]
+    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+        let (a0, a1) = aux(block, ib);
+        let g = |l: u32| IQ2XXS_GRID[((a0 >> (8 * l)) & 255) as usize];
+        let n = |l: u32| KSIGN_BYTES[((a1 >> (7 * l)) & 127) as usize];
+        let s = 2 * (a1 >> 28) as i16 + 1;
+        ([g(0), g(1), g(2), g(3)], [n(0), n(1), n(2), n(3)], s, s)
+    }
+}
+
+grid_simd!(Iq2Xxs);

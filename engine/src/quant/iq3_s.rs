@@ -4,7 +4,7 @@
 //! `d * (1 + 2s) * grid * sign` (ggml `block_iq3_s`; tables from `gguf.quants.IQ3_S`).
 
 use super::grids::IQ3S_GRID;
-use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
+use super::unpacked::{Grid32, SIGN_BYTES, Unpack256, Unpacked, grid_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -65,4 +65,15 @@ impl Unpack256 for Iq3S {
     }
 }
 
-unpacked_simd!(Iq3S);
+impl Grid32 for Iq3S {
+    #[inline(always)]
+    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+        // Two 4-value grid entries per word of 8 magnitudes.
+        let g = |l: usize| grid(block, 8 * ib + 2 * l) as u64 | (grid(block, 8 * ib + 2 * l + 1) as u64) << 32;
+        let n = |l: usize| SIGN_BYTES[block[74 + 4 * ib + l] as usize];
+        let s = 1 + 2 * scale32(block, ib) as i16;
+        ([g(0), g(1), g(2), g(3)], [n(0), n(1), n(2), n(3)], s, s)
+    }
+}
+
+grid_simd!(Iq3S);

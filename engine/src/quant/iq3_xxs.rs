@@ -4,7 +4,7 @@
 //! `block_iq3_xxs`; tables and order of operations from `gguf.quants.IQ3_XXS`).
 
 use super::grids::{IQ3XXS_GRID, KSIGNS_IQ2XS};
-use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
+use super::unpacked::{Grid32, KSIGN_BYTES, Unpack256, Unpacked, grid_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -68,4 +68,19 @@ impl Unpack256 for Iq3Xxs {
     }
 }
 
-unpacked_simd!(Iq3Xxs);
+impl Grid32 for Iq3Xxs {
+    #[inline(always)]
+    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+        // Two 4-value grid entries per word of 8 magnitudes.
+        let g = |l: usize| {
+            let e = 2 + 8 * ib + 2 * l;
+            IQ3XXS_GRID[block[e] as usize] as u64 | (IQ3XXS_GRID[block[e + 1] as usize] as u64) << 32
+        };
+        let a = aux(block, ib);
+        let n = |l: u32| KSIGN_BYTES[((a >> (7 * l)) & 127) as usize];
+        let s = 2 * (a >> 28) as i16 + 1;
+        ([g(0), g(1), g(2), g(3)], [n(0), n(1), n(2), n(3)], s, s)
+    }
+}
+
+grid_simd!(Iq3Xxs);

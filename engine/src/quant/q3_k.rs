@@ -4,7 +4,7 @@
 //! `hmask[i % 32]`. Scale `j`: low nibble of byte `j` (`j < 8`) or high nibble of byte `j - 8`, with bits
 //! `2 * (j / 4)` of byte `8 + j % 4` on top.
 
-use super::unpacked::{Unpack256, Unpacked, unpacked_simd};
+use super::unpacked::{Unpack256, Unpacked};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -68,4 +68,55 @@ impl Unpack256 for Q3K {
     }
 }
 
-unpacked_simd!(Q3K);
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
+    use super::super::unpacked::{Unpacked, dot_with_unpack, x86::isum_avx2, x86::isum_avx512};
+    use super::super::{ActRow, BlockFormat};
+    use super::{Q3K, scale};
+
+    /// [`Unpack256::unpack`](super::Unpack256::unpack) of Q3_K with AVX2: 32 levels per step (the 2-bit lows
+    /// of one shift of a 32-byte run, minus 4 where the `hmask` bit is clear), the same levels as the scalar one.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn unpack_avx2(block: &[u8], u: &mut Unpacked) {
+        assert!(block.len() >= Q3K::BLOCK_BYTES);
+        u.signs_apart = false;
+        let three = _mm256_set1_epi8(3);
+        let one = _mm256_set1_epi8(1);
+        let hm = _mm256_loadu_si256(block.as_ptr() as *const __m256i);
+        for h in 0..2 {
+            let lows = _mm256_loadu_si256(block.as_ptr().add(32 + 32 * h) as *const __m256i);
+            for s in 0..4 {
+                let sh = _mm_cvtsi32_si128(2 * s as i32);
+                let low = _mm256_and_si256(_mm256_srl_epi16(lows, sh), three);
+                let hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128((4 * h + s) as i32)), one);
+                // low - 4 where the high bit is clear: (1 - hb) * 4 = (hb ^ 1) << 2 (bytes of 0 or 1, no carry).
+                let q = _mm256_sub_epi8(low, _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2));
+                _mm256_storeu_si256(u.q.as_mut_ptr().add(128 * h + 32 * s) as *mut __m256i, q);
+            }
+        }
+        for j in 0..16 {
+            u.scale[j] = scale(block, j) as i16;
+        }
+    }
+
+    pub fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        // SAFETY: only listed for Isa::Avx2, chosen when the CPU has it.
+        dot_with_unpack::<Q3K>(row, xs, out, |b, u| unsafe { unpack_avx2(b, u) }, |u, x| unsafe { isum_avx2(u, x) })
+    }
+
+    pub fn dot_avx512(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        // SAFETY: as above, for Isa::Avx512 (which includes AVX2).
+        dot_with_unpack::<Q3K>(row, xs, out, |b, u| unsafe { unpack_avx2(b, u) }, |u, x| unsafe { isum_avx512(u, x) })
+    }
+}
+
+/// The SIMD dot paths of Q3_K: the levels unpacked with AVX2, the products as the other unpacked formats.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] =
+    [(super::Isa::Avx2, x86::dot_avx2), (super::Isa::Avx512, x86::dot_avx512)];
+/// No SIMD paths off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];

@@ -53,6 +53,45 @@ pub(crate) trait Unpack256: BlockFormat {
     fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32;
 }
 
+/// A grid i-quant (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) that the direct SIMD dot reads 32 values at a time,
+/// straight from the block into registers, with no [`Unpacked`] copy in memory between: the same levels and run
+/// scales as [`Unpack256::unpack`], so the same exact integer sums and the same `f32` terms.
+pub(crate) trait Grid32: Unpack256 {
+    /// Values `32 ib .. 32 ib + 32` of a super-block: their magnitudes as four little-endian words of 8 bytes,
+    /// their signs as four words of 8 sign bytes ([`SIGN_BYTES`]: `0xFF` negative, `0x01` positive) and the
+    /// integer scales of their two runs of 16 (as [`Unpacked::scale`]).
+    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16);
+}
+
+/// Eight sign bits (bit `j`: value `j` negative) as eight sign bytes, `0xFF` for negative and `0x01` for
+/// positive (what `_mm256_sign_epi8` needs to negate or keep an activation).
+pub(crate) static SIGN_BYTES: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut w = 0u64;
+        let mut j = 0;
+        while j < 8 {
+            w |= (if b >> j & 1 != 0 { 0xFFu64 } else { 0x01 }) << (8 * j);
+            j += 1;
+        }
+        t[b] = w;
+        b += 1;
+    }
+    t
+};
+
+/// [`SIGN_BYTES`] of each 7-bit sign-pattern index of the IQ2/IQ3 formats (`KSIGNS_IQ2XS`).
+pub(crate) static KSIGN_BYTES: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut i = 0;
+    while i < 128 {
+        t[i] = SIGN_BYTES[super::grids::KSIGNS_IQ2XS[i] as usize];
+        i += 1;
+    }
+    t
+};
+
 /// Exact scaled integer sum, scalar.
 pub(crate) fn isum_scalar(u: &Unpacked, x: &[i8]) -> i32 {
     let mut total = 0i32;
@@ -74,10 +113,23 @@ pub(crate) fn dot_with<F: Unpack256>(
     out: &mut [f32],
     isum: impl Fn(&Unpacked, &[i8]) -> i32,
 ) {
+    dot_with_unpack::<F>(row, xs, out, F::unpack, isum)
+}
+
+/// [`dot_with`] with another implementation of the format's [`Unpack256::unpack`] (one that must fill the same
+/// levels and scales: a SIMD unpacking).
+#[inline(always)]
+pub(crate) fn dot_with_unpack<F: Unpack256>(
+    row: &[u8],
+    xs: &[ActRow<'_>],
+    out: &mut [f32],
+    unpack: impl Fn(&[u8], &mut Unpacked),
+    isum: impl Fn(&Unpacked, &[i8]) -> i32,
+) {
     let mut acc = [Acc4::default(); 4];
     let mut u = Unpacked::default();
     for (sb, blk) in row.chunks_exact(F::BLOCK_BYTES).enumerate() {
-        F::unpack(blk, &mut u);
+        unpack(blk, &mut u);
         for (t, x) in xs.iter().enumerate() {
             let s = isum(&u, &x.qs[sb * 256..sb * 256 + 256]);
             acc[t].add(sb, F::term(blk, x, sb, s));
@@ -99,7 +151,7 @@ pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::simd::x86::hsum_i32_256;
-    use super::Unpacked;
+    use super::{Acc4, ActRow, Unpacked};
 
     /// Exact scaled integer sum, AVX2: |q| by sign(x, q) with `maddubs` (or the magnitudes by x with the sign
     /// bits applied), run scales with `madd`.
@@ -121,6 +173,52 @@ pub(crate) mod x86 {
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
         }
         hsum_i32_256(acc)
+    }
+
+    /// A row dot of a [`Grid32`] format, AVX2: per 32 values the grid words and sign bits go straight into
+    /// registers (no unpacked copy), the signs onto the activations, `maddubs` then `madd` with the run scales;
+    /// the integer sums equal [`super::isum_scalar`]'s, so the result equals the unpacked paths' bit for bit.
+    /// `xs` holds 1 to 4 tokens, each with at least the row's `cols` quantized values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn grid_dot_avx2<F: super::Grid32>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let blocks = row.len() / F::BLOCK_BYTES;
+        assert!(xs.iter().all(|x| x.qs.len() >= 256 * blocks), "activations shorter than the row");
+        match xs.len() {
+            1 => grid_dot_nt::<F, 1>(row, xs, out),
+            2 => grid_dot_nt::<F, 2>(row, xs, out),
+            3 => grid_dot_nt::<F, 3>(row, xs, out),
+            4 => grid_dot_nt::<F, 4>(row, xs, out),
+            n => panic!("{n} tokens in one dot (at most 4)"),
+        }
+    }
+
+    /// [`grid_dot_avx2`] for `NT` tokens (a compile-time count, so the per-token sums stay in registers).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn grid_dot_nt<F: super::Grid32, const NT: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let mut acc = [Acc4::default(); NT];
+        let xq: [*const i8; NT] = std::array::from_fn(|t| xs[t].qs.as_ptr());
+        for (sb, blk) in row.chunks_exact(F::BLOCK_BYTES).enumerate() {
+            let mut sumi = [_mm256_setzero_si256(); NT];
+            for ib in 0..8 {
+                let (g, n, s0, s1) = F::sub32(blk, ib);
+                let m = _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64);
+                // 0xFF where the value is negative, else 0x01: _mm256_sign_epi8 then negates or keeps x.
+                let sg = _mm256_set_epi64x(n[3] as i64, n[2] as i64, n[1] as i64, n[0] as i64);
+                let sc = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                for t in 0..NT {
+                    // In bounds: the caller checked 256 values per super-block.
+                    let xv = _mm256_loadu_si256(xq[t].add(256 * sb + 32 * ib) as *const __m256i);
+                    let p = _mm256_maddubs_epi16(m, _mm256_sign_epi8(xv, sg));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, sc));
+                }
+            }
+            for t in 0..NT {
+                acc[t].add(sb, F::term(blk, &xs[t], sb, hsum_i32_256(sumi[t])));
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            *o = a.sum();
+        }
     }
 
     /// Exact scaled integer sum, AVX-512 (VNNI `vpdpwssd` applies the run scales).
@@ -176,3 +274,23 @@ macro_rules! unpacked_simd {
     };
 }
 pub(crate) use unpacked_simd;
+
+/// Declares `SIMD` for a [`Grid32`] format: the direct dot ([`x86::grid_dot_avx2`]) for both AVX2 and
+/// AVX-512 machines (the grid lookups, not the vector width, bound it).
+macro_rules! grid_simd {
+    ($f:ty) => {
+        #[cfg(target_arch = "x86_64")]
+        fn dot_direct(row: &[u8], xs: &[$crate::quant::ActRow<'_>], out: &mut [f32]) {
+            // SAFETY: only listed for Isa::Avx2 and Isa::Avx512 (which includes AVX2), chosen when the CPU has it.
+            unsafe { $crate::quant::unpacked::x86::grid_dot_avx2::<$f>(row, xs, out) }
+        }
+        /// The SIMD dot paths of this format.
+        #[cfg(target_arch = "x86_64")]
+        pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] =
+            [(super::Isa::Avx2, dot_direct), (super::Isa::Avx512, dot_direct)];
+        /// No SIMD paths off x86-64.
+        #[cfg(not(target_arch = "x86_64"))]
+        pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];
+    };
+}
+pub(crate) use grid_simd;

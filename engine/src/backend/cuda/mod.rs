@@ -271,7 +271,7 @@ pub struct CudaModel {
     q8_acts: bool,
     /// Whether down projections and hyper-connection up projections compute and quantize their input themselves
     /// (`Acts::Pro`) instead of after a SiLU or `hc_acts` kernel: off unless `NEBULA_CUDA_GEMV_PROLOGUE=1`. It
-    /// takes 60 launches out of a 12-layer decode step and Nsight Compute times each fused kernel below the
+    /// takes 48 launches out of a 12-layer decode step and Nsight Compute times each fused kernel below the
     /// two it replaces, yet the CUDA Graph step measured slower with it (H200: 384 against 432 tok/s); not
     /// understood yet, so it is opt-in for study.
     gemv_prologue: bool,
