@@ -62,8 +62,8 @@ mod x86 {
     #![allow(unsafe_op_in_unsafe_fn)]
     use std::arch::x86_64::*;
 
-    use super::super::unpacked::{Unpacked, dot_with_unpack, x86::isum_avx2};
-    use super::super::{ActRow, BlockFormat};
+    use super::super::BlockFormat;
+    use super::super::unpacked::Unpacked;
     use super::Q2K;
 
     /// [`Unpack256::unpack`](super::Unpack256::unpack) of Q2_K with AVX2: 32 two-bit levels per step, the same
@@ -84,19 +84,8 @@ mod x86 {
             u.scale[j] = (block[j] & 15) as i16;
         }
     }
-
-    pub fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
-        // SAFETY: only listed for Isa::Avx2 and Isa::Avx512 (which includes AVX2), chosen when the CPU has it.
-        dot_with_unpack::<Q2K>(row, xs, out, |b, u| unsafe { unpack_avx2(b, u) }, |u, x| unsafe { isum_avx2(u, x) })
-    }
 }
 
-/// The SIMD dot paths of Q2_K: the levels unpacked with AVX2, the products as the other unpacked formats (the
-/// AVX2 products on AVX-512 machines too: the AVX-512 ones measured slower for Q2_K, 3.5 against 5.3 GB/s on
-/// the development VM).
-#[cfg(target_arch = "x86_64")]
-pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] =
-    [(super::Isa::Avx2, x86::dot_avx2), (super::Isa::Avx512, x86::dot_avx2)];
-/// No SIMD paths off x86-64.
-#[cfg(not(target_arch = "x86_64"))]
-pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];
+// The AVX2 products on AVX-512 machines too: the AVX-512 ones measured slower for Q2_K (3.5 against 5.3 GB/s on
+// the development VM).
+super::unpacked::avx2_unpack_simd!(Q2K, x86::unpack_avx2, super::unpacked::x86::isum_avx2);

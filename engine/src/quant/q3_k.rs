@@ -73,8 +73,8 @@ mod x86 {
     #![allow(unsafe_op_in_unsafe_fn)]
     use std::arch::x86_64::*;
 
-    use super::super::unpacked::{Unpacked, dot_with_unpack, x86::isum_avx2, x86::isum_avx512};
-    use super::super::{ActRow, BlockFormat};
+    use super::super::BlockFormat;
+    use super::super::unpacked::Unpacked;
     use super::{Q3K, scale};
 
     /// [`Unpack256::unpack`](super::Unpack256::unpack) of Q3_K with AVX2: 32 levels per step (the 2-bit lows
@@ -101,22 +101,6 @@ mod x86 {
             u.scale[j] = scale(block, j) as i16;
         }
     }
-
-    pub fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
-        // SAFETY: only listed for Isa::Avx2, chosen when the CPU has it.
-        dot_with_unpack::<Q3K>(row, xs, out, |b, u| unsafe { unpack_avx2(b, u) }, |u, x| unsafe { isum_avx2(u, x) })
-    }
-
-    pub fn dot_avx512(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
-        // SAFETY: as above, for Isa::Avx512 (which includes AVX2).
-        dot_with_unpack::<Q3K>(row, xs, out, |b, u| unsafe { unpack_avx2(b, u) }, |u, x| unsafe { isum_avx512(u, x) })
-    }
 }
 
-/// The SIMD dot paths of Q3_K: the levels unpacked with AVX2, the products as the other unpacked formats.
-#[cfg(target_arch = "x86_64")]
-pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] =
-    [(super::Isa::Avx2, x86::dot_avx2), (super::Isa::Avx512, x86::dot_avx512)];
-/// No SIMD paths off x86-64.
-#[cfg(not(target_arch = "x86_64"))]
-pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];
+super::unpacked::avx2_unpack_simd!(Q3K, x86::unpack_avx2, super::unpacked::x86::isum_avx512);

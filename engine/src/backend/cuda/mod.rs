@@ -1123,11 +1123,18 @@ impl CudaModel {
 
     /// Decode GEMVs `y[n][rows] = x[n][cols] . W^T` on activations `xa` (n = 1 for `Acts::Pro`).
     fn gemv(&self, w: MatRef, xa: Acts, n: usize, y: u64) -> Result<(), CudaError> {
+        self.gemv_as(w, xa, n, y, w.rows)
+    }
+
+    /// [`Self::gemv`] with the threads per row chosen as for a matrix of `lane_rows` rows: a stack of matrices
+    /// multiplied in one launch keeps each matrix's own lanes (so its f32 sums, hence its outputs, equal those
+    /// of the matrix launched alone: the verify pass's batch invariance).
+    fn gemv_as(&self, w: MatRef, xa: Acts, n: usize, y: u64, lane_rows: usize) -> Result<(), CudaError> {
         let dev = &self.dev;
         let sfx = type_suffix(w.ty)?;
         // 128-thread blocks, [`Self::gemv_lanes`] threads per row.
         let tasks = Self::tasks_per_row(w.ty, w.cols, !matches!(xa, Acts::F32(..)));
-        let lanes = Self::gemv_lanes(tasks, w.rows, self.gemv_min_threads);
+        let lanes = Self::gemv_lanes(tasks, lane_rows, self.gemv_min_threads);
         let rows_per_block = 128 / lanes;
         if let Acts::Pro(p) = xa {
             debug_assert_eq!(n, 1);
@@ -1843,9 +1850,12 @@ impl CudaModel {
         let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
         let sff = moe.sh_ff;
         let (sg, su) = if n == 1 && moe.sh_up.is_none() {
-            // Gate and up in one GEMV of the stacked matrix: [gate | up] for the one token.
+            // Gate and up in one GEMV of the stacked matrix: [gate | up] for the one token, each half with the
+            // threads per row it has when launched alone (as multi-token passes do).
             let both = self.tmp(2 * sff)?;
-            self.matmul(moe.sh_gate_up.r(dev), m, 1, both)?;
+            let stack = moe.sh_gate_up.r(dev);
+            let xa = self.acts(stack.ty, m, 1, d)?;
+            self.gemv_as(stack, xa, 1, both, sff)?;
             (both, both + (4 * sff) as u64)
         } else {
             let (sg, su) = (self.tmp(n * sff)?, self.tmp(n * sff)?);
@@ -2282,6 +2292,8 @@ impl CudaModel {
                 self.dev.launch(&format!("moe_gemvq_{sfx}"), grid, 128, &args)?;
             }
             Acts::Pro(p) => {
+                // moe_gemvqp_* computes silu(x) * x2 only (no hyper-connection activation, no aux output).
+                debug_assert!(p.x2 != 0 && p.aux == 0, "{p:?}");
                 let tasks = Self::tasks_per_row(stack.ty, stack.cols, true);
                 let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used, GEMV_MIN_THREADS);
                 let w0 = ptr(&stack.data, stream, 0);

@@ -88,7 +88,8 @@ impl Dev {
             return Ok(());
         }
         let f = self.gpu.func(name)?;
-        // router_topk writes only its fresh id and weight outputs, never an activation a GEMV reads.
+        // router_topk writes only fresh outputs (ids, weights, the shared expert's gate logits), never an
+        // activation a GEMV reads.
         if !(name.starts_with("gemv")
             || name.starts_with("moe_gemv")
             || name == "quantize_act"
