@@ -58,12 +58,15 @@ impl Unpack256 for Iq2S {
             u.scale[j] = 2 * scale16(block, j) as i16 + 1;
         }
     }
+    #[inline(always)]
     fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32 {
         ((x.d[sb] * f16_at(block, 0)) * isum as f32) * 0.125
     }
 }
 
 impl Grid32 for Iq2S {
+    const NIBBLE_SCALES_AT: Option<usize> = Some(74);
+
     #[inline(always)]
     fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
         let g = |l: usize| grid(block, 4 * ib + l);

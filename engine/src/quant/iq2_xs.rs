@@ -59,16 +59,20 @@ impl Unpack256 for Iq2Xs {
             u.scale[j] = 2 * scale16(block, j) as i16 + 1;
         }
     }
+    #[inline(always)]
     fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32 {
         ((x.d[sb] * f16_at(block, 0)) * isum as f32) * 0.125
     }
 }
 
 impl Grid32 for Iq2Xs {
+    const NIBBLE_SCALES_AT: Option<usize> = Some(66);
+
     #[inline(always)]
     fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
-        let q = |l: usize| u16::from_le_bytes([block[2 + 2 * (4 * ib + l)], block[3 + 2 * (4 * ib + l)]]);
-        let (q0, q1, q2, q3) = (q(0), q(1), q(2), q(3));
+        // The four entries' u16 in one load.
+        let w = u64::from_le_bytes(block[2 + 8 * ib..10 + 8 * ib].try_into().unwrap());
+        let (q0, q1, q2, q3) = (w as u16, (w >> 16) as u16, (w >> 32) as u16, (w >> 48) as u16);
         let g = |q: u16| IQ2XS_GRID[(q & 511) as usize];
         let n = |q: u16| KSIGN_BYTES[(q >> 9) as usize];
         let s = |j: usize| 2 * scale16(block, j) as i16 + 1;

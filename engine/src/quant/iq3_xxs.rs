@@ -63,6 +63,7 @@ impl Unpack256 for Iq3Xxs {
             u.scale[2 * ib + 1] = s;
         }
     }
+    #[inline(always)]
     fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32 {
         ((x.d[sb] * f16_at(block, 0)) * isum as f32) * 0.25
     }

@@ -62,6 +62,9 @@ pub(crate) trait Grid32: Unpack256 {
     /// their signs as four words of 8 sign bytes ([`SIGN_BYTES`]: `0xFF` negative, `0x01` positive) and the
     /// integer scales of their two runs of 16 (as [`Unpacked::scale`]).
     fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16);
+    /// For formats whose 16 run scales are 4-bit values `s` packed in 8 bytes at this offset (low nibble first,
+    /// run scale `2 s + 1`), the SIMD dot reads them once per super-block and ignores `sub32`'s scales.
+    const NIBBLE_SCALES_AT: Option<usize> = None;
 }
 
 /// Eight sign bits (bit `j`: value `j` negative) as eight sign bytes, `0xFF` for negative and `0x01` for
@@ -207,12 +210,31 @@ pub(crate) mod x86 {
         let xq: [*const i8; NT] = std::array::from_fn(|t| xs[t].qs.as_ptr());
         for (sb, blk) in row.chunks_exact(F::BLOCK_BYTES).enumerate() {
             let mut sumi = [_mm256_setzero_si256(); NT];
+            // Packed 4-bit run scales: 2 s + 1 as i16, the even runs in the low lane and the odd in the high one,
+            // so one in-lane shuffle per 32 values picks runs 2 ib and 2 ib + 1.
+            let packed = match F::NIBBLE_SCALES_AT {
+                Some(at) => {
+                    let b = _mm_cvtsi64_si128(u64::from_le_bytes(blk[at..at + 8].try_into().unwrap()) as i64);
+                    let nib = _mm_set1_epi8(15);
+                    let even = _mm_cvtepu8_epi16(_mm_and_si128(b, nib));
+                    let odd = _mm_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), nib));
+                    let v = _mm256_set_m128i(odd, even);
+                    _mm256_add_epi16(_mm256_add_epi16(v, v), _mm256_set1_epi16(1))
+                }
+                None => _mm256_setzero_si256(),
+            };
             for ib in 0..8 {
                 let (g, n, s0, s1) = F::sub32(blk, ib);
                 let m = _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64);
                 // 0xFF where the value is negative, else 0x01: _mm256_sign_epi8 then negates or keeps x.
                 let sg = _mm256_set_epi64x(n[3] as i64, n[2] as i64, n[1] as i64, n[0] as i64);
-                let sc = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                let sc = if F::NIBBLE_SCALES_AT.is_some() {
+                    // Bytes 2 ib, 2 ib + 1 (the i16 of run 2 ib in the low lane, 2 ib + 1 in the high) everywhere.
+                    let pair = (2 * ib as i8) as u8 as u16 | ((2 * ib as u16 + 1) << 8);
+                    _mm256_shuffle_epi8(packed, _mm256_set1_epi16(pair as i16))
+                } else {
+                    _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0))
+                };
                 for t in 0..NT {
                     // In bounds: the caller checked 256 values per super-block.
                     let xv = _mm256_loadu_si256(xq[t].add(256 * sb + 32 * ib) as *const __m256i);
