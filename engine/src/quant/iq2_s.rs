@@ -65,6 +65,8 @@ impl Unpack256 for Iq2S {
 }
 
 impl Grid32 for Iq2S {
+    const SIGN_BITS_AT: Option<usize> = Some(34);
+
     const NIBBLE_SCALES_AT: Option<usize> = Some(74);
 
     #[inline(always)]

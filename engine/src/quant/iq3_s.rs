@@ -67,6 +67,8 @@ impl Unpack256 for Iq3S {
 }
 
 impl Grid32 for Iq3S {
+    const SIGN_BITS_AT: Option<usize> = Some(74);
+
     #[inline(always)]
     fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
         // Two 4-value grid entries per word of 8 magnitudes.

@@ -65,6 +65,9 @@ pub(crate) trait Grid32: Unpack256 {
     /// For formats whose 16 run scales are 4-bit values `s` packed in 8 bytes at this offset (low nibble first,
     /// run scale `2 s + 1`), the SIMD dot reads them once per super-block and ignores `sub32`'s scales.
     const NIBBLE_SCALES_AT: Option<usize> = None;
+    /// For formats whose signs are plain bits (32 bytes at this offset, bit `i % 8` of byte `i / 8` set when value
+    /// `i` is negative), the SIMD dot expands them with vector instructions and ignores `sub32`'s sign words.
+    const SIGN_BITS_AT: Option<usize> = None;
 }
 
 /// Eight sign bits (bit `j`: value `j` negative) as eight sign bytes, `0xFF` for negative and `0x01` for
@@ -227,7 +230,13 @@ pub(crate) mod x86 {
                 let (g, n, s0, s1) = F::sub32(blk, ib);
                 let m = _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64);
                 // 0xFF where the value is negative, else 0x01: _mm256_sign_epi8 then negates or keeps x.
-                let sg = _mm256_set_epi64x(n[3] as i64, n[2] as i64, n[1] as i64, n[0] as i64);
+                let sg = match F::SIGN_BITS_AT {
+                    Some(at) => {
+                        let bits = u32::from_le_bytes(blk[at + 4 * ib..at + 4 * ib + 4].try_into().unwrap());
+                        _mm256_or_si256(super::super::simd::x86::bits_to_bytes(bits), _mm256_set1_epi8(1))
+                    }
+                    None => _mm256_set_epi64x(n[3] as i64, n[2] as i64, n[1] as i64, n[0] as i64),
+                };
                 let sc = if F::NIBBLE_SCALES_AT.is_some() {
                     // Bytes 2 ib, 2 ib + 1 (the i16 of run 2 ib in the low lane, 2 ib + 1 in the high) everywhere.
                     let pair = (2 * ib as i8) as u8 as u16 | ((2 * ib as u16 + 1) << 8);
