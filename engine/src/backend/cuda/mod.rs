@@ -2270,17 +2270,28 @@ impl CudaModel {
         let sfx = type_suffix(stack.ty)?;
         let stream = self.dev.stream();
         match x {
-            Acts::Q8(qx, dx) => {
+            Acts::Q8(..) | Acts::Pro(_) => {
                 let tasks = Self::tasks_per_row(stack.ty, stack.cols, true);
                 let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used, GEMV_MIN_THREADS);
                 let w0 = ptr(&stack.data, stream, 0);
                 let w1 = second.map_or(w0, |s| ptr(&s.data, stream, 0));
                 let mut args = vec![Arg::Ptr(w0), Arg::Ptr(w1)];
                 args.extend(stack.shape_args());
+                args.push(Arg::Ptr(ids));
+                let kernel = match x {
+                    Acts::Pro(p) => {
+                        // moe_gemvqp_* computes silu(x) * x2 only (no hyper-connection activation, no aux output).
+                        debug_assert!(p.x2 != 0 && p.aux == 0, "{p:?}");
+                        args.extend([Arg::Ptr(p.x), Arg::Ptr(p.x2), Arg::I32(p.blk as i32)]);
+                        "moe_gemvqp"
+                    }
+                    Acts::Q8(qx, dx) => {
+                        args.extend([Arg::Ptr(qx), Arg::Ptr(dx)]);
+                        "moe_gemvq"
+                    }
+                    Acts::F32(_) => unreachable!("f32 activations take the arm below"),
+                };
                 args.extend([
-                    Arg::Ptr(ids),
-                    Arg::Ptr(qx),
-                    Arg::Ptr(dx),
                     Arg::I64(x_stride as i64),
                     Arg::I32(slots_per_x as i32),
                     Arg::Ptr(y.0),
@@ -2289,31 +2300,7 @@ impl CudaModel {
                 ]);
                 let grid =
                     (stack.rows.div_ceil(128 / lanes) as u32, slots as u32, if second.is_some() { 2 } else { 1 });
-                self.dev.launch(&format!("moe_gemvq_{sfx}"), grid, 128, &args)?;
-            }
-            Acts::Pro(p) => {
-                // moe_gemvqp_* computes silu(x) * x2 only (no hyper-connection activation, no aux output).
-                debug_assert!(p.x2 != 0 && p.aux == 0, "{p:?}");
-                let tasks = Self::tasks_per_row(stack.ty, stack.cols, true);
-                let lanes = Self::gemv_lanes(tasks, stack.rows * self.config.n_expert_used, GEMV_MIN_THREADS);
-                let w0 = ptr(&stack.data, stream, 0);
-                let w1 = second.map_or(w0, |s| ptr(&s.data, stream, 0));
-                let mut args = vec![Arg::Ptr(w0), Arg::Ptr(w1)];
-                args.extend(stack.shape_args());
-                args.extend([
-                    Arg::Ptr(ids),
-                    Arg::Ptr(p.x),
-                    Arg::Ptr(p.x2),
-                    Arg::I32(p.blk as i32),
-                    Arg::I64(x_stride as i64),
-                    Arg::I32(slots_per_x as i32),
-                    Arg::Ptr(y.0),
-                    Arg::Ptr(y.1),
-                    Arg::I32(lanes as i32),
-                ]);
-                let grid =
-                    (stack.rows.div_ceil(128 / lanes) as u32, slots as u32, if second.is_some() { 2 } else { 1 });
-                self.dev.launch(&format!("moe_gemvqp_{sfx}"), grid, 128, &args)?;
+                self.dev.launch(&format!("{kernel}_{sfx}"), grid, 128, &args)?;
             }
             Acts::F32(xp) => {
                 let tasks = Self::tasks_per_row(stack.ty, stack.cols, false);
