@@ -37,6 +37,8 @@ echo "=== all weights on the GPU"
 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048,8192 --decode 64
 echo "=== all on the GPU, prefill without tensor cores (NEBULA_CUDA_MMA=0: dp4a experts, f32 cuBLAS dense)"
 NEBULA_CUDA_MMA=0 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048 --decode 4
+echo "=== all on the GPU, decode with the opt-in GEMV prologues (NEBULA_CUDA_GEMV_PROLOGUE=1; compare with the first run)"
+NEBULA_CUDA_GEMV_PROLOGUE=1 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048 --decode 64
 
 if command -v ncu > /dev/null; then
     echo "=== where one all-GPU decode step's time goes (Nsight Compute, CUDA Graphs off)"
