@@ -5,7 +5,7 @@
 //! `d * (2s + 1) * (grid + delta)` (ggml `block_iq1_m`; tables from `gguf.quants.IQ1_M`).
 
 use super::grids::IQ1S_GRID;
-use super::unpacked::{Unpack256, Unpacked};
+use super::unpacked::{Grid32, Unpack256, Unpacked, grid_simd};
 use super::{ActFormat, ActRow, BlockFormat};
 use crate::gguf::GgmlType;
 
@@ -79,34 +79,20 @@ impl Unpack256 for Iq1M {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    #![allow(unsafe_op_in_unsafe_fn)]
-    use std::arch::x86_64::*;
+impl Grid32 for Iq1M {
+    const IQ1_LEVELS: bool = true;
 
-    use super::super::BlockFormat;
-    use super::super::unpacked::{Unpacked, x86::iq1_levels};
-    use super::{Iq1M, entry, scale16};
-
-    /// [`Unpack256::unpack`](super::Unpack256::unpack) of IQ1_M with AVX2 (32 levels per step), the same levels
-    /// and scales as the scalar one.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn unpack_avx2(block: &[u8], u: &mut Unpacked) {
-        assert!(block.len() >= Iq1M::BLOCK_BYTES);
-        u.signs_apart = false;
-        for ib in 0..8 {
-            let (mut g, mut d) = ([0u64; 4], [0u64; 4]);
-            for l in 0..4 {
-                let (grid, neg) = entry(block, 4 * ib + l);
-                g[l] = u64::from_le_bytes(grid.map(|v| v as u8));
-                d[l] = if neg { u64::MAX } else { 0x0101_0101_0101_0101 };
-            }
-            _mm256_storeu_si256(u.q.as_mut_ptr().add(32 * ib) as *mut __m256i, iq1_levels(g, d));
+    #[inline(always)]
+    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+        let (mut g, mut d) = ([0u64; 4], [0u64; 4]);
+        for l in 0..4 {
+            let (grid, neg) = entry(block, 4 * ib + l);
+            g[l] = u64::from_le_bytes(grid.map(|v| v as u8));
+            d[l] = if neg { u64::MAX } else { 0x0101_0101_0101_0101 };
         }
-        for j in 0..16 {
-            u.scale[j] = 2 * scale16(block, j) as i16 + 1;
-        }
+        let s = |j: usize| 2 * scale16(block, j) as i16 + 1;
+        (g, d, s(2 * ib), s(2 * ib + 1))
     }
 }
 
-super::unpacked::avx2_unpack_simd!(Iq1M, x86::unpack_avx2, super::unpacked::x86::isum_avx512);
+grid_simd!(Iq1M);

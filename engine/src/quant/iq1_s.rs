@@ -5,7 +5,7 @@
 //! `gguf.quants.IQ1_S`). The kernels fold the delta into integer levels `8 * grid + sign(delta)`.
 
 use super::grids::IQ1S_GRID;
-use super::unpacked::{Unpack256, Unpacked};
+use super::unpacked::{Grid32, Unpack256, Unpacked, grid_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -76,33 +76,16 @@ fn delta_word(neg: bool) -> u64 {
     if neg { u64::MAX } else { 0x0101_0101_0101_0101 }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    #![allow(unsafe_op_in_unsafe_fn)]
-    use std::arch::x86_64::*;
+impl Grid32 for Iq1S {
+    const IQ1_LEVELS: bool = true;
 
-    use super::super::BlockFormat;
-    use super::super::grids::IQ1S_GRID;
-    use super::super::unpacked::{Unpacked, x86::iq1_levels};
-    use super::{Iq1S, delta_word, qh};
-
-    /// [`Unpack256::unpack`](super::Unpack256::unpack) of IQ1_S with AVX2 (32 levels per step), the same levels
-    /// and scales as the scalar one.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn unpack_avx2(block: &[u8], u: &mut Unpacked) {
-        assert!(block.len() >= Iq1S::BLOCK_BYTES);
-        u.signs_apart = false;
-        for ib in 0..8 {
-            let h = qh(block, ib);
-            let g = |l: usize| IQ1S_GRID[block[2 + 4 * ib + l] as usize | ((((h >> (3 * l)) & 7) as usize) << 8)];
-            let d = delta_word(h & 0x8000 != 0);
-            let q = iq1_levels([g(0), g(1), g(2), g(3)], [d; 4]);
-            _mm256_storeu_si256(u.q.as_mut_ptr().add(32 * ib) as *mut __m256i, q);
-            let s = 2 * ((h >> 12) & 7) as i16 + 1;
-            u.scale[2 * ib] = s;
-            u.scale[2 * ib + 1] = s;
-        }
+    #[inline(always)]
+    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+        let h = qh(block, ib);
+        let g = |l: usize| IQ1S_GRID[block[2 + 4 * ib + l] as usize | ((((h >> (3 * l)) & 7) as usize) << 8)];
+        let s = 2 * ((h >> 12) & 7) as i16 + 1;
+        ([g(0), g(1), g(2), g(3)], [delta_word(h & 0x8000 != 0); 4], s, s)
     }
 }
 
-super::unpacked::avx2_unpack_simd!(Iq1S, x86::unpack_avx2, super::unpacked::x86::isum_avx512);
+grid_simd!(Iq1S);

@@ -54,9 +54,9 @@ pub(crate) trait Unpack256: BlockFormat {
     fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32;
 }
 
-/// A grid i-quant (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) that the direct SIMD dot reads 32 values at a time,
-/// straight from the block into registers, with no [`Unpacked`] copy in memory between: the same levels and run
-/// scales as [`Unpack256::unpack`], so the same exact integer sums and the same `f32` terms.
+/// A grid i-quant (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) that the direct SIMD dot reads 32 values
+/// at a time, straight from the block into registers, with no [`Unpacked`] copy in memory between: the same levels
+/// and run scales as [`Unpack256::unpack`], so the same exact integer sums and the same `f32` terms.
 pub(crate) trait Grid32: Unpack256 {
     /// Values `32 ib .. 32 ib + 32` of a super-block: their magnitudes as four little-endian words of 8 bytes,
     /// their signs as four words of 8 sign bytes ([`SIGN_BYTES`]: `0xFF` negative, `0x01` positive) and the
@@ -68,6 +68,9 @@ pub(crate) trait Grid32: Unpack256 {
     /// For formats whose signs are plain bits (32 bytes at this offset, bit `i % 8` of byte `i / 8` set when value
     /// `i` is negative), the SIMD dot expands them with vector instructions and ignores `sub32`'s sign words.
     const SIGN_BITS_AT: Option<usize> = None;
+    /// The IQ1 formats: `sub32`'s first words are grid bytes (-1, 0 or 1) and its second words delta bytes (1 or
+    /// -1), and the level is `8 * grid + delta` (as their `unpack` writes it).
+    const IQ1_LEVELS: bool = false;
 }
 
 /// Eight sign bits (bit `j`: value `j` negative) as eight sign bytes, `0xFF` for negative and `0x01` for
@@ -228,9 +231,17 @@ pub(crate) mod x86 {
             };
             for ib in 0..8 {
                 let (g, n, s0, s1) = F::sub32(blk, ib);
-                let m = _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64);
+                let (m, sg) = if F::IQ1_LEVELS {
+                    // Odd levels, never 0: the level itself is the sign operand, its magnitude the multiplier.
+                    let q = iq1_levels(g, n);
+                    (_mm256_abs_epi8(q), q)
+                } else {
+                    let m = _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64);
+                    (m, _mm256_setzero_si256())
+                };
                 // 0xFF where the value is negative, else 0x01: _mm256_sign_epi8 then negates or keeps x.
                 let sg = match F::SIGN_BITS_AT {
+                    _ if F::IQ1_LEVELS => sg,
                     Some(at) => {
                         let bits = u32::from_le_bytes(blk[at + 4 * ib..at + 4 * ib + 4].try_into().unwrap());
                         _mm256_or_si256(super::super::simd::x86::bits_to_bytes(bits), _mm256_set1_epi8(1))
