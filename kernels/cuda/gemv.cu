@@ -329,141 +329,21 @@ extern "C" __global__ void quantize_act(const float* __restrict__ x, int cols, s
     quantize_thread(x[i], true, i, blockDim.x, qx, dx);
 }
 
-// One task's weights as packed int8 (8 words = 32 values per chunk), its scale and its min (value = s * q - m).
-template <int T>
-struct QTask;
-
-// Q8_0: a chunk is one block (f16 d, 32 int8), 2-byte aligned.
-template <>
-struct QTask<T_Q8_0> {
-    static constexpr int chunks = 1;
-    __device__ static void load(const uint8_t* __restrict__ row, int t, int (&q)[1][8], float (&s)[1], float (&m)[1]) {
-        const uint16_t* b = reinterpret_cast<const uint16_t*>(row + 34 * t);
-        s[0] = half_bits_to_f32(__ldg(b));
-        m[0] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) q[0][i] = (int)__ldg(b + 1 + 2 * i) | ((int)__ldg(b + 2 + 2 * i) << 16);
-    }
-};
-
 // The 16 nibble bytes of an 18-byte block (2-byte aligned) as four words.
 __device__ __forceinline__ void nibble_words_(const uint16_t* __restrict__ b, unsigned int (&w)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; i++) w[i] = (unsigned int)__ldg(b + 1 + 2 * i) | ((unsigned int)__ldg(b + 2 + 2 * i) << 16);
 }
 
-// Q4_0: values nibble - 8; low nibbles are positions 0..15, high nibbles 16..31. The -8 goes into the min term.
-template <>
-struct QTask<T_Q4_0> {
-    static constexpr int chunks = 1;
-    __device__ static void load(const uint8_t* __restrict__ row, int t, int (&q)[1][8], float (&s)[1], float (&m)[1]) {
-        const uint16_t* b = reinterpret_cast<const uint16_t*>(row + 18 * t);
-        s[0] = half_bits_to_f32(__ldg(b));
-        m[0] = 8.f * s[0];
-        unsigned int w[4];
-        nibble_words_(b, w);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            q[0][i] = (int)(w[i] & 0x0F0F0F0Fu);
-            q[0][i + 4] = (int)((w[i] >> 4) & 0x0F0F0F0Fu);
-        }
-    }
-};
-
-// IQ4_NL: nibbles index the non-linear grid; the grid is looked up through a 256-entry table in shared memory
-// that maps a byte to its (low, high) grid pair.
-template <>
-struct QTask<T_IQ4_NL> {
-    static constexpr int chunks = 1;
-    __device__ static void load(const uint8_t* __restrict__ row, int t, int (&q)[1][8], float (&s)[1], float (&m)[1],
-                                const uint16_t* __restrict__ pairs) {
-        const uint16_t* b = reinterpret_cast<const uint16_t*>(row + 18 * t);
-        s[0] = half_bits_to_f32(__ldg(b));
-        m[0] = 0.f;
-        unsigned int w[4];
-        nibble_words_(b, w);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const unsigned int p0 = pairs[w[i] & 0xFF], p1 = pairs[(w[i] >> 8) & 0xFF];
-            const unsigned int p2 = pairs[(w[i] >> 16) & 0xFF], p3 = pairs[w[i] >> 24];
-            const unsigned int lo01 = p0 | (p1 << 16), lo23 = p2 | (p3 << 16);
-            q[0][i] = (int)__byte_perm(lo01, lo23, 0x6420);
-            q[0][i + 4] = (int)__byte_perm(lo01, lo23, 0x7531);
-        }
-    }
-};
-
-// Q4_K: a task is a pair of sub-blocks (64 values from 32 quant bytes: low nibbles the even sub-block, high the odd).
-template <>
-struct QTask<T_Q4_K> {
-    static constexpr int chunks = 2;
-    __device__ static void load(const uint8_t* __restrict__ row, int t, int (&q)[2][8], float (&s)[2], float (&m)[2]) {
-        const uint8_t* b = row + 144 * (t >> 2);
-        const int pair = t & 3;
-        const float d = ld_f16(b), dmin = ld_f16(b + 2);
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int sc, mn;
-            scale_min_k4(2 * pair + h, b + 4, sc, mn);
-            s[h] = d * (float)sc;
-            m[h] = dmin * (float)mn;
-        }
-        const uint4* qp = reinterpret_cast<const uint4*>(b + 16 + 32 * pair);
-        const uint4 a = __ldg(qp), c = __ldg(qp + 1);
-        const unsigned int w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            q[0][i] = (int)(w[i] & 0x0F0F0F0Fu);
-            q[1][i] = (int)((w[i] >> 4) & 0x0F0F0F0Fu);
-        }
-    }
-};
-
-template <int T, int C>
-__device__ __forceinline__ void qtask_load(const uint8_t* row, int t, int (&q)[C][8], float (&s)[C], float (&m)[C],
-                                           const uint16_t* pairs) {
-    if constexpr (T == T_IQ4_NL) QTask<T>::load(row, t, q, s, m, pairs);
-    else QTask<T>::load(row, t, q, s, m);
-}
-
-// Fills the IQ4_NL byte -> (grid[low], grid[high]) table (every thread of the block must call it).
-__device__ __forceinline__ void iq4nl_pairs_(uint16_t* pairs) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x)
-        pairs[i] = (uint16_t)((uint8_t)kvalues_iq4nl[i & 15] | ((uint16_t)(uint8_t)kvalues_iq4nl[i >> 4] << 8));
-    __syncthreads();
-}
-
-// acc += the task's C chunks times one token's 8-bit activations (xq: the token's int8 values, xd: its scales,
-// one per 32), chunk by chunk in order: dx * (s * sum(q * x) - m * sum(x)).
-// With SMEM, xq and xd point at shared memory (a GEMV prologue's quantization: quantize_prologue), read with
-// plain loads.
-template <int C, bool SMEM = false>
-__device__ __forceinline__ void q8_task_accumulate(float& acc, const int (&q)[C][8], const float (&s)[C],
-                                                   const float (&m)[C], const signed char* __restrict__ xq,
-                                                   const float* __restrict__ xd, int task) {
-#pragma unroll
-    for (int h = 0; h < C; h++) {
-        const int chunk = task * C + h;
-        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
-        const int4 a = SMEM ? xp[0] : __ldg(xp), b = SMEM ? xp[1] : __ldg(xp + 1);
-        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        int dot = 0, sum = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            dot = dp4a_(q[h][i], xs[i], dot);
-            sum = dp4a_(0x01010101, xs[i], sum);
-        }
-        acc += (SMEM ? xd[chunk] : __ldg(xd + chunk)) * (s[h] * (float)dot - m[h] * (float)sum);
-    }
-}
-
-// One decode-GEMV task's weight bytes, loaded raw (`load`: plain 16-, 4- or 2-byte loads, nothing decoded) so that
-// several tasks' loads are in flight before the first is decoded (`decode`: the same q, s, m as QTask<T>::load, bit
-// for bit). Q8_0: the f16 scale and the 32 int8 values of a block.
+// One task of a weight row (the unit one thread multiplies at a time: one 32-value chunk, two for Q4_K), loaded raw
+// (`load`: plain 16-, 4- or 2-byte loads, nothing decoded) so that several tasks' loads can be in flight before the
+// first is decoded, then decoded (`decode`) into packed int8 (8 words = 32 values per chunk), a scale and a min per
+// chunk (value = s * q - m). Q8_0: the f16 scale and the 32 int8 values of a block.
 template <int T>
 struct QRaw;
 template <>
 struct QRaw<T_Q8_0> {
+    static constexpr int chunks = 1;
     unsigned short d;
     int w[8];
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int t) {
@@ -480,9 +360,12 @@ struct QRaw<T_Q8_0> {
     }
 };
 
-// Q4_0 / IQ4_NL: the f16 scale and the 16 nibble bytes of an 18-byte block (2-byte aligned).
+// Q4_0 / IQ4_NL: the f16 scale and the 16 nibble bytes of an 18-byte block (2-byte aligned); values nibble - 8
+// (the -8 goes into the min), or for IQ4_NL the non-linear grid through the byte -> (grid[low], grid[high])
+// table `pairs` in shared memory (iq4nl_pairs_).
 template <int T>
 struct QRawNibble32 {
+    static constexpr int chunks = 1;
     unsigned short d;
     unsigned int w[4];
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int t) {
@@ -518,6 +401,7 @@ struct QRaw<T_IQ4_NL> : QRawNibble32<T_IQ4_NL> {};
 // 2 * pair and 2 * pair + 1, pair = t % 4). decode unpacks the scales as scale_min_k4 does, from registers.
 template <>
 struct QRaw<T_Q4_K> {
+    static constexpr int chunks = 2;
     unsigned int hdr[4];
     uint4 qa, qb;
     int pair;
@@ -555,6 +439,46 @@ struct QRaw<T_Q4_K> {
         }
     }
 };
+
+// The decoded task t of a row (QRaw's load, then decode).
+template <int T, int C>
+__device__ __forceinline__ void qtask_load(const uint8_t* row, int t, int (&q)[C][8], float (&s)[C], float (&m)[C],
+                                           const uint16_t* pairs) {
+    QRaw<T> r;
+    r.load(row, t);
+    r.decode(q, s, m, pairs);
+}
+
+// Fills the IQ4_NL byte -> (grid[low], grid[high]) table (every thread of the block must call it).
+__device__ __forceinline__ void iq4nl_pairs_(uint16_t* pairs) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x)
+        pairs[i] = (uint16_t)((uint8_t)kvalues_iq4nl[i & 15] | ((uint16_t)(uint8_t)kvalues_iq4nl[i >> 4] << 8));
+    __syncthreads();
+}
+
+// acc += the task's C chunks times one token's 8-bit activations (xq: the token's int8 values, xd: its scales,
+// one per 32), chunk by chunk in order: dx * (s * sum(q * x) - m * sum(x)).
+// With SMEM, xq and xd point at shared memory (a GEMV prologue's quantization: quantize_prologue), read with
+// plain loads.
+template <int C, bool SMEM = false>
+__device__ __forceinline__ void q8_task_accumulate(float& acc, const int (&q)[C][8], const float (&s)[C],
+                                                   const float (&m)[C], const signed char* __restrict__ xq,
+                                                   const float* __restrict__ xd, int task) {
+#pragma unroll
+    for (int h = 0; h < C; h++) {
+        const int chunk = task * C + h;
+        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
+        const int4 a = SMEM ? xp[0] : __ldg(xp), b = SMEM ? xp[1] : __ldg(xp + 1);
+        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        int dot = 0, sum = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            dot = dp4a_(q[h][i], xs[i], dot);
+            sum = dp4a_(0x01010101, xs[i], sum);
+        }
+        acc += (SMEM ? xd[chunk] : __ldg(xd + chunk)) * (s[h] * (float)dot - m[h] * (float)sum);
+    }
+}
 
 // The most activations a GEMV prologue quantizes into shared memory (quantize_prologue): an expert's or the shared
 // expert's hidden layer, a hyper-connection's low-rank activation.
@@ -658,7 +582,7 @@ __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long l
     static_assert(PRO == PRO_Q8 || NT == 1, "a prologue quantizes one input row");
     __shared__ __align__(16) signed char sq[PRO == PRO_Q8 ? 16 : PRO_MAX_COLS];
     __shared__ float sd[PRO == PRO_Q8 ? 1 : PRO_MAX_COLS / 32];
-    constexpr int C = QTask<T>::chunks;
+    constexpr int C = QRaw<T>::chunks;
     constexpr int D = GEMVQ_DEPTH;
     const int rows_per_block = blockDim.x / lanes;
     const int r = blockIdx.x * rows_per_block + threadIdx.x / lanes;
@@ -814,7 +738,7 @@ __device__ __forceinline__ void moe_groupedq_body(const uint8_t* __restrict__ W,
                                                   const signed char* __restrict__ qx, const float* __restrict__ dx,
                                                   int x_div, long long x_stride, float* __restrict__ y, int lanes,
                                                   const uint16_t* pairs) {
-    constexpr int C = QTask<T>::chunks;
+    constexpr int C = QRaw<T>::chunks;
     const int e = slot_expert ? slot_expert[blockIdx.y] : blockIdx.y;
     if (e < 0) return;  // uniform over the block
     const int start = offsets[e], end = offsets[e + 1];
@@ -872,7 +796,7 @@ GROUPEDQ(q4_k, T_Q4_K)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Routed experts, prefill, on tensor cores (sm_80+): the integer products of moe_groupedq (8-bit weights decoded
-// by QTask, 8-bit activations, 32-value chunks, each chunk's int32 dot scaled in f32 as dx * s * dot - m * dx *
+// by QRaw, 8-bit activations, 32-value chunks, each chunk's int32 dot scaled in f32 as dx * s * dot - m * dx *
 // sum(qx)) computed with mma.sync.m16n8k32 (s8 x s8 -> s32). A block of 128 threads (4 warps) owns MMA_ROWS rows
 // of one expert (blockIdx.y as in moe_grouped) and takes that expert's slots MMA_SLOTS at a time (tiles
 // blockIdx.z, blockIdx.z + gridDim.z, ...); per MMA_K columns it decodes the weight tile and the slots'
@@ -901,10 +825,10 @@ __device__ __forceinline__ void mma_s8_16832(int (&d)[4], const int (&a)[4], con
 
 // One thread's share of a weight tile: one row's MMA_K values (4 chunks) of a k-step, loaded raw (`load`, issued a
 // step ahead so the loads overlap the previous step's MMAs) and decoded into packed int8 words, scales and mins
-// (`decode`, value = s * q - m, as QTask). Generic form: decoded at load time.
+// (`decode`, value = s * q - m, as QRaw). Generic form: decoded at load time.
 template <int T>
 struct QStep {
-    static constexpr int C = QTask<T>::chunks;
+    static constexpr int C = QRaw<T>::chunks;
     int q[4][8];
     float s[4], m[4];
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t* pairs) {
@@ -933,39 +857,25 @@ struct QStep {
     }
 };
 
-// Q4_0 / IQ4_NL: four 18-byte blocks (2-byte aligned): the f16 scale and the 16 nibble bytes of each.
+// Q4_0 / IQ4_NL: the four 32-value chunks' raw blocks (QRaw), decoded one after another.
 template <int T>
 struct QStepNibble32 {
-    unsigned int w[4][4];
-    unsigned short d[4];
+    QRaw<T> c[4];
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const uint16_t* b = reinterpret_cast<const uint16_t*>(row + 18 * (k0 / 32 + c));
-            d[c] = __ldg(b);
-            nibble_words_(b, w[c]);
-        }
+        for (int i = 0; i < 4; i++) c[i].load(row, k0 / 32 + i);
     }
     __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4],
                                            const uint16_t* pairs) const {
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-            s[c] = half_bits_to_f32(d[c]);
+        for (int i = 0; i < 4; i++) {
+            int qq[1][8];
+            float ss[1], mm[1];
+            c[i].decode(qq, ss, mm, pairs);
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                if constexpr (T == T_IQ4_NL) {
-                    const unsigned int x = w[c][i];
-                    const unsigned int p0 = pairs[x & 0xFF], p1 = pairs[(x >> 8) & 0xFF];
-                    const unsigned int p2 = pairs[(x >> 16) & 0xFF], p3 = pairs[x >> 24];
-                    const unsigned int lo01 = p0 | (p1 << 16), lo23 = p2 | (p3 << 16);
-                    q[c][i] = (int)__byte_perm(lo01, lo23, 0x6420);
-                    q[c][i + 4] = (int)__byte_perm(lo01, lo23, 0x7531);
-                } else {
-                    q[c][i] = (int)(w[c][i] & 0x0F0F0F0Fu);
-                    q[c][i + 4] = (int)((w[c][i] >> 4) & 0x0F0F0F0Fu);
-                }
-            }
-            m[c] = T == T_IQ4_NL ? 0.f : 8.f * s[c];
+            for (int j = 0; j < 8; j++) q[i][j] = qq[0][j];
+            s[i] = ss[0];
+            m[i] = mm[0];
         }
     }
 };

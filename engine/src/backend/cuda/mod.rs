@@ -153,17 +153,19 @@ struct DevMoe {
     /// one decode GEMV for both) when the two share a type; `sh_up` holds the up projection otherwise.
     sh_gate_up: DevMatrix,
     sh_up: Option<DevMatrix>,
-    /// The shared expert's hidden size `sff`.
-    sh_ff: usize,
     sh_down: DevMatrix,
     /// The shared expert's gate row (f32 `[d]`), applied by the router kernel.
     sh_gate_inp: CudaSlice<f32>,
 }
 
 impl DevMoe {
+    /// The shared expert's hidden size `sff`.
+    fn sh_ff(&self) -> usize {
+        if self.sh_up.is_some() { self.sh_gate_up.rows } else { self.sh_gate_up.rows / 2 }
+    }
     /// The shared expert's gate projection `[sff, d]`.
     fn sh_gate(&self, dev: &Dev) -> MatRef {
-        MatRef { rows: self.sh_ff, ..self.sh_gate_up.r(dev) }
+        MatRef { rows: self.sh_ff(), ..self.sh_gate_up.r(dev) }
     }
     /// The shared expert's up projection `[sff, d]` (the lower half of the stack when stacked).
     fn sh_up(&self, dev: &Dev) -> MatRef {
@@ -171,7 +173,7 @@ impl DevMoe {
             Some(u) => u.r(dev),
             None => {
                 let g = self.sh_gate(dev);
-                MatRef { ptr: g.ptr + (self.sh_ff * g.row_bytes) as u64, ..g }
+                MatRef { ptr: g.ptr + (g.rows * g.row_bytes) as u64, ..g }
             }
         }
     }
@@ -472,6 +474,13 @@ impl Uploader<'_> {
         let e0 = &m.experts[0];
         let se = &m.shared_expert;
         Self::check_shape(&se.up_proj, what)?;
+        if se.up_proj.rows() != se.gate_proj.rows() {
+            return Err(CudaError::Unsupported(format!(
+                "{what}: shared expert gate {} and up {} rows differ",
+                se.gate_proj.rows(),
+                se.up_proj.rows()
+            )));
+        }
         let (sh_gate_up, sh_up) = match self.stacked(&[&se.gate_proj, &se.up_proj], what)? {
             Some(both) => (both, None),
             None => (self.matrix(&se.gate_proj, what)?, Some(self.matrix(&se.up_proj, what)?)),
@@ -483,7 +492,6 @@ impl Uploader<'_> {
             down: self.stack(&downs, &e0.down_proj, what)?,
             sh_gate_up,
             sh_up,
-            sh_ff: se.gate_proj.rows(),
             sh_down: self.matrix(&m.shared_expert.down_proj, what)?,
             sh_gate_inp: self.vector(&m.shared_expert_gate)?,
         })
@@ -1352,14 +1360,15 @@ impl CudaModel {
         // The quantization blocks of a [n*S][d] view are those of the [n][S*d] rows the GEMVs read.
         self.q8_produced(xn, n, dim, q_xn);
         let rank = hc.rank;
-        let low = self.tmp(n * rank)?;
-        let q_low = self.q8_outputs(hc.up.ty, n, rank)?;
-        let g = self.tmp(n * dim)?;
         let fused_up = n == 1
             && self.gemv_prologue
             && rank <= PRO_MAX_COLS
             && matches!(hc.inject, HcInject::Stacked)
             && self.q8_block(hc.up.ty, rank).is_some();
+        // The low-rank activation and its 8-bit form, written by hc_acts / hc_low_act (not when fused).
+        let (low, q_low) =
+            if fused_up { (0, None) } else { (self.tmp(n * rank)?, self.q8_outputs(hc.up.ty, n, rank)?) };
+        let g = self.tmp(n * dim)?;
         let a = match &hc.inject {
             HcInject::Stacked if fused_up => {
                 // One token: the up projection's blocks compute silu(y / S) themselves (and block 0 the injection
@@ -1848,7 +1857,7 @@ impl CudaModel {
         let dev = &self.dev;
         let cfg = &self.config;
         let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
-        let sff = moe.sh_ff;
+        let sff = moe.sh_ff();
         let (sg, su) = if n == 1 && moe.sh_up.is_none() {
             // Gate and up in one GEMV of the stacked matrix: [gate | up] for the one token, each half with the
             // threads per row it has when launched alone (as multi-token passes do).
