@@ -74,35 +74,48 @@ extern "C" __global__ void hc_acts(const float* __restrict__ y, float* low, floa
 // A bundle's RMS norm per stream, optionally after the residual update of the block before: with y,
 // X[t][s*d + i] += a[t][s] * y[t][i] first (the residual update after a block, written back to X); then
 // xn[t][s*d + i] = X[t][s*d + i] * rsqrt(mean_i(X[t][s*d + .]^2) + eps) * w[s*d + i], and with qx its 8-bit form
-// (quantize_thread; blockDim a multiple of blk, d a multiple of blk). One block per (token, stream) row of d.
-extern "C" __global__ void hc_norm(float* X, const float* __restrict__ y, const float* __restrict__ a,
+// (quantize_thread; blockDim a multiple of blk, d a multiple of blk). One block per (token, stream) row of d, with
+// d <= HC_NORM_PER_THREAD * blockDim: each thread keeps its values, and the norm weights it needs, in registers
+// from one round of loads (a decode step's rows are latency-bound: one memory round trip, not three).
+#define HC_NORM_PER_THREAD 4
+extern "C" __global__ void __launch_bounds__(1024) hc_norm(float* X, const float* __restrict__ y, const float* __restrict__ a,
                                    const float* __restrict__ w, float* xn, int streams, int d, float eps,
                                    signed char* qx, float* dx, int blk) {
     pdl_entry();
     const int row = blockIdx.x;  // t * streams + s
     const int t = row / streams, s = row % streams;
     float* xr = X + (long long)row * d;
+    const float* wr = w + (long long)s * d;
+    const float* yr = y ? y + (long long)t * d : nullptr;
+    const float as = y ? a[row] : 0.f;
+    float v[HC_NORM_PER_THREAD], wv[HC_NORM_PER_THREAD];
     float ss = 0.f;
-    if (y) {
-        const float* yr = y + (long long)t * d;
-        const float as = a[row];
-        for (int i = threadIdx.x; i < d; i += blockDim.x) {
-            const float v = xr[i] + yr[i] * as;
-            xr[i] = v;
-            ss += v * v;
+#pragma unroll
+    for (int k = 0; k < HC_NORM_PER_THREAD; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        v[k] = 0.f;
+        wv[k] = 0.f;
+        if (i < d) {
+            v[k] = xr[i];
+            wv[k] = __ldg(wr + i);
+            if (yr) v[k] += yr[i] * as;
         }
-    } else {
-        for (int i = threadIdx.x; i < d; i += blockDim.x) ss += xr[i] * xr[i];
+    }
+#pragma unroll
+    for (int k = 0; k < HC_NORM_PER_THREAD; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < d && yr) xr[i] = v[k];
+        ss += v[k] * v[k];
     }
     ss = block_sum(ss);
     const float inv = rsqrtf(ss / d + eps);
-    const float* wr = w + (long long)s * d;
     float* o = xn + (long long)row * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = xr[i] * inv * wr[i];
-    if (qx) {
-        for (int base = 0; base < d; base += blockDim.x) {
-            const int i = base + threadIdx.x;
-            quantize_thread(i < d ? o[i] : 0.f, i < d, (long long)row * d + i, blk, qx, dx);
-        }
+#pragma unroll
+    for (int k = 0; k < HC_NORM_PER_THREAD; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        const float r = v[k] * inv * wv[k];
+        if (i < d) o[i] = r;
+        // Every thread of the block takes part in each quantization round that covers part of the row.
+        if (qx && k * blockDim.x < d) quantize_thread(r, i < d, (long long)row * d + i, blk, qx, dx);
     }
 }

@@ -15,10 +15,18 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
     if (sgw) {
         const float4* xp = reinterpret_cast<const float4*>(x + (long long)t * d);
         const float4* wp = reinterpret_cast<const float4*>(sgw);
+        // Eight float4 pairs in flight per lane before any is used: one warp is latency-bound on this row.
         float a = 0.f;
-        for (int i = lane; i < d / 4; i += 32) {
-            const float4 u = xp[i], v = __ldg(wp + i);
-            a += u.x * v.x + u.y * v.y + u.z * v.z + u.w * v.w;
+        for (int base = lane; base < d / 4; base += 32 * 8) {
+            float4 u[8], v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int i = base + 32 * j;
+                u[j] = i < d / 4 ? xp[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+                v[j] = i < d / 4 ? __ldg(wp + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++) a += u[j].x * v[j].x + u[j].y * v[j].y + u[j].z * v[j].z + u[j].w * v[j].w;
         }
         a = warp_sum(a);
         if (lane == 0) sgate[t] = a;

@@ -92,6 +92,7 @@ pub struct Gpu {
     /// The stream all work is issued on.
     pub stream: Arc<CudaStream>,
     functions: HashMap<String, CudaFunction>,
+    max_threads: HashMap<String, u32>,
     _modules: Vec<Arc<CudaModule>>,
     /// How the kernels were built.
     pub source: KernelSource,
@@ -152,6 +153,25 @@ fn expand_names(src: &str) -> Vec<String> {
     out
 }
 
+/// `NEBULA_CUDA_CARVEOUT`: the preferred shared-memory carve-out, in percent of the SM's unified L1/shared
+/// memory (0-100), given to every kernel at load (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`); unset
+/// or empty leaves the driver's per-kernel choice. Errors: anything but an integer 0-100, naming the variable.
+fn carveout_from_env() -> Result<Option<i32>, GpuError> {
+    parse_carveout(std::env::var("NEBULA_CUDA_CARVEOUT").ok().as_deref())
+}
+
+fn parse_carveout(v: Option<&str>) -> Result<Option<i32>, GpuError> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(t) => match t.parse::<i32>() {
+            Ok(p) if (0..=100).contains(&p) => Ok(Some(p)),
+            _ => Err(GpuError::Driver(format!(
+                "NEBULA_CUDA_CARVEOUT must be a percentage from 0 to 100 (the shared-memory share of L1), got {t:?}"
+            ))),
+        },
+    }
+}
+
 /// Compiles one kernel source with NVRTC for `arch` (e.g. "sm_90"), the run-time path of [`Gpu::open`].
 pub fn nvrtc_compile(stem: &str, src: &str, arch: &'static str) -> Result<cudarc::nvrtc::Ptx, GpuError> {
     let full = src.replace("#include \"common.cuh\"", COMMON);
@@ -184,6 +204,7 @@ impl Gpu {
         let force_nvrtc = std::env::var("NEBULA_NVRTC").is_ok_and(|v| v == "1");
         let use_fatbins = !FATBINS.is_empty() && !force_nvrtc;
         let mut functions = HashMap::new();
+        let mut max_threads = HashMap::new();
         let mut modules = Vec::new();
         for (stem, src) in SOURCES {
             let module = if use_fatbins {
@@ -197,14 +218,29 @@ impl Gpu {
             };
             for name in expand_names(src) {
                 let f = module.load_function(&name).map_err(|e| GpuError::Driver(format!("loading {name}: {e}")))?;
+                let max = f
+                    .get_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+                    .map_err(|e| GpuError::Driver(format!("querying {name}'s block size limit: {e}")))?;
+                max_threads.insert(name.clone(), max.max(0) as u32);
                 functions.insert(name, f);
             }
             modules.push(module);
+        }
+        if let Some(carveout) = carveout_from_env()? {
+            // One preferred L1/shared split for every kernel, so the SM is not reconfigured between neighbours.
+            for (name, f) in &functions {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    carveout,
+                )
+                .map_err(|e| GpuError::Driver(format!("setting {name}'s shared-memory carve-out: {e}")))?;
+            }
         }
         Ok(Self {
             ctx,
             stream,
             functions,
+            max_threads,
             _modules: modules,
             source: if use_fatbins { KernelSource::Fatbin } else { KernelSource::Nvrtc },
             name,
@@ -215,6 +251,12 @@ impl Gpu {
     /// The kernel called `name`.
     pub fn func(&self, name: &str) -> Result<&CudaFunction, GpuError> {
         self.functions.get(name).ok_or_else(|| GpuError::MissingKernel(name.to_string()))
+    }
+
+    /// The most threads a block of kernel `name` can have on this device (its registers and shared memory
+    /// decide: `CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK`).
+    pub fn max_threads(&self, name: &str) -> Result<u32, GpuError> {
+        self.max_threads.get(name).copied().ok_or_else(|| GpuError::MissingKernel(name.to_string()))
     }
 
     /// Number of kernels loaded.
@@ -317,6 +359,18 @@ mod tests {
             if let Err(e) = nvrtc_compile(stem, src, "sm_90") {
                 panic!("{e}");
             }
+        }
+    }
+
+    #[test]
+    fn carveout_accepts_percentages_and_names_the_variable_otherwise() {
+        assert_eq!(parse_carveout(None).unwrap(), None);
+        assert_eq!(parse_carveout(Some(" ")).unwrap(), None);
+        assert_eq!(parse_carveout(Some("0")).unwrap(), Some(0));
+        assert_eq!(parse_carveout(Some("100")).unwrap(), Some(100));
+        for bad in ["101", "-1", "half", "50%"] {
+            let e = parse_carveout(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("NEBULA_CUDA_CARVEOUT") && e.contains(bad), "{e}");
         }
     }
 

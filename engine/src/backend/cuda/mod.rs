@@ -59,6 +59,9 @@ impl From<nebula_kernels::cudarc::driver::DriverError> for CudaError {
     }
 }
 
+/// Values of a row each `hc_norm` thread keeps in registers (`HC_NORM_PER_THREAD` in hyper_connection.cu).
+const HC_NORM_PER_THREAD: usize = 4;
+
 /// A weight matrix in device memory, blocks as stored in the GGUF.
 struct DevMatrix {
     ty: GgmlType,
@@ -1337,6 +1340,12 @@ impl CudaModel {
         let q_xn = self.q8_outputs(hc.down.ty, n * s, d)?;
         // Quantizing blocks of up to 256 values: whole multiples of 256 threads.
         let threads = Self::norm_threads(d, if q_xn.is_some() { 256 } else { 32 });
+        if d > HC_NORM_PER_THREAD * threads {
+            return Err(CudaError::Unsupported(format!(
+                "a hidden width of {d} in the hyper-connection norm (at most {} values per row)",
+                HC_NORM_PER_THREAD * threads
+            )));
+        }
         let (y, ya) = residual.unwrap_or((0, 0));
         dev.launch(
             "hc_norm",

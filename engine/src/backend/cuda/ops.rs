@@ -88,6 +88,13 @@ impl Dev {
             return Ok(());
         }
         let f = self.gpu.func(name)?;
+        let max = self.gpu.max_threads(name)?;
+        if block > max {
+            // The driver would refuse with a bare "invalid value": say which kernel and why.
+            return Err(GpuError::Driver(format!(
+                "launching {name}: {block} threads per block asked, its registers and shared memory allow {max}"
+            )));
+        }
         // router_topk writes only fresh outputs (ids, weights, the shared expert's gate logits), never an
         // activation a GEMV reads.
         if !(name.starts_with("gemv")
