@@ -178,6 +178,9 @@ describe('chatting with a real nebula serve', () => {
     await page.locator(`#rename-${id}`).fill('Greetings from Nebula');
     await page.locator(`#rename-${id}`).press('Enter');
     await page.locator('.chat-list .title', { hasText: 'Greetings from Nebula' }).waitFor();
+    // The list shows the new title at once; the chat item takes the focus back once IndexedDB has committed it
+    // (Sidebar's commitRename), and only then is a reload sure to keep it.
+    await page.waitForFunction((chatId) => document.activeElement?.id === `chat-${chatId}`, id);
     const before = await page.locator('.chat-list li[data-chat-id]').count();
 
     await page.reload();
