@@ -4,7 +4,7 @@
 //! `d * (1 + 2s) * grid * sign` (ggml `block_iq3_s`; tables from `gguf.quants.IQ3_S`).
 
 use super::grids::IQ3S_GRID;
-use super::unpacked::{Grid32, SIGN_BYTES, Unpack256, Unpacked, grid_simd};
+use super::unpacked::{Grid32, GridU32, SIGN_BYTES, Unpack256, Unpacked, grid_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -68,6 +68,7 @@ impl Unpack256 for Iq3S {
 
 impl Grid32 for Iq3S {
     const SIGN_BITS_AT: Option<usize> = Some(74);
+    const GRID_U32: Option<GridU32> = Some(GridU32 { grid: &IQ3S_GRID.0, qs: 2, qh: Some(66) });
 
     #[inline(always)]
     fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {

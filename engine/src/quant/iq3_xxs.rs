@@ -4,7 +4,7 @@
 //! `block_iq3_xxs`; tables and order of operations from `gguf.quants.IQ3_XXS`).
 
 use super::grids::{IQ3XXS_GRID, KSIGNS_IQ2XS};
-use super::unpacked::{Grid32, KSIGN_BYTES, Unpack256, Unpacked, grid_simd};
+use super::unpacked::{Grid32, GridU32, KSIGN_BYTES, Unpack256, Unpacked, grid_simd};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -70,6 +70,8 @@ impl Unpack256 for Iq3Xxs {
 }
 
 impl Grid32 for Iq3Xxs {
+    const GRID_U32: Option<GridU32> = Some(GridU32 { grid: &IQ3XXS_GRID.0, qs: 2, qh: None });
+
     #[inline(always)]
     fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
         // Two 4-value grid entries per word of 8 magnitudes.

@@ -9,6 +9,7 @@
 //! products are scalar, AVX2 or AVX-512. The grid i-quants' SIMD paths skip the unpacked copy ([`Grid32`]): the
 //! unpacked form of those is the scalar reference.
 
+use super::grids::CacheAligned;
 use super::{Acc4, ActRow, BlockFormat};
 
 /// One unpacked super-block, in one of two forms: signed levels `q` (most formats), or magnitudes `mag` with
@@ -71,11 +72,26 @@ pub(crate) trait Grid32: Unpack256 {
     /// The IQ1 formats: `sub32`'s first words are grid bytes (-1, 0 or 1) and its second words delta bytes (1 or
     /// -1), and the level is `8 * grid + delta` (as their `unpack` writes it).
     const IQ1_LEVELS: bool = false;
+    /// For formats whose 32 values are eight 4-value entries of a `u32` grid (IQ3_XXS, IQ3_S): the SIMD dot
+    /// then builds the eight indices with vector instructions, looks the entries up itself and ignores `sub32`'s
+    /// magnitude words.
+    const GRID_U32: Option<GridU32> = None;
+}
+
+/// Where a [`Grid32`] format's `u32` grid entries come from: entry `e` of a super-block (4 values) is
+/// `grid[block[qs + e] | ((block[qh + e / 8] >> (e % 8)) & 1) << 8]`, without the high bit when `qh` is `None`.
+pub(crate) struct GridU32 {
+    /// The grid: 256 entries, 512 with `qh`.
+    pub grid: &'static [u32],
+    /// Offset of the 64 low index bytes in the block.
+    pub qs: usize,
+    /// Offset of the 8 bytes of index high bits, if any.
+    pub qh: Option<usize>,
 }
 
 /// Eight sign bits (bit `j`: value `j` negative) as eight sign bytes, `0xFF` for negative and `0x01` for
-/// positive (what `_mm256_sign_epi8` needs to negate or keep an activation).
-pub(crate) static SIGN_BYTES: [u64; 256] = {
+/// positive (what `_mm256_sign_epi8` needs to negate or keep an activation). On its own cache lines, as the grids.
+pub(crate) static SIGN_BYTES: CacheAligned<[u64; 256]> = CacheAligned({
     let mut t = [0u64; 256];
     let mut b = 0;
     while b < 256 {
@@ -89,18 +105,18 @@ pub(crate) static SIGN_BYTES: [u64; 256] = {
         b += 1;
     }
     t
-};
+});
 
 /// [`SIGN_BYTES`] of each 7-bit sign-pattern index of the IQ2/IQ3 formats (`KSIGNS_IQ2XS`).
-pub(crate) static KSIGN_BYTES: [u64; 128] = {
+pub(crate) static KSIGN_BYTES: CacheAligned<[u64; 128]> = CacheAligned({
     let mut t = [0u64; 128];
     let mut i = 0;
     while i < 128 {
-        t[i] = SIGN_BYTES[super::grids::KSIGNS_IQ2XS[i] as usize];
+        t[i] = SIGN_BYTES.0[super::grids::KSIGNS_IQ2XS[i] as usize];
         i += 1;
     }
     t
-};
+});
 
 /// Exact scaled integer sum, scalar.
 pub(crate) fn isum_scalar(u: &Unpacked, x: &[i8]) -> i32 {
@@ -212,6 +228,9 @@ pub(crate) mod x86 {
     /// [`grid_dot_avx2`] for `NT` tokens (a compile-time count, so the per-token sums stay in registers).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn grid_dot_nt<F: super::Grid32, const NT: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        if let Some(super::GridU32 { grid, qh, .. }) = F::GRID_U32 {
+            assert!(grid.len() >= if qh.is_some() { 512 } else { 256 }, "grid shorter than its indices");
+        }
         let mut acc = [Acc4::default(); NT];
         let xq: [*const i8; NT] = std::array::from_fn(|t| xs[t].qs.as_ptr());
         for (sb, blk) in row.chunks_exact(F::BLOCK_BYTES).enumerate() {
@@ -235,6 +254,24 @@ pub(crate) mod x86 {
                     // Odd levels, never 0: the level itself is the sign operand, its magnitude the multiplier.
                     let q = iq1_levels(g, n);
                     (_mm256_abs_epi8(q), q)
+                } else if let Some(super::GridU32 { grid, qs, qh }) = F::GRID_U32 {
+                    // Lane j: qs[8 ib + j] | ((qh[ib] >> j) & 1) << 8 (an index below the grid's length, checked
+                    // above), stored for the scalar lookups (faster than a gather on the machines measured).
+                    assert!(qs + 64 <= F::BLOCK_BYTES);
+                    let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk[qs + 8 * ib..].as_ptr() as *const __m128i));
+                    let idx = match qh {
+                        Some(qh) => {
+                            let bits = _mm256_set1_epi32(blk[qh + ib] as i32);
+                            let hi = _mm256_sllv_epi32(bits, _mm256_set_epi32(1, 2, 3, 4, 5, 6, 7, 8));
+                            _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi32(256)))
+                        }
+                        None => lo,
+                    };
+                    let mut ix = [0u32; 8];
+                    _mm256_storeu_si256(ix.as_mut_ptr() as *mut __m256i, idx);
+                    // SAFETY: every index is below 256, or 512 with qh: the grid's length (asserted per row).
+                    let e = |j: usize| *grid.get_unchecked(ix[j] as usize) as i32;
+                    (_mm256_set_epi32(e(7), e(6), e(5), e(4), e(3), e(2), e(1), e(0)), _mm256_setzero_si256())
                 } else {
                     let m = _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64);
                     (m, _mm256_setzero_si256())
