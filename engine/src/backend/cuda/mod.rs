@@ -277,9 +277,9 @@ pub struct CudaModel {
     /// Whether down projections and hyper-connection up projections compute and quantize their input themselves
     /// (`Acts::Pro`) instead of after a SiLU or `hc_acts` kernel: off unless `NEBULA_CUDA_GEMV_PROLOGUE=1`. It
     /// takes 48 launches out of a 12-layer decode step and Nsight Compute times each fused kernel below the
-    /// two it replaces, yet the CUDA Graph step measured slower with it (H200: 384 against 432 tok/s) and, in a
-    /// later call with interleaved repeats, no different (419 / 369 against 396 / 413): no gain shown, so it is
-    /// opt-in for study.
+    /// two it replaces, yet the CUDA Graph step measured slower with it (H200: 384 against 432 tok/s; later, with
+    /// four repeats in each of two processes per setting, 411.3 against 434.7 on average), so it is opt-in for
+    /// study.
     gemv_prologue: bool,
     /// The launch size below which a dense decode GEMV widens its rows ([`Self::gemv_lanes`]): 2^15 threads, or
     /// `NEBULA_CUDA_GEMV_THREADS` (tuning).
