@@ -37,8 +37,12 @@ echo "=== all weights on the GPU"
 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048,8192 --decode 64
 echo "=== all on the GPU, prefill without tensor cores (NEBULA_CUDA_MMA=0: dp4a experts, f32 cuBLAS dense)"
 NEBULA_CUDA_MMA=0 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048 --decode 4
-echo "=== all on the GPU, decode with the opt-in GEMV prologues (NEBULA_CUDA_GEMV_PROLOGUE=1; compare with the first run)"
-NEBULA_CUDA_GEMV_PROLOGUE=1 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048 --decode 64
+# Separate processes of one binary differ by up to ~6 % in decode; repeats inside one process by 1-3 %.
+for prologue in 0 1 0 1; do
+    echo "=== all on the GPU, decode A/B: opt-in GEMV prologues NEBULA_CUDA_GEMV_PROLOGUE=$prologue (4 repeats)"
+    NEBULA_CUDA_GEMV_PROLOGUE=$prologue "$NEBULA" bench model --model "$MODEL" --backend cuda \
+        --contexts 512,512,512,512 --decode 128
+done
 
 if command -v ncu > /dev/null; then
     echo "=== where one all-GPU decode step's time goes (Nsight Compute, CUDA Graphs off)"
