@@ -78,9 +78,10 @@ extern "C" __global__ void hc_acts(const float* __restrict__ y, float* low, floa
 // d <= HC_NORM_PER_THREAD * blockDim: each thread keeps its values, and the norm weights it needs, in registers
 // from one round of loads (a decode step's rows are latency-bound: one memory round trip, not three).
 #define HC_NORM_PER_THREAD 4
-extern "C" __global__ void __launch_bounds__(1024) hc_norm(float* X, const float* __restrict__ y, const float* __restrict__ a,
-                                   const float* __restrict__ w, float* xn, int streams, int d, float eps,
-                                   signed char* qx, float* dx, int blk) {
+extern "C" __global__ void __launch_bounds__(1024) hc_norm(float* X, const float* __restrict__ y,
+                                                           const float* __restrict__ a, const float* __restrict__ w,
+                                                           float* xn, int streams, int d, float eps,
+                                                           signed char* qx, float* dx, int blk) {
     pdl_entry();
     const int row = blockIdx.x;  // t * streams + s
     const int t = row / streams, s = row % streams;

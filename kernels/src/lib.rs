@@ -308,6 +308,27 @@ mod tests {
         assert!(names.iter().all(|n| !n.contains('#')), "{names:?}");
     }
 
+    /// Every kernel name found in every source is an identifier followed by its parameter list there (a
+    /// declaration the parser misreads, e.g. with the name on the line after `__launch_bounds__(...)`, would
+    /// otherwise only fail when a GPU loads the module), and the hyper-connection norm is among them.
+    #[test]
+    fn every_kernel_name_is_an_identifier_of_its_source() {
+        let mut all = Vec::new();
+        for (stem, src) in SOURCES {
+            for name in expand_names(src) {
+                let first = name.chars().next().unwrap_or('0');
+                assert!(first.is_ascii_alphabetic() || first == '_', "{stem}.cu: kernel name {name:?}");
+                all.push(name);
+            }
+            for name in kernel_names(src).iter().filter(|n| !n.contains('#')) {
+                assert!(src.contains(&format!(" {name}(")), "{stem}.cu: {name} is not followed by its parameters");
+            }
+        }
+        for n in ["hc_norm", "router_topk", "hc_mix", "rms_norm_rows"] {
+            assert!(all.iter().any(|x| x == n), "{n} missing");
+        }
+    }
+
     /// Programmatic dependent launch is safe only if every kernel waits for its predecessor before anything else
     /// (common.cuh `pdl_entry`): a kernel that read first, or returned before waiting, could see stale inputs or let
     /// a later kernel overtake the one before it. The one exception, marked `pdl_deferred()`, is the dense decode
