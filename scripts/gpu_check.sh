@@ -5,7 +5,8 @@
 #   2. a 12-layer real-width synthetic model (`nebula synth --recipe nebula-q4 --no-mtp`),
 #   3. `nebula bench model` all on the GPU (and, when Nsight Compute is installed, the per-kernel time of one decode
 #      step: scripts/ncu_decode_profile.py), the prefill profile at 2048, `nebula bench mtp` on a synth with the
-#      MTP block, then hybrid under the 12 GB / 128 GB and 8 GB / 32 GB profiles,
+#      MTP block, then hybrid under the 12 GB / 128 GB and 8 GB / 32 GB profiles (before the hybrid runs: the
+#      decode A/B of the opt-in GEMV prologues, two rounds of four in-process repeats per setting),
 #   4. llama.cpp's `llama-bench` on the same file when LLAMA_BENCH points at one (this script never builds it).
 #
 # Usage (from the repository root):
@@ -37,7 +38,7 @@ echo "=== all weights on the GPU"
 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048,8192 --decode 64
 echo "=== all on the GPU, prefill without tensor cores (NEBULA_CUDA_MMA=0: dp4a experts, f32 cuBLAS dense)"
 NEBULA_CUDA_MMA=0 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048 --decode 4
-# Separate processes of one binary differ by up to ~6 % in decode; repeats inside one process by 1-3 %.
+# Separate processes of one binary differ by up to ~6 % in decode; repeats inside one process usually by 1-3 %.
 for prologue in 0 1 0 1; do
     echo "=== all on the GPU, decode A/B: opt-in GEMV prologues NEBULA_CUDA_GEMV_PROLOGUE=$prologue (4 repeats)"
     NEBULA_CUDA_GEMV_PROLOGUE=$prologue "$NEBULA" bench model --model "$MODEL" --backend cuda \

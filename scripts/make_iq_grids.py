@@ -49,7 +49,7 @@ def emit(name, doc, ty, vals, hexw, per_line, aligned=False):
 
 # The grids' wrapper (see its doc comment in the output).
 CACHE_ALIGNED = """/// A lookup table on its own cache lines (64-byte aligned): the grid lookups of the i-quant dot products measured
-/// up to 15 % slower when a code change moved a table to another offset within its lines (IQ2_S, one thread,
+/// 13 % slower when a code change moved a table to another offset within its lines (IQ2_S, one thread,
 /// `nebula bench kernels`), so the tables no longer depend on where the linker puts them. Derefs to the table.
 #[repr(C, align(64))]
 pub struct CacheAligned<T>(pub T);

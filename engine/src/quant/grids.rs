@@ -6,7 +6,7 @@
 //! (little-endian), so a row can be copied into a byte buffer with one store.
 
 /// A lookup table on its own cache lines (64-byte aligned): the grid lookups of the i-quant dot products measured
-/// up to 15 % slower when a code change moved a table to another offset within its lines (IQ2_S, one thread,
+/// 13 % slower when a code change moved a table to another offset within its lines (IQ2_S, one thread,
 /// `nebula bench kernels`), so the tables no longer depend on where the linker puts them. Derefs to the table.
 #[repr(C, align(64))]
 pub struct CacheAligned<T>(pub T);

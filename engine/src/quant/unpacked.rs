@@ -256,7 +256,8 @@ pub(crate) mod x86 {
                     (_mm256_abs_epi8(q), q)
                 } else if let Some(super::GridU32 { grid, qs, qh }) = F::GRID_U32 {
                     // Lane j: qs[8 ib + j] | ((qh[ib] >> j) & 1) << 8 (an index below the grid's length, checked
-                    // above), stored for the scalar lookups (faster than a gather on the machines measured).
+                    // above), stored for scalar lookups (no gather: llama.cpp's source reports gathers slower on a
+                    // Zen 4, and gathers are slow on Intel parts with the GDS mitigation; not measured here).
                     assert!(qs + 64 <= F::BLOCK_BYTES);
                     let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk[qs + 8 * ib..].as_ptr() as *const __m128i));
                     let idx = match qh {
