@@ -397,40 +397,51 @@ struct QRaw<T_Q4_0> : QRawNibble32<T_Q4_0> {};
 template <>
 struct QRaw<T_IQ4_NL> : QRawNibble32<T_IQ4_NL> {};
 
+// A Q4_K super-block's 16-byte header (f16 d and dmin, then the 12 packed scale bytes) in registers, shared by the
+// decode GEMVs (QRaw) and the tensor-core matmul (QStep). scale_min unpacks sub-block j's 6-bit scale and min as
+// scale_min_k4 does: bytes j & 3 of the three scale words.
+struct Q4KHeader {
+    unsigned int w[4];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ b) {
+        const uint4 h = __ldg(reinterpret_cast<const uint4*>(b));
+        w[0] = h.x;
+        w[1] = h.y;
+        w[2] = h.z;
+        w[3] = h.w;
+    }
+    __device__ __forceinline__ float d() const { return half_bits_to_f32((unsigned short)(w[0] & 0xFFFF)); }
+    __device__ __forceinline__ float dmin() const { return half_bits_to_f32((unsigned short)(w[0] >> 16)); }
+    // s = d * scale, m = dmin * min of sub-block j (d and dmin from d() and dmin(), converted once by the caller).
+    __device__ __forceinline__ void scale_min(int j, float d, float dmin, float& s, float& m) const {
+        const int sh = 8 * (j & 3);
+        const int b1 = (int)((w[1] >> sh) & 0xFF), b2 = (int)((w[2] >> sh) & 0xFF), b3 = (int)((w[3] >> sh) & 0xFF);
+        const int sc = j < 4 ? (b1 & 63) : ((b3 & 0xF) | ((b1 >> 6) << 4));
+        const int mn = j < 4 ? (b2 & 63) : ((b3 >> 4) | ((b2 >> 6) << 4));
+        s = d * (float)sc;
+        m = dmin * (float)mn;
+    }
+};
+
 // Q4_K: the super-block's 16-byte header (d, dmin, 12 packed scale bytes) and the task's 32 quant bytes (sub-blocks
 // 2 * pair and 2 * pair + 1, pair = t % 4). decode unpacks the scales as scale_min_k4 does, from registers.
 template <>
 struct QRaw<T_Q4_K> {
     static constexpr int chunks = 2;
-    unsigned int hdr[4];
+    Q4KHeader hdr;
     uint4 qa, qb;
     int pair;
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int t) {
         const uint8_t* b = row + 144 * (t >> 2);
         pair = t & 3;
-        const uint4 h = __ldg(reinterpret_cast<const uint4*>(b));
-        hdr[0] = h.x;
-        hdr[1] = h.y;
-        hdr[2] = h.z;
-        hdr[3] = h.w;
+        hdr.load(b);
         const uint4* qp = reinterpret_cast<const uint4*>(b + 16 + 32 * pair);
         qa = __ldg(qp);
         qb = __ldg(qp + 1);
     }
     __device__ __forceinline__ void decode(int (&q)[2][8], float (&s)[2], float (&m)[2], const uint16_t*) const {
-        const float d = half_bits_to_f32((unsigned short)(hdr[0] & 0xFFFF));
-        const float dmin = half_bits_to_f32((unsigned short)(hdr[0] >> 16));
+        const float d = hdr.d(), dmin = hdr.dmin();
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            // Sub-block j = 2 * pair + h; scale bytes j & 3 of each of the three scale words (scale_min_k4).
-            const int j = 2 * pair + h, sh = 8 * (j & 3);
-            const int b1 = (int)((hdr[1] >> sh) & 0xFF), b2 = (int)((hdr[2] >> sh) & 0xFF);
-            const int b3 = (int)((hdr[3] >> sh) & 0xFF);
-            const int sc = j < 4 ? (b1 & 63) : ((b3 & 0xF) | ((b1 >> 6) << 4));
-            const int mn = j < 4 ? (b2 & 63) : ((b3 >> 4) | ((b2 >> 6) << 4));
-            s[h] = d * (float)sc;
-            m[h] = dmin * (float)mn;
-        }
+        for (int h = 0; h < 2; h++) hdr.scale_min(2 * pair + h, d, dmin, s[h], m[h]);  // sub-blocks 2 pair, 2 pair + 1
         const unsigned int w[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
         for (int i = 0; i < 8; i++) {
@@ -888,41 +899,22 @@ struct QStep<T_IQ4_NL> : QStepNibble32<T_IQ4_NL> {};
 // the 12 packed scale bytes) and 64 quant bytes (low nibbles of 32 bytes: sub-block 2p, high: 2p + 1).
 template <>
 struct QStep<T_Q4_K> {
-    unsigned int hdr[4];
+    Q4KHeader hdr;
     uint4 qv[4];
     int half;
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
         const uint8_t* b = row + 144 * (k0 / 256);
         half = (k0 / 128) & 1;
-        const uint4 h = __ldg(reinterpret_cast<const uint4*>(b));
-        hdr[0] = h.x;
-        hdr[1] = h.y;
-        hdr[2] = h.z;
-        hdr[3] = h.w;
+        hdr.load(b);
         const uint4* qp = reinterpret_cast<const uint4*>(b + 16 + 64 * half);
 #pragma unroll
         for (int i = 0; i < 4; i++) qv[i] = __ldg(qp + i);
     }
-    // Byte i of the 12 scale bytes (i a compile-time constant after unrolling).
-    __device__ __forceinline__ int sb(int i) const { return (int)((hdr[1 + i / 4] >> (8 * (i % 4))) & 0xFF); }
     template <int H>
     __device__ __forceinline__ void scales(float (&s)[4], float (&m)[4]) const {
-        const float d = half_bits_to_f32((unsigned short)(hdr[0] & 0xFFFF));
-        const float dmin = half_bits_to_f32((unsigned short)(hdr[0] >> 16));
+        const float d = hdr.d(), dmin = hdr.dmin();
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const int j = 4 * H + c;
-            int sc, mn;
-            if (j < 4) {
-                sc = sb(j) & 63;
-                mn = sb(j + 4) & 63;
-            } else {
-                sc = (sb(j + 4) & 0xF) | ((sb(j - 4) >> 6) << 4);
-                mn = (sb(j + 4) >> 4) | ((sb(j) >> 6) << 4);
-            }
-            s[c] = d * (float)sc;
-            m[c] = dmin * (float)mn;
-        }
+        for (int c = 0; c < 4; c++) hdr.scale_min(4 * H + c, d, dmin, s[c], m[c]);
     }
     __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4], const uint16_t*) const {
         if (half == 0) scales<0>(s, m);

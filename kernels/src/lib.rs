@@ -91,8 +91,9 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     /// The stream all work is issued on.
     pub stream: Arc<CudaStream>,
-    functions: HashMap<String, CudaFunction>,
-    max_threads: HashMap<String, u32>,
+    /// Every kernel by name, with the most threads a block of it can have on this device (its registers and
+    /// shared memory decide: `CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK`).
+    functions: HashMap<String, (CudaFunction, u32)>,
     _modules: Vec<Arc<CudaModule>>,
     /// How the kernels were built.
     pub source: KernelSource,
@@ -204,7 +205,6 @@ impl Gpu {
         let force_nvrtc = std::env::var("NEBULA_NVRTC").is_ok_and(|v| v == "1");
         let use_fatbins = !FATBINS.is_empty() && !force_nvrtc;
         let mut functions = HashMap::new();
-        let mut max_threads = HashMap::new();
         let mut modules = Vec::new();
         for (stem, src) in SOURCES {
             let module = if use_fatbins {
@@ -221,14 +221,13 @@ impl Gpu {
                 let max = f
                     .get_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
                     .map_err(|e| GpuError::Driver(format!("querying {name}'s block size limit: {e}")))?;
-                max_threads.insert(name.clone(), max.max(0) as u32);
-                functions.insert(name, f);
+                functions.insert(name, (f, max.max(0) as u32));
             }
             modules.push(module);
         }
         if let Some(carveout) = carveout_from_env()? {
             // One preferred L1/shared split for every kernel, so the SM is not reconfigured between neighbours.
-            for (name, f) in &functions {
+            for (name, (f, _)) in &functions {
                 f.set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                     carveout,
@@ -240,7 +239,6 @@ impl Gpu {
             ctx,
             stream,
             functions,
-            max_threads,
             _modules: modules,
             source: if use_fatbins { KernelSource::Fatbin } else { KernelSource::Nvrtc },
             name,
@@ -248,15 +246,9 @@ impl Gpu {
         })
     }
 
-    /// The kernel called `name`.
-    pub fn func(&self, name: &str) -> Result<&CudaFunction, GpuError> {
-        self.functions.get(name).ok_or_else(|| GpuError::MissingKernel(name.to_string()))
-    }
-
-    /// The most threads a block of kernel `name` can have on this device (its registers and shared memory
-    /// decide: `CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK`).
-    pub fn max_threads(&self, name: &str) -> Result<u32, GpuError> {
-        self.max_threads.get(name).copied().ok_or_else(|| GpuError::MissingKernel(name.to_string()))
+    /// The kernel called `name` and the most threads a block of it can have on this device.
+    pub fn func(&self, name: &str) -> Result<(&CudaFunction, u32), GpuError> {
+        self.functions.get(name).map(|(f, max)| (f, *max)).ok_or_else(|| GpuError::MissingKernel(name.to_string()))
     }
 
     /// Number of kernels loaded.

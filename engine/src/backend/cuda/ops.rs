@@ -87,8 +87,7 @@ impl Dev {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        let f = self.gpu.func(name)?;
-        let max = self.gpu.max_threads(name)?;
+        let (f, max) = self.gpu.func(name)?;
         if block > max {
             // The driver would refuse with a bare "invalid value": say which kernel and why.
             return Err(GpuError::Driver(format!(
