@@ -14,10 +14,13 @@ read slightly slower than inside a graph replay; the step's total is close to th
 """
 import collections
 import csv
+import signal
 import sys
 
 
 def main() -> None:
+    # Piped into `head`: stop quietly when the reader closes (no BrokenPipeError traceback).
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     by_grid = "--by-grid" in sys.argv[2:]

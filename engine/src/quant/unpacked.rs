@@ -228,8 +228,9 @@ pub(crate) mod x86 {
     /// [`grid_dot_avx2`] for `NT` tokens (a compile-time count, so the per-token sums stay in registers).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn grid_dot_nt<F: super::Grid32, const NT: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
-        if let Some(super::GridU32 { grid, qh, .. }) = F::GRID_U32 {
+        if let Some(super::GridU32 { grid, qs, qh }) = F::GRID_U32 {
             assert!(grid.len() >= if qh.is_some() { 512 } else { 256 }, "grid shorter than its indices");
+            assert!(qs + 64 <= F::BLOCK_BYTES, "index bytes past the block");
         }
         let mut acc = [Acc4::default(); NT];
         let xq: [*const i8; NT] = std::array::from_fn(|t| xs[t].qs.as_ptr());
@@ -258,7 +259,6 @@ pub(crate) mod x86 {
                     // Lane j: qs[8 ib + j] | ((qh[ib] >> j) & 1) << 8 (an index below the grid's length, checked
                     // above), stored for scalar lookups (no gather: llama.cpp's source reports gathers slower on a
                     // Zen 4, and gathers are slow on Intel parts with the GDS mitigation; not measured here).
-                    assert!(qs + 64 <= F::BLOCK_BYTES);
                     let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk[qs + 8 * ib..].as_ptr() as *const __m128i));
                     let idx = match qh {
                         Some(qh) => {
