@@ -69,11 +69,12 @@ extern "C" __global__ void gdn_gates(const float* __restrict__ b, const float* _
 // gdn_gates fused with the two f32 projections it reads: block (j, t) computes b = Wb[j] . m[t] (warp 0) and
 // a = Wa[j] . m[t] (warp 1), each a fixed-order sum (lane-strided float4 products, then a shuffle tree), then
 // beta[t][j] = sigmoid(b), g[t][j] = A[j] * softplus(a + dt_bias[j]). 64 threads; d a multiple of 4.
-extern "C" __global__ void gdn_ba_gates(const float* __restrict__ m, const float* __restrict__ Wb,
-                                        const float* __restrict__ Wa, const float* __restrict__ A,
-                                        const float* __restrict__ dt_bias, float* beta, float* g, int nv, int d) {
-    pdl_entry();
-    const int j = blockIdx.x, t = blockIdx.y;
+// beta[t][j] = sigmoid(Wb[j] . m[t]), g[t][j] = A[j] * softplus(Wa[j] . m[t] + dt_bias[j]) for value head j of
+// token t: warp 0 computes the b dot product, warp 1 the a one (blockDim 64, d a multiple of 4).
+__device__ __forceinline__ void gdn_ba_gate_body(int j, int t, const float* __restrict__ m,
+                                                 const float* __restrict__ Wb, const float* __restrict__ Wa,
+                                                 const float* __restrict__ A, const float* __restrict__ dt_bias,
+                                                 float* beta, float* g, int nv, int d) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const float4* w = reinterpret_cast<const float4*>((warp == 0 ? Wb : Wa) + (long long)j * d);
     const float4* x = reinterpret_cast<const float4*>(m + (long long)t * d);
@@ -90,6 +91,32 @@ extern "C" __global__ void gdn_ba_gates(const float* __restrict__ m, const float
         beta[t * nv + j] = sigmoidf_(ab[0]);
         g[t * nv + j] = A[j] * softplus_(ab[1] + dt_bias[j]);
     }
+}
+
+// The gates alone (NEBULA_CUDA_FUSE=0): value head j = blockIdx.x, token t = blockIdx.y.
+extern "C" __global__ void gdn_ba_gates(const float* __restrict__ m, const float* __restrict__ Wb,
+                                        const float* __restrict__ Wa, const float* __restrict__ A,
+                                        const float* __restrict__ dt_bias, float* beta, float* g, int nv, int d) {
+    pdl_entry();
+    gdn_ba_gate_body(blockIdx.x, blockIdx.y, m, Wb, Wa, A, dt_bias, beta, g, nv, d);
+}
+
+// The conv (gdn_conv) and the gates (gdn_ba_gate_body) in one launch of 64-thread blocks (the gates read only m, not the projections the
+// conv reads, so neither waits for the other): blocks [0, ceil(C / 64)) run the conv, the next nv * n blocks the
+// gates of (head, token) = (i % nv, i / nv).
+extern "C" __global__ void gdn_conv_gates(float* qkv, float* state, const float* __restrict__ w, int n, int C, int K,
+                                          const float* __restrict__ m, const float* __restrict__ Wb,
+                                          const float* __restrict__ Wa, const float* __restrict__ A,
+                                          const float* __restrict__ dt_bias, float* beta, float* g, int nv, int d) {
+    pdl_entry();
+    const int conv_blocks = (C + 63) / 64;
+    if ((int)blockIdx.x < conv_blocks) {
+        if (K == 4) gdn_conv_body<4>(qkv, state, w, n, C, K);
+        else gdn_conv_body<0>(qkv, state, w, n, C, K);
+        return;
+    }
+    const int i = blockIdx.x - conv_blocks;
+    gdn_ba_gate_body(i % nv, i / nv, m, Wb, Wa, A, dt_bias, beta, g, nv, d);
 }
 
 // The delta rule token by token. One warp per block: value head j = blockIdx.x, state columns

@@ -578,6 +578,9 @@ __device__ __forceinline__ void quantize_prologue(const ProIn& in, int cols, sig
 // task i is decoded. (3 took more registers than 7 blocks of 128 threads per SM leave: the 800-block expert
 // launches no longer fitted in one wave and ran slower, H200 ncu.)
 #define GEMVQ_DEPTH 2
+// The deeper prefetch of the one-token dense GEMVs gemvqd_* (no launch-size pressure there): with at most this many
+// tasks per thread, a thread's weight loads are all issued before the first is used (one DRAM round trip).
+#define GEMVQ_DEEP 4
 
 // y[t][r] for NT tokens: a group of `lanes` threads per row, each taking tasks lane, lane + lanes, ... in that
 // order (the f32 sums, hence the results, do not depend on the prefetch). With WAIT, the kernel's dependent-launch
@@ -585,16 +588,17 @@ __device__ __forceinline__ void quantize_prologue(const ProIn& in, int cols, sig
 // routed expert's address depends on the router, so those kernels wait first).
 // With PRO_ACT (NT = 1), the block first computes and quantizes its input row (pro) into shared memory
 // (quantize_prologue) and qx, dx are ignored.
-template <int T, int NT, bool WAIT, int PRO = PRO_Q8>
+// D: tasks in flight per thread (GEMVQ_DEPTH or GEMVQ_DEEP). For IQ4_NL, `pairs` (shared memory) is filled here
+// after the first weight loads are issued (iq4nl_pairs_), so the table's constant loads and barrier overlap them.
+template <int T, int NT, bool WAIT, int PRO = PRO_Q8, int D = GEMVQ_DEPTH>
 __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long long row_bytes, int rows, int cols,
                                            const signed char* __restrict__ qx, const float* __restrict__ dx,
                                            long long x_stride, float* __restrict__ y, long long y_stride, int lanes,
-                                           const uint16_t* pairs, ProIn pro = {}) {
+                                           uint16_t* pairs, ProIn pro = {}) {
     static_assert(PRO == PRO_Q8 || NT == 1, "a prologue quantizes one input row");
     __shared__ __align__(16) signed char sq[PRO == PRO_Q8 ? 16 : PRO_MAX_COLS];
     __shared__ float sd[PRO == PRO_Q8 ? 1 : PRO_MAX_COLS / 32];
     constexpr int C = QRaw<T>::chunks;
-    constexpr int D = GEMVQ_DEPTH;
     const int rows_per_block = blockDim.x / lanes;
     const int r = blockIdx.x * rows_per_block + threadIdx.x / lanes;
     const int lane = threadIdx.x % lanes;
@@ -607,6 +611,7 @@ __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long l
     for (int k = 0; k < D; k++) {
         if (lane + k * lanes < ntasks) raw[k].load(row, lane + k * lanes);
     }
+    if constexpr (T == T_IQ4_NL) iq4nl_pairs_(pairs);
     if constexpr (WAIT) pdl_wait();
     if constexpr (PRO != PRO_Q8) {
         quantize_prologue(pro, cols, sq, sd);
@@ -640,29 +645,48 @@ __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long l
     }
 }
 
-// Routed experts, decode: slot s = blockIdx.y multiplies expert ids[s] with token s / slots_per_x's activations.
-// blockIdx.z picks (W0, y0) or (W1, y1) so gate and up run in one launch.
-// With PRO_ACT the slot's input row is pro's row xt (x and x2 advanced by xt * x_stride), computed and quantized by
-// the block (gemvq_body).
+// Slots of a routed-expert decode launch that multiply a dense matrix instead (the shared expert's gate and up):
+// slot nr + v (v >= 0) is part v % parts (rows [part * rows, +rows)) of (w0, w1) for token v / parts. nr = the
+// grid's slot count: none.
+struct MoeShared {
+    const uint8_t* w0;
+    const uint8_t* w1;
+    int nr;
+    int parts;
+};
+
+// Routed experts, decode: slot s = blockIdx.y multiplies expert ids[s] with token s / slots_per_x's activations
+// (slots from sh.nr on: the dense parts of MoeShared). blockIdx.z picks (W0, y0) or (W1, y1) so gate and up run in
+// one launch. With PRO_ACT the slot's input row is pro's row xt (x and x2 advanced by xt * x_stride), computed and
+// quantized by the block (gemvq_body).
 template <int T, int PRO = PRO_Q8>
 __device__ __forceinline__ void moe_gemvq_body(const uint8_t* W0, const uint8_t* W1, long long expert_bytes,
                                                long long row_bytes, int rows, int cols, const int* __restrict__ ids,
                                                const signed char* qx, const float* dx, long long x_stride,
                                                int slots_per_x, float* y0, float* y1, int lanes,
-                                               const uint16_t* pairs, ProIn pro = {}) {
+                                               uint16_t* pairs, ProIn pro = {},
+                                               MoeShared sh = {nullptr, nullptr, 0x7fffffff, 1}) {
     const int s = blockIdx.y;
-    const long long e = ids[s];
-    if (e < 0) return;  // a slot computed elsewhere (the CPU, in hybrid decode): its output is not read
-    const uint8_t* W = blockIdx.z == 0 ? W0 : W1;
+    const uint8_t* W;
+    long long xt;
+    if (s < sh.nr) {
+        const long long e = ids[s];
+        if (e < 0) return;  // a slot computed elsewhere (the CPU, in hybrid decode): its output is not read
+        W = (blockIdx.z == 0 ? W0 : W1) + e * expert_bytes;
+        xt = s / slots_per_x;
+    } else {
+        const int v = s - sh.nr;
+        W = (blockIdx.z == 0 ? sh.w0 : sh.w1) + (long long)(v % sh.parts) * expert_bytes;
+        xt = v / sh.parts;
+    }
     float* y = blockIdx.z == 0 ? y0 : y1;
-    const long long xt = s / slots_per_x;
     if constexpr (PRO == PRO_Q8) {
-        gemvq_body<T, 1, false>(W + e * expert_bytes, row_bytes, rows, cols, qx + xt * x_stride,
+        gemvq_body<T, 1, false>(W, row_bytes, rows, cols, qx + xt * x_stride,
                                 dx + xt * (x_stride / 32), 0, y + (long long)s * rows, 0, lanes, pairs);
     } else {
         pro.x += xt * x_stride;
         if (pro.x2) pro.x2 += xt * x_stride;
-        gemvq_body<T, 1, false, PRO>(W + e * expert_bytes, row_bytes, rows, cols, nullptr, nullptr, 0,
+        gemvq_body<T, 1, false, PRO>(W, row_bytes, rows, cols, nullptr, nullptr, 0,
                                      y + (long long)s * rows, 0, lanes, pairs, pro);
     }
 }
@@ -672,37 +696,40 @@ __device__ __forceinline__ void moe_gemvq_body(const uint8_t* W0, const uint8_t*
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
                                                 long long ys, int lanes) { pdl_deferred();          \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         gemvq_body<T, 1, true>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                               \
     }                                                                                                             \
     extern "C" __global__ void gemvq_##NAME##_2(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
                                                 long long ys, int lanes) { pdl_deferred();          \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         gemvq_body<T, 2, true>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                               \
     }                                                                                                             \
     extern "C" __global__ void gemvq_##NAME##_4(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
                                                 long long ys, int lanes) { pdl_deferred();          \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         gemvq_body<T, 4, true>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                               \
     }                                                                                                             \
     extern "C" __global__ void gemvq_##NAME##_8(const uint8_t* W, long long rb, int rows, int cols,              \
                                                 const signed char* qx, const float* dx, long long xs, float* y,  \
                                                 long long ys, int lanes) { pdl_deferred();          \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         gemvq_body<T, 8, true>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);                               \
     }                                                                                                             \
-    extern "C" __global__ void moe_gemvq_##NAME(const uint8_t* W0, const uint8_t* W1, long long eb, long long rb, \
+    extern "C" __global__ void gemvqd_##NAME(const uint8_t* W, long long rb, int rows, int cols,                \
+                                             const signed char* qx, const float* dx, long long xs, float* y,     \
+                                             long long ys, int lanes) { pdl_deferred();                          \
+        __shared__ uint16_t pairs[256];                                                                            \
+        gemvq_body<T, 1, true, PRO_Q8, GEMVQ_DEEP>(W, rb, rows, cols, qx, dx, xs, y, ys, lanes, pairs);           \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(128, 7) moe_gemvq_##NAME(const uint8_t* W0, const uint8_t* W1, long long eb, long long rb, \
                                                 int rows, int cols, const int* ids, const signed char* qx,         \
                                                 const float* dx, long long xs, int spx, float* y0, float* y1,      \
-                                                int lanes) { pdl_entry();                             \
+                                                int lanes, const uint8_t* S0, const uint8_t* S1, int nr,           \
+                                                int parts) { pdl_entry();                                          \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
-        moe_gemvq_body<T>(W0, W1, eb, rb, rows, cols, ids, qx, dx, xs, spx, y0, y1, lanes, pairs);               \
+        moe_gemvq_body<T>(W0, W1, eb, rb, rows, cols, ids, qx, dx, xs, spx, y0, y1, lanes, pairs, {},            \
+                          MoeShared{S0, S1, nr, parts});                                                           \
     }
 
 GEMVQ(q8_0, T_Q8_0)
@@ -719,7 +746,6 @@ GEMVQ(q4_k, T_Q4_K)
                                              const float* x2, float scale, int blk, float* aux, int aux_n,       \
                                              float* y, int lanes) { pdl_deferred();                               \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         gemvq_body<T, 1, true, PRO_ACT>(W, rb, rows, cols, nullptr, nullptr, 0, y, 0, lanes, pairs,              \
                                         ProIn{x, x2, scale, blk, aux, aux_n});                                     \
     }                                                                                                             \
@@ -728,7 +754,6 @@ GEMVQ(q4_k, T_Q4_K)
                                                  const float* x2, int blk, long long xs, int spx, float* y0,        \
                                                  float* y1, int lanes) { pdl_entry();                              \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
         moe_gemvq_body<T, PRO_ACT>(W0, W1, eb, rb, rows, cols, ids, nullptr, nullptr, xs, spx, y0, y1, lanes, pairs, \
                                    ProIn{x, x2, 1.f, blk, nullptr, 0});                                            \
     }

@@ -288,6 +288,8 @@ mod tests {
             "dequant_elem_f32_f16",
             "gemvq_q4_k_1",
             "gemvq_iq4_nl_8",
+            "gemvqd_q4_k",
+            "gemvqd_iq4_nl",
             "moe_gemvq_q8_0",
             "gemvqp_q4_k",
             "moe_gemvqp_iq4_nl",

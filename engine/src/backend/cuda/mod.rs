@@ -112,8 +112,12 @@ enum HcInject {
 }
 
 struct DevGdn {
-    qkv: DevMatrix,
-    z: DevMatrix,
+    /// The input projections `in_proj_qkv` `[C, d]` and `in_proj_z` `[vd, d]` stacked (`[C + vd, d]`, one
+    /// decode GEMV for both) when the two share a type; `z` holds `in_proj_z` otherwise.
+    qkvz: DevMatrix,
+    z: Option<DevMatrix>,
+    /// Rows of `in_proj_qkv` (`C`).
+    qkv_rows: usize,
     b: DevMatrix,
     a: DevMatrix,
     conv: CudaSlice<f32>,
@@ -122,6 +126,23 @@ struct DevGdn {
     norm: CudaSlice<f32>,
     out: DevMatrix,
     silu_gate: bool,
+}
+
+impl DevGdn {
+    /// `in_proj_qkv` `[C, d]`.
+    fn qkv(&self, dev: &Dev) -> MatRef {
+        MatRef { rows: self.qkv_rows, ..self.qkvz.r(dev) }
+    }
+    /// `in_proj_z` `[vd, d]` (the rows under `in_proj_qkv` when stacked).
+    fn z(&self, dev: &Dev) -> MatRef {
+        match &self.z {
+            Some(z) => z.r(dev),
+            None => {
+                let q = self.qkv(dev);
+                MatRef { ptr: q.ptr + (q.rows * q.row_bytes) as u64, rows: self.qkvz.rows - q.rows, ..q }
+            }
+        }
+    }
 }
 
 struct DevIndexer {
@@ -284,6 +305,16 @@ pub struct CudaModel {
     /// The launch size below which a dense decode GEMV widens its rows ([`Self::gemv_lanes`]): 2^15 threads, or
     /// `NEBULA_CUDA_GEMV_THREADS` (tuning).
     gemv_min_threads: usize,
+    /// Whether one-token dense decode GEMVs on 8-bit activations keep four tasks per thread in flight
+    /// (`gemvqd_*`, every weight load of a thread issued before the first is used) with rows widened so that no
+    /// thread has more than four tasks ([`Self::dense_lanes`]): `NEBULA_CUDA_GEMV_DEPTH=4`; 2 (two tasks in
+    /// flight, `gemvq_*_1`) otherwise.
+    gemv_deep: bool,
+    /// Whether independent decode work shares launches: the shared expert's gate/up and SiLU in the routed
+    /// experts' launches ([`Self::shared_parts`]), Gated DeltaNet's `in_proj_qkv` and `in_proj_z` in one GEMV
+    /// ([`Self::gdn_in_proj`]) and its gates in the conv launch ([`Self::gdn_mix`]). On unless
+    /// `NEBULA_CUDA_FUSE=0` (study: the launches before these fusions).
+    fuse: bool,
     /// Routed experts and quantized dense matmuls of prefill batches (over `GEMV_MAX_TOKENS` tokens) on tensor
     /// cores (`moe_groupedmma_*`, int8 MMA, compute capability 8.0 and newer) where the type has an 8-bit path
     /// (needs `q8_acts`) and the column count is a multiple of 128; otherwise (or with `NEBULA_CUDA_MMA=0`) the
@@ -632,6 +663,24 @@ impl DevStack {
 /// threads per row), the default for dense matrices (`NEBULA_CUDA_GEMV_THREADS`).
 const GEMV_MIN_THREADS: usize = 1 << 15;
 
+/// The launch size (threads, at [`CudaModel::gemv_lanes`]' width) from which a dense GEMV keeps the shallow
+/// prefetch under `NEBULA_CUDA_GEMV_DEPTH=4`: about the threads an H200 holds at once (132 SMs x 2048); the output
+/// head (248,320 rows) measured slower deep (Nsight Compute: 141 against 122 us).
+const DEEP_MAX_THREADS: usize = 1 << 18;
+
+/// `NEBULA_CUDA_GEMV_DEPTH` (tasks a dense one-token GEMV thread keeps in flight): 2 when unset.
+///
+/// # Errors
+/// A value other than 2 or 4, named in the message.
+fn parse_gemv_depth(v: Option<&str>) -> Result<usize, CudaError> {
+    match v.map(str::trim) {
+        None => Ok(2),
+        Some("2") => Ok(2),
+        Some("4") => Ok(4),
+        Some(t) => Err(CudaError::Unsupported(format!("NEBULA_CUDA_GEMV_DEPTH must be 2 or 4, got {t:?}"))),
+    }
+}
+
 /// A device f32 buffer of `n` values.
 fn zeros(dev: &Dev, n: usize) -> Result<CudaSlice<f32>, CudaError> {
     Ok(dev.stream().alloc_zeros::<f32>(n.max(1))?)
@@ -724,8 +773,17 @@ impl CudaModel {
             let what = format!("layer {i}");
             let mixer = match &l.mixer {
                 TokenMixer::LinearAttention(g) => DevMixer::Gdn(DevGdn {
-                    qkv: up.matrix(&g.in_proj_qkv, &what)?,
-                    z: up.matrix(&g.in_proj_z, &what)?,
+                    qkvz: match up.stacked(&[&g.in_proj_qkv, &g.in_proj_z], &what)? {
+                        Some(stack) => stack,
+                        None => up.matrix(&g.in_proj_qkv, &what)?,
+                    },
+                    z: match g.in_proj_z.ggml_type() == g.in_proj_qkv.ggml_type()
+                        && g.in_proj_z.cols() == g.in_proj_qkv.cols()
+                    {
+                        true => None,
+                        false => Some(up.matrix(&g.in_proj_z, &what)?),
+                    },
+                    qkv_rows: g.in_proj_qkv.rows(),
                     b: up.matrix(&g.in_proj_b, &what)?,
                     a: up.matrix(&g.in_proj_a, &what)?,
                     conv: up.vector(&g.conv1d)?,
@@ -789,6 +847,8 @@ impl CudaModel {
                 .and_then(|v| v.parse().ok())
                 .filter(|&t: &usize| t > 0)
                 .unwrap_or(GEMV_MIN_THREADS),
+            fuse: std::env::var("NEBULA_CUDA_FUSE").map_or(true, |v| v != "0"),
+            gemv_deep: parse_gemv_depth(std::env::var("NEBULA_CUDA_GEMV_DEPTH").ok().as_deref())? == 4,
             tensor_cores: capability >= 8 && std::env::var("NEBULA_CUDA_MMA").map_or(true, |v| v != "0"),
             q8_cache: Mutex::new(None),
             profile: std::env::var("NEBULA_CUDA_PROFILE")
@@ -1014,12 +1074,12 @@ impl CudaModel {
         ptr(buf, self.dev.stream(), offset)
     }
 
-    /// A temporary of `n` f32 (or i32) values from the arena, valid until the end of the forward pass.
     /// Whether a verify pass is running (every kernel choice a decode step's, see `exact_rows`).
     fn exact(&self) -> bool {
         self.exact_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// A temporary of `n` f32 (or i32) values from the arena, valid until the end of the forward pass.
     fn tmp(&self, n: usize) -> Result<u64, CudaError> {
         self.arena.lock().expect("arena lock").take(&self.dev, n)
     }
@@ -1072,6 +1132,21 @@ impl CudaModel {
             lanes *= 2;
         }
         lanes
+    }
+
+    /// Threads per row of a dense decode GEMV (`tasks` per row, `rows` rows per token), and whether its one-token
+    /// launch takes the deep-prefetch kernel (`gemvqd_*`): [`Self::gemv_lanes`] with the configured launch size;
+    /// with `gemv_deep`, a launch of fewer than `DEEP_MAX_THREADS` threads that way (every matrix but the output
+    /// head and the like, whose threads already outnumber what the GPU holds at once) widens its rows to at least
+    /// `tasks / 4` threads (a power of two, at most 128), so each thread's tasks are all in flight at once. It
+    /// depends on the matrix only, as `gemv_lanes` does, so every token count sums in the same order.
+    fn dense_lanes(&self, tasks: usize, rows: usize) -> (usize, bool) {
+        let lanes = Self::gemv_lanes(tasks, rows, self.gemv_min_threads);
+        if self.gemv_deep && rows * lanes < DEEP_MAX_THREADS {
+            (lanes.max(tasks.div_ceil(4).next_power_of_two().min(128)), true)
+        } else {
+            (lanes, false)
+        }
     }
 
     /// Quantizes `x` (`[n][cols]` f32) to 8 bits per block of `blk`: (int8 `[n][cols]`, f32 scales `[n][cols/32]`).
@@ -1146,7 +1221,7 @@ impl CudaModel {
         let sfx = type_suffix(w.ty)?;
         // 128-thread blocks, [`Self::gemv_lanes`] threads per row.
         let tasks = Self::tasks_per_row(w.ty, w.cols, !matches!(xa, Acts::F32(..)));
-        let lanes = Self::gemv_lanes(tasks, lane_rows, self.gemv_min_threads);
+        let (lanes, deep) = self.dense_lanes(tasks, lane_rows);
         let rows_per_block = 128 / lanes;
         if let Acts::Pro(p) = xa {
             debug_assert_eq!(n, 1);
@@ -1172,7 +1247,7 @@ impl CudaModel {
             let c = [8usize, 4, 2, 1].into_iter().find(|&c| c <= n - t0).expect("1 always fits");
             let (kernel, x_args) = match xa {
                 Acts::Q8(qx, dx) => (
-                    format!("gemvq_{sfx}_{c}"),
+                    if c == 1 && deep { format!("gemvqd_{sfx}") } else { format!("gemvq_{sfx}_{c}") },
                     vec![Arg::Ptr(qx + (t0 * w.cols) as u64), Arg::Ptr(dx + (t0 * w.cols / 32 * 4) as u64)],
                 ),
                 Acts::F32(xp) => (format!("gemv_{sfx}_{c}"), vec![Arg::Ptr(xp + (t0 * w.cols * 4) as u64)]),
@@ -1459,6 +1534,28 @@ impl CudaModel {
         Ok((m, a))
     }
 
+    /// The Gated DeltaNet input projections of `n` tokens `m`: (`qkv` `[n, C]`, `z` `[n, vd]`). One token with
+    /// the two stacked ([`DevGdn`]) and the same threads per row for each alone is one GEMV launch (each row's
+    /// sum is the one its matrix's own launch computes, so batch invariance holds); otherwise two.
+    fn gdn_in_proj(&self, g: &DevGdn, m: u64, n: usize) -> Result<(u64, u64), CudaError> {
+        let dev = &self.dev;
+        let (qm, zm) = (g.qkv(dev), g.z(dev));
+        if n == 1 && g.z.is_none() && self.fuse {
+            let xa = self.acts(qm.ty, m, 1, qm.cols)?;
+            let tasks = Self::tasks_per_row(qm.ty, qm.cols, !matches!(xa, Acts::F32(..)));
+            if self.dense_lanes(tasks, qm.rows) == self.dense_lanes(tasks, zm.rows) {
+                let both = self.tmp(qm.rows + zm.rows)?;
+                self.gemv_as(g.qkvz.r(dev), xa, 1, both, qm.rows)?;
+                return Ok((both, both + (4 * qm.rows) as u64));
+            }
+        }
+        let qkv = self.tmp(n * qm.rows)?;
+        self.matmul(qm, m, n, qkv)?;
+        let z = self.tmp(n * zm.rows)?;
+        self.matmul(zm, m, n, z)?;
+        Ok((qkv, z))
+    }
+
     /// Gated DeltaNet for `n` tokens `m`, updating the layer's conv and recurrent state in place. With `rec`
     /// (a verify pass), the recurrences' inputs are copied there: pre-conv `qkv` `[n, C]`, `beta` and `g` `[n, Hv]`.
     fn gdn(
@@ -1472,16 +1569,15 @@ impl CudaModel {
         let dev = &self.dev;
         let cfg = &self.config;
         let (nv, dk) = (cfg.ssm_v_heads, cfg.ssm_head_dim);
-        let (vd, c) = (nv * dk, cfg.ssm_conv_dim());
-        let qkv = self.tmp(n * c)?;
-        self.matmul(g.qkv.r(dev), m, n, qkv)?;
-        let z = self.tmp(n * vd)?;
-        self.matmul(g.z.r(dev), m, n, z)?;
+        let c = cfg.ssm_conv_dim();
+        let (qkv, z) = self.gdn_in_proj(g, m, n)?;
         let beta = self.tmp(n * nv)?;
         let gg = self.tmp(n * nv)?;
         let (a_neg_exp, dt_bias) = (self.p(&g.a_neg_exp, 0), self.p(&g.dt_bias, 0));
-        if g.b.ty == GgmlType::F32 && g.a.ty == GgmlType::F32 && cfg.hidden.is_multiple_of(4) {
-            // One launch for both projections and the gates.
+        // With f32 b and a projections, the gates are computed by blocks of the conv launch (gdn_mix).
+        let f32_gates = g.b.ty == GgmlType::F32 && g.a.ty == GgmlType::F32 && cfg.hidden.is_multiple_of(4);
+        let fused = f32_gates && self.fuse;
+        if f32_gates && !fused {
             dev.launch(
                 "gdn_ba_gates",
                 (nv as u32, n as u32, 1),
@@ -1498,7 +1594,7 @@ impl CudaModel {
                     Arg::I32(cfg.hidden as i32),
                 ],
             )?;
-        } else {
+        } else if !f32_gates {
             let b = self.tmp(n * nv)?;
             self.matmul(g.b.r(dev), m, n, b)?;
             let a = self.tmp(n * nv)?;
@@ -1518,12 +1614,16 @@ impl CudaModel {
                 ],
             )?;
         }
-        if let Some((rq, rb, rg)) = rec {
+        if let Some((rq, _, _)) = rec {
             self.dtod(rq, qkv, n * c)?;
+        }
+        let gates = fused.then(|| [m, g.b.r(dev).ptr, g.a.r(dev).ptr, a_neg_exp, dt_bias]);
+        let o = self.gdn_mix(g, st, qkv, beta, gg, n, gates)?;
+        if let Some((_, rb, rg)) = rec {
+            // The recurrence reads beta and g without writing them.
             self.dtod(rb, beta, n * nv)?;
             self.dtod(rg, gg, n * nv)?;
         }
-        let o = self.gdn_mix(g, st, qkv, beta, gg, n)?;
         dev.launch(
             "gdn_gated_norm",
             ((n * nv) as u32, 1, 1),
@@ -1546,6 +1646,9 @@ impl CudaModel {
     /// The recurrent part of Gated DeltaNet over `n` tokens: causal conv + SiLU on the pre-conv `qkv` (`[n, C]`,
     /// in place, conv state updated), the q/k L2 norms, and the delta-rule recurrence from `beta`/`g` (`[n, Hv]`)
     /// updating the state; returns the per-head outputs `[n, Hv * dk]`. A verify rollback replays exactly this.
+    /// With `gates = Some([m, Wb, Wa, A, dt_bias])` (f32 projections), blocks of the conv launch first write
+    /// `beta` and `g` from the block input `m` (`gdn_conv_gates`: one launch fewer).
+    #[allow(clippy::too_many_arguments)]
     fn gdn_mix(
         &self,
         g: &DevGdn,
@@ -1554,25 +1657,33 @@ impl CudaModel {
         beta: u64,
         gg: u64,
         n: usize,
+        gates: Option<[u64; 5]>,
     ) -> Result<u64, CudaError> {
         let dev = &self.dev;
         let cfg = &self.config;
         let DevLayerState::Gdn { conv, s } = st else { unreachable!("state follows the layer kinds") };
         let (nk, nv, dk) = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_dim);
         let (vd, c) = (nv * dk, cfg.ssm_conv_dim());
-        dev.launch(
-            "gdn_conv",
-            (c.div_ceil(64) as u32, 1, 1),
-            64,
-            &[
-                Arg::Ptr(qkv),
-                Arg::Ptr(self.p(conv, 0)),
-                Arg::Ptr(self.p(&g.conv, 0)),
-                Arg::I32(n as i32),
-                Arg::I32(c as i32),
-                Arg::I32(cfg.ssm_conv_kernel as i32),
-            ],
-        )?;
+        let conv_args = [Arg::Ptr(qkv), Arg::Ptr(self.p(conv, 0)), Arg::Ptr(self.p(&g.conv, 0))];
+        let shape = [Arg::I32(n as i32), Arg::I32(c as i32), Arg::I32(cfg.ssm_conv_kernel as i32)];
+        match gates {
+            None => dev.launch("gdn_conv", (c.div_ceil(64) as u32, 1, 1), 64, &[&conv_args[..], &shape].concat())?,
+            Some([m, wb, wa, a_neg_exp, dt_bias]) => {
+                let gate_args = [
+                    Arg::Ptr(m),
+                    Arg::Ptr(wb),
+                    Arg::Ptr(wa),
+                    Arg::Ptr(a_neg_exp),
+                    Arg::Ptr(dt_bias),
+                    Arg::Ptr(beta),
+                    Arg::Ptr(gg),
+                    Arg::I32(nv as i32),
+                    Arg::I32(cfg.hidden as i32),
+                ];
+                let blocks = c.div_ceil(64) + nv * n;
+                dev.launch("gdn_conv_gates", (blocks as u32, 1, 1), 64, &[&conv_args[..], &shape, &gate_args].concat())?
+            }
+        }
         // The q/k L2 norms (q scaled by 1/sqrt(dk)) happen inside the recurrence kernel.
         let o = self.tmp(n * vd)?;
         let kernel = match dk {
@@ -1868,6 +1979,11 @@ impl CudaModel {
         let cfg = &self.config;
         let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
         let sff = moe.sh_ff();
+        if let Some((ids, ys)) = routed
+            && let Some(parts) = self.shared_parts(moe)
+        {
+            return self.shared_in_routed_slots(moe, m, n, ids, ys, parts);
+        }
         let (sg, su) = if n == 1 && moe.sh_up.is_none() {
             // Gate and up in one GEMV of the stacked matrix: [gate | up] for the one token, each half with the
             // threads per row it has when launched alone (as multi-token passes do).
@@ -1890,11 +2006,11 @@ impl CudaModel {
                 let u = self.tmp(slots * ff)?;
                 let xa = self.acts(moe.gate.ty, m, n, d)?;
                 if moe.up.ty == moe.gate.ty {
-                    self.moe_gemv(&moe.gate, Some(&moe.up), ids, slots, xa, d, k, (g, u))?;
+                    self.moe_gemv(&moe.gate, Some(&moe.up), ids, slots, xa, d, k, (g, u), None)?;
                 } else {
-                    self.moe_gemv(&moe.gate, None, ids, slots, xa, d, k, (g, g))?;
+                    self.moe_gemv(&moe.gate, None, ids, slots, xa, d, k, (g, g), None)?;
                     let xu = self.acts(moe.up.ty, m, n, d)?;
-                    self.moe_gemv(&moe.up, None, ids, slots, xu, d, k, (u, u))?;
+                    self.moe_gemv(&moe.up, None, ids, slots, xu, d, k, (u, u), None)?;
                 }
                 Some((g, u))
             }
@@ -1911,13 +2027,81 @@ impl CudaModel {
         }
         if let (Some((g, u)), Some((ids, ys))) = (gu, routed) {
             let xg = self.acts_silu(moe.down.ty, g, u, slots, ff, true)?;
-            self.moe_gemv(&moe.down, None, ids, slots, xg, ff, 1, (ys, ys))?;
+            self.moe_gemv(&moe.down, None, ids, slots, xg, ff, 1, (ys, ys), None)?;
         }
         Ok(shared)
     }
 
+    /// The parts of `expert_ff` rows the shared expert's gate and up split into when they run as extra slots of
+    /// the routed gate/up launch ([`Self::shared_in_routed_slots`]): `Some(sff / ff)` when the shared gate and up
+    /// are one stack of the routed gate's type (so equal row bytes), `sff` is a multiple of `ff`, the activations
+    /// are 8-bit and the SiLU outputs of both down projections quantize in the same blocks; `None` otherwise
+    /// (and with the GEMV prologues on, whose down projections compute their own SiLU).
+    fn shared_parts(&self, moe: &DevMoe) -> Option<usize> {
+        let (d, ff) = (self.config.hidden, self.config.expert_ff);
+        let sff = moe.sh_ff();
+        let ok = self.fuse
+            && moe.sh_up.is_none()
+            && !self.gemv_prologue
+            && moe.up.ty == moe.gate.ty
+            && moe.sh_gate_up.ty == moe.gate.ty
+            && moe.gate.cols == d
+            && ff > 0
+            && sff.is_multiple_of(ff)
+            && self.q8_block(moe.gate.ty, d).is_some()
+            && self.q8_block(moe.down.ty, ff).is_some()
+            && self.q8_block(moe.down.ty, ff) == self.q8_block(moe.sh_down.ty, sff);
+        ok.then_some(sff / ff)
+    }
+
+    /// The decode MoE of [`Self::shared_and_routed`] with the shared expert folded into the routed launches: its
+    /// gate and up run as `parts` extra slots per token of the routed gate/up GEMV (slot `n k + t parts + j`: rows
+    /// `[j ff, (j + 1) ff)` of token `t`), so the SwiGLU rows of the routed slots and of the shared expert are
+    /// contiguous and one SiLU launch computes and quantizes them all; the shared down projection then reads token
+    /// `t`'s `sff` values from there. Each row's dot product is the one the routed kernel computes for an expert
+    /// row (same threads per row for every token count: batch invariance holds). Two launches fewer per layer than
+    /// the separate shared-expert GEMV and SiLU. Returns the shared expert's output `[n, d]`.
+    fn shared_in_routed_slots(
+        &self,
+        moe: &DevMoe,
+        m: u64,
+        n: usize,
+        ids: u64,
+        ys: u64,
+        parts: usize,
+    ) -> Result<u64, CudaError> {
+        let dev = &self.dev;
+        let cfg = &self.config;
+        let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
+        let sff = moe.sh_ff();
+        let slots = n * k;
+        let rows = slots + n * parts;
+        let g = self.tmp(rows * ff)?;
+        let u = self.tmp(rows * ff)?;
+        let xa = self.acts(moe.gate.ty, m, n, d)?;
+        let (sg, su) = (moe.sh_gate(dev).ptr, moe.sh_up(dev).ptr);
+        self.moe_gemv(&moe.gate, Some(&moe.up), ids, slots, xa, d, k, (g, u), Some((sg, su, parts, n)))?;
+        let (qx, dx, _) = self.silu_mul_q8(g, u, rows, ff, moe.down.ty)?.ok_or_else(|| {
+            CudaError::Unsupported(format!("no 8-bit SiLU output for a {:?} down projection", moe.down.ty))
+        })?;
+        self.moe_gemv(&moe.down, None, ids, slots, Acts::Q8(qx, dx), ff, 1, (ys, ys), None)?;
+        let shared = self.tmp(n * d)?;
+        let off = slots * ff;
+        self.gemv(moe.sh_down.r(dev), Acts::Q8(qx + off as u64, dx + (off / 32 * 4) as u64), n, shared)?;
+        debug_assert_eq!(parts * ff, sff);
+        Ok(shared)
+    }
+
     /// `g = silu(g) * u` over `rows` rows of `cols`, writing the 8-bit form of `g` for a consumer of type `ty`.
-    fn silu_mul_q8(&self, g: u64, u: u64, rows: usize, cols: usize, ty: GgmlType) -> Result<(), CudaError> {
+    /// Returns the 8-bit outputs written (`qx, dx, blk`; `None` when `ty` has no 8-bit path).
+    fn silu_mul_q8(
+        &self,
+        g: u64,
+        u: u64,
+        rows: usize,
+        cols: usize,
+        ty: GgmlType,
+    ) -> Result<Option<(u64, u64, usize)>, CudaError> {
         let q = self.q8_outputs(ty, rows, cols)?;
         let count = rows * cols;
         self.dev.launch_1d(
@@ -1926,7 +2110,7 @@ impl CudaModel {
             &[&[Arg::Ptr(g), Arg::Ptr(u), Arg::I64(count as i64)][..], &Self::q8_args(q)].concat(),
         )?;
         self.q8_produced(g, rows, cols, q);
-        Ok(())
+        Ok(q)
     }
 
     /// `out = sum_j w_j ys_j + extra + sigmoid(sgate) shared` for `n` tokens (`extra` 0 = none); with
@@ -2273,7 +2457,10 @@ impl CudaModel {
 
     /// Routed-expert GEMVs for decode: slot `s` multiplies expert `ids[s]` of `stack` with the activations of
     /// token `s / slots_per_x` into `y.0`. With `second` (same shape and type), the same slots also multiply it
-    /// into `y.1` (gate and up: one launch on 8-bit activations, two on f32).
+    /// into `y.1` (gate and up: one launch on 8-bit activations, two on f32). With `dense = Some((w0, w1, parts,
+    /// tokens))` (8-bit activations and `second` only), `tokens * parts` more slots follow the `slots` routed
+    /// ones: slot `slots + t * parts + j` multiplies rows `[j * rows, (j + 1) * rows)` of the matrices at `w0`
+    /// and `w1` (of the stack's type and row bytes) with token `t`'s activations (the kernel's `MoeShared`).
     #[allow(clippy::too_many_arguments)]
     fn moe_gemv(
         &self,
@@ -2285,7 +2472,13 @@ impl CudaModel {
         x_stride: usize,
         slots_per_x: usize,
         y: (u64, u64),
+        dense: Option<(u64, u64, usize, usize)>,
     ) -> Result<(), CudaError> {
+        if dense.is_some() && (second.is_none() || !matches!(x, Acts::Q8(..))) {
+            return Err(CudaError::Unsupported(
+                "dense slots of a routed GEMV need gate and up on 8-bit activations".into(),
+            ));
+        }
         let sfx = type_suffix(stack.ty)?;
         let stream = self.dev.stream();
         match x {
@@ -2317,8 +2510,12 @@ impl CudaModel {
                     Arg::Ptr(y.1),
                     Arg::I32(lanes as i32),
                 ]);
-                let grid =
-                    (stack.rows.div_ceil(128 / lanes) as u32, slots as u32, if second.is_some() { 2 } else { 1 });
+                let (s0, s1, parts, tokens) = dense.unwrap_or((0, 0, 1, 0));
+                if matches!(x, Acts::Q8(..)) {
+                    args.extend([Arg::Ptr(s0), Arg::Ptr(s1), Arg::I32(slots as i32), Arg::I32(parts as i32)]);
+                }
+                let all = slots + tokens * parts;
+                let grid = (stack.rows.div_ceil(128 / lanes) as u32, all as u32, if second.is_some() { 2 } else { 1 });
                 self.dev.launch(&format!("{kernel}_{sfx}"), grid, 128, &args)?;
             }
             Acts::F32(xp) => {
@@ -2625,7 +2822,7 @@ impl CudaModel {
                 self.phase("ple")?;
             }
             let m_for = match &layer.mixer {
-                DevMixer::Gdn(g) => g.qkv.ty,
+                DevMixer::Gdn(g) => g.qkvz.ty,
                 DevMixer::Attn(at) => at.q.ty,
             };
             let (m, a) = self.hc_mix(&layer.attn_hc, x, n, Some(m_for), None)?;
@@ -2904,4 +3101,20 @@ pub fn describe(cfg: &ModelConfig) -> String {
 /// True when an NVIDIA driver library is installed (no CUDA call is made).
 pub fn driver_present() -> bool {
     nebula_kernels::find_cuda_driver().is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_gemv_depth;
+
+    #[test]
+    fn gemv_depth_is_two_or_four_and_names_the_variable_otherwise() {
+        assert_eq!(parse_gemv_depth(None).unwrap(), 2);
+        assert_eq!(parse_gemv_depth(Some("4")).unwrap(), 4);
+        assert_eq!(parse_gemv_depth(Some(" 2 ")).unwrap(), 2);
+        for bad in ["3", "8", "deep", ""] {
+            let e = parse_gemv_depth(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("NEBULA_CUDA_GEMV_DEPTH") && e.contains(&format!("{bad:?}")), "{e}");
+        }
+    }
 }

@@ -517,7 +517,7 @@ impl CudaModel {
                     if keep > 0 {
                         let qkv = self.tmp(keep * c)?;
                         self.dtod(qkv, self.p(&r.qkv, 0), keep * c)?;
-                        self.gdn_mix(g, ls, qkv, self.p(&r.beta, 0), self.p(&r.g, 0), keep)?;
+                        self.gdn_mix(g, ls, qkv, self.p(&r.beta, 0), self.p(&r.g, 0), keep, None)?;
                     }
                 }
             }
