@@ -9,7 +9,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use nebula_engine::convert::{ConvertOptions, OutType, QuantRecipe, RecipeName, convert, requantize};
+use nebula_engine::convert::{
+    ConvertOptions, ImportanceMatrix, OutType, QuantRecipe, RecipeName, convert, requantize_with,
+};
 
 /// Nebula: an inference server for Qwen3.8-Flash-Next (qwen4exp).
 #[derive(Parser, Debug)]
@@ -56,6 +58,10 @@ enum Command {
         /// lacks take the nebula-q4 type.
         #[arg(long)]
         recipe_from: Option<PathBuf>,
+        /// Importance matrix from llama.cpp's `llama-imatrix` (GGUF or legacy .dat): the quantized weights it
+        /// covers are fitted with its per-column weights (every quantized type but Q8_0 and MXFP4).
+        #[arg(long)]
+        imatrix: Option<PathBuf>,
     },
     /// Write a random-weight qwen4exp GGUF at the real widths (benchmarks, placement studies).
     Synth(nebula_service::cli::synth::SynthArgs),
@@ -102,7 +108,13 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Model(args)) => nebula_service::cli::bench::run_model(args),
         Command::Bench(BenchCommand::Kernels(args)) => bench::run_kernels(&args),
         Command::Bench(BenchCommand::Mtp(args)) => nebula_service::cli::bench::run_mtp(args),
-        Command::Convert { input, output, outtype, no_mtp, split_max_gib, name, recipe, recipe_from } => {
+        Command::Convert { input, output, outtype, no_mtp, split_max_gib, name, recipe, recipe_from, imatrix } => {
+            let imatrix = imatrix
+                .map(|p| ImportanceMatrix::load(&p).with_context(|| format!("reading {}", p.display())))
+                .transpose()?;
+            if let Some(m) = &imatrix {
+                println!("importance matrix {}: {} entries, {} chunks", m.path.display(), m.len(), m.chunks);
+            }
             let recipe = match (recipe, recipe_from) {
                 (Some(r), _) => Some(QuantRecipe::Named(r)),
                 (None, Some(path)) => Some(
@@ -113,7 +125,7 @@ fn main() -> anyhow::Result<()> {
             };
             if input.is_file() {
                 let recipe = recipe.context("a GGUF input is requantized: give --recipe or --recipe-from")?;
-                let report = requantize(&input, &output, &recipe)
+                let report = requantize_with(&input, &output, &recipe, imatrix.as_ref())
                     .with_context(|| format!("requantizing {} to {}", input.display(), output.display()))?;
                 for f in &report.files {
                     println!("wrote {}", f.display());
@@ -131,6 +143,7 @@ fn main() -> anyhow::Result<()> {
                 split_max_bytes: split_max_gib.map(|g| (g * (1u64 << 30) as f64) as u64),
                 name,
                 recipe,
+                imatrix,
             };
             let report = convert(&input, &output, &opts)
                 .with_context(|| format!("converting {} to {}", input.display(), output.display()))?;

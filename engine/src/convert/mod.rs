@@ -10,6 +10,7 @@
 
 mod checkpoint;
 mod hf_config;
+mod imatrix;
 pub mod recipe;
 mod requantize;
 
@@ -21,8 +22,9 @@ use crate::quant::{f32_to_bf16_bits, quantize};
 
 pub use checkpoint::{Checkpoint, SourceTensor};
 pub use hf_config::HfTextConfig;
+pub use imatrix::ImportanceMatrix;
 pub use recipe::{QuantRecipe, RecipeContext, RecipeName};
-pub use requantize::requantize;
+pub use requantize::{requantize, requantize_with};
 
 /// Conversion failures, each naming the file, key or tensor at fault.
 #[derive(Debug, thiserror::Error)]
@@ -92,11 +94,21 @@ pub struct ConvertOptions {
     /// A quantization recipe: when set, it chooses every weight's type and `out_type` only names the float type
     /// of the weights the recipe leaves unquantized.
     pub recipe: Option<QuantRecipe>,
+    /// An importance matrix (`--imatrix`): the quantized weights it covers are fitted with its column weights,
+    /// and the recipes take their with-imatrix choices.
+    pub imatrix: Option<ImportanceMatrix>,
 }
 
 impl Default for ConvertOptions {
     fn default() -> Self {
-        Self { out_type: OutType::Bf16, include_mtp: true, split_max_bytes: None, name: None, recipe: None }
+        Self {
+            out_type: OutType::Bf16,
+            include_mtp: true,
+            split_max_bytes: None,
+            name: None,
+            recipe: None,
+            imatrix: None,
+        }
     }
 }
 
@@ -168,7 +180,7 @@ pub fn convert(dir: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let has_mtp = opts.include_mtp && ckpt.get("mtp.fc_hidden.weight").is_some();
     let mut plan = plan_tensors(&cfg, &ckpt, &names, opts.out_type, has_mtp)?;
     if let Some(recipe) = &opts.recipe {
-        let ctx = RecipeContext { n_layers: cfg.num_hidden_layers, has_imatrix: false };
+        let ctx = RecipeContext { n_layers: cfg.num_hidden_layers, has_imatrix: opts.imatrix.is_some() };
         for t in plan.iter_mut().filter(|t| t.weight) {
             t.ty = recipe.tensor_type(&t.name, &t.dims, &ctx);
         }
@@ -183,10 +195,18 @@ pub fn convert(dir: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertR
     for t in &plan {
         w.add_tensor(t.name.clone(), &t.dims, t.ty)?;
     }
+    // Check every importance-matrix entry against its tensor before any data is written.
+    let weights = plan
+        .iter()
+        .map(|t| imatrix_rows(opts.imatrix.as_ref(), &t.name, &t.dims, t.ty))
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(m) = &opts.imatrix {
+        add_imatrix_metadata(&mut w, m, weights.iter().filter(|x| x.is_some()).count())?;
+    }
     let mut data = w.begin_data()?;
     let mut data_bytes = 0u64;
-    for t in &plan {
-        data_bytes += write_tensor(&mut data, &ckpt, t)?;
+    for (t, imx) in plan.iter().zip(weights) {
+        data_bytes += write_tensor(&mut data, &ckpt, t, imx)?;
     }
     let files = data.finish()?;
     Ok(ConvertReport { files, tensors: plan.len(), data_bytes, mtp: has_mtp, tokenizer })
@@ -745,10 +765,16 @@ fn write_tokenizer(w: &mut GgufWriter, dir: &Path, vocab_size: usize) -> Result<
 /// Elements read per chunk of a large source (bounds memory for the n-gram table and fused experts).
 const CHUNK_ELEMS: usize = 1 << 24;
 
-fn write_tensor(data: &mut TensorDataWriter, ckpt: &Checkpoint, t: &OutTensor) -> Result<u64, ConvertError> {
+fn write_tensor(
+    data: &mut TensorDataWriter,
+    ckpt: &Checkpoint,
+    t: &OutTensor,
+    imx: Option<ImatrixRows<'_>>,
+) -> Result<u64, ConvertError> {
     let ne0 = t.dims[0] as usize;
     data.begin_tensor(&t.name)?;
     let mut written = 0u64;
+    let mut rows_done = 0usize;
     let mut emit = |vals: Vec<f32>| -> Result<(), ConvertError> {
         let mut vals = vals;
         match t.transform {
@@ -756,7 +782,8 @@ fn write_tensor(data: &mut TensorDataWriter, ckpt: &Checkpoint, t: &OutTensor) -
             Elementwise::PlusOne => vals.iter_mut().for_each(|v| *v += 1.0),
             Elementwise::NegExp => vals.iter_mut().for_each(|v| *v = -v.exp()),
         }
-        let bytes = encode(&vals, t.ty, ne0);
+        let bytes = encode(&vals, t.ty, ne0, imx.map(|m| (m, rows_done)));
+        rows_done += vals.len() / ne0;
         written += bytes.len() as u64;
         data.write_chunk(&bytes)?;
         Ok(())
@@ -845,14 +872,69 @@ fn write_tensor(data: &mut TensorDataWriter, ckpt: &Checkpoint, t: &OutTensor) -
     Ok(written)
 }
 
-/// Encodes whole rows of `ne0` values in `ty` (rows quantized in parallel).
-fn encode(vals: &[f32], ty: GgmlType, ne0: usize) -> Vec<u8> {
+/// A tensor's importance-matrix weights: `weights` (`cols` values shared by every matrix, or one row of `cols`
+/// per matrix) for matrices of `rows_per_mat` rows.
+#[derive(Clone, Copy)]
+pub(crate) struct ImatrixRows<'a> {
+    weights: &'a [f32],
+    rows_per_mat: usize,
+}
+
+/// The importance-matrix weights of tensor `name` (ggml dims `dims`: `[cols, rows]` or `[cols, rows, experts]`)
+/// when it is written in the quantized type `ty`; `None` without a matrix, an entry, or quantization.
+pub(crate) fn imatrix_rows<'a>(
+    m: Option<&'a ImportanceMatrix>,
+    name: &str,
+    dims: &[u64],
+    ty: GgmlType,
+) -> Result<Option<ImatrixRows<'a>>, ConvertError> {
+    let Some(m) = m else { return Ok(None) };
+    if dims.len() < 2 || matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+        return Ok(None);
+    }
+    let mats = dims[2..].iter().product::<u64>() as usize;
+    Ok(m.weights(name, dims[0] as usize, mats)?.map(|weights| ImatrixRows { weights, rows_per_mat: dims[1] as usize }))
+}
+
+/// Writes llama.cpp's provenance keys for a quantization with the importance matrix `m` (`entries` tensors used).
+pub(crate) fn add_imatrix_metadata(w: &mut GgufWriter, m: &ImportanceMatrix, entries: usize) -> Result<(), GgufError> {
+    w.add_kv("quantize.imatrix.file", m.path.display().to_string().as_str())?;
+    if !m.datasets.is_empty() {
+        w.add_kv("quantize.imatrix.dataset", m.datasets.join(", ").as_str())?;
+    }
+    w.add_kv("quantize.imatrix.entries_count", entries as i32)?;
+    w.add_kv("quantize.imatrix.chunks_count", m.chunks as i32)
+}
+
+/// Encodes whole rows of `ne0` values in `ty` (rows quantized in parallel). With `imx = Some((weights, row0))`
+/// the rows are rows `row0..` of their tensor, each quantized with its matrix's importance weights.
+fn encode(vals: &[f32], ty: GgmlType, ne0: usize, imx: Option<(ImatrixRows<'_>, usize)>) -> Vec<u8> {
+    let quantize = |vals: &[f32], w: Option<&[f32]>| {
+        quantize::quantize_tensor(ty, vals, ne0, w)
+            .unwrap_or_else(|e| unreachable!("the planner only picks writable types with whole blocks: {e}"))
+    };
     match ty {
         GgmlType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
         GgmlType::F16 => vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
         GgmlType::BF16 => vals.iter().flat_map(|v| f32_to_bf16_bits(*v).to_le_bytes()).collect(),
-        other => quantize::quantize_tensor(other, vals, ne0, None)
-            .unwrap_or_else(|e| unreachable!("the planner only picks writable types with whole blocks: {e}")),
+        _ => match imx {
+            None => quantize(vals, None),
+            Some((m, row0)) => {
+                // Runs of rows within one matrix, each with that matrix's weights.
+                let rows = vals.len() / ne0;
+                let per = m.rows_per_mat.max(1);
+                let mut out = Vec::new();
+                let mut r = 0;
+                while r < rows {
+                    let mat = (row0 + r) / per;
+                    let end = ((mat + 1) * per - row0).min(rows);
+                    let w = if m.weights.len() == ne0 { m.weights } else { &m.weights[mat * ne0..(mat + 1) * ne0] };
+                    out.extend(quantize(&vals[r * ne0..end * ne0], Some(w)));
+                    r = end;
+                }
+                out
+            }
+        },
     }
 }
 

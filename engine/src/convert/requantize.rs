@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use super::recipe::{QuantRecipe, RecipeContext};
-use super::{ConvertError, ConvertReport, encode};
+use super::{ConvertError, ConvertReport, ImportanceMatrix, add_imatrix_metadata, encode, imatrix_rows};
 use crate::gguf::{GgmlType, GgufFile, GgufWriter, TensorInfo};
 use crate::quant::{SUPPORTED, row_kernels};
 
@@ -27,14 +27,31 @@ const CHUNK_VALUES: usize = 1 << 24;
 
 /// Requantizes the GGUF `input` into `out` with `recipe`.
 pub fn requantize(input: &Path, out: &Path, recipe: &QuantRecipe) -> Result<ConvertReport, ConvertError> {
+    requantize_with(input, out, recipe, None)
+}
+
+/// [`requantize`] with an optional importance matrix (`nebula convert --imatrix`): every tensor it has an entry
+/// for is fitted with those column weights (per expert for 3-D expert tensors), the recipe takes its
+/// with-imatrix choices, and the output records the matrix as llama.cpp's `quantize.imatrix.*` keys. An entry
+/// whose length fits no tensor shape is an error before anything is written.
+pub fn requantize_with(
+    input: &Path,
+    out: &Path,
+    recipe: &QuantRecipe,
+    imatrix: Option<&ImportanceMatrix>,
+) -> Result<ConvertReport, ConvertError> {
     let f = GgufFile::open(input)?;
     let arch = f.architecture()?.to_string();
     let blocks = f.metadata().get_u32(&format!("{arch}.block_count"))? as usize;
     let nextn = f.metadata().get_u32_opt(&format!("{arch}.nextn_predict_layers"))?.unwrap_or(0) as usize;
-    let ctx = RecipeContext { n_layers: blocks - nextn, has_imatrix: false };
+    let ctx = RecipeContext { n_layers: blocks - nextn, has_imatrix: imatrix.is_some() };
     let mut w = GgufWriter::create(out, f.alignment() as u32)?;
     for (k, v) in f.metadata().iter() {
-        if k.starts_with("split.") || k == "general.alignment" || k == "general.file_type" {
+        if k.starts_with("split.")
+            || k == "general.alignment"
+            || k == "general.file_type"
+            || (imatrix.is_some() && k.starts_with("quantize.imatrix."))
+        {
             continue;
         }
         w.add_kv(k, v.clone())?;
@@ -47,9 +64,16 @@ pub fn requantize(input: &Path, out: &Path, recipe: &QuantRecipe) -> Result<Conv
     for (t, ty) in &plan {
         w.add_tensor(t.name.clone(), &t.dims, *ty)?;
     }
+    let weights = plan
+        .iter()
+        .map(|(t, ty)| if *ty == t.ggml_type { Ok(None) } else { imatrix_rows(imatrix, &t.name, &t.dims, *ty) })
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(m) = imatrix {
+        add_imatrix_metadata(&mut w, m, weights.iter().filter(|x| x.is_some()).count())?;
+    }
     let mut data = w.begin_data()?;
     let mut data_bytes = 0u64;
-    for (t, ty) in &plan {
+    for ((t, ty), imx) in plan.iter().zip(weights) {
         let src = f.tensor_data(t);
         data.begin_tensor(&t.name)?;
         if *ty == t.ggml_type {
@@ -63,13 +87,13 @@ pub fn requantize(input: &Path, out: &Path, recipe: &QuantRecipe) -> Result<Conv
             })?;
             let row_bytes = ne0 / k.block_elems * k.block_bytes;
             let rows_per_chunk = (CHUNK_VALUES / ne0).max(1);
-            for chunk in src.chunks(row_bytes * rows_per_chunk) {
+            for (c, chunk) in src.chunks(row_bytes * rows_per_chunk).enumerate() {
                 let rows = chunk.len() / row_bytes;
                 let mut vals = vec![0f32; rows * ne0];
                 for (r, o) in vals.chunks_exact_mut(ne0).enumerate() {
                     (k.dequantize_row)(&chunk[r * row_bytes..(r + 1) * row_bytes], o);
                 }
-                let bytes = encode(&vals, *ty, ne0);
+                let bytes = encode(&vals, *ty, ne0, imx.map(|m| (m, c * rows_per_chunk)));
                 data_bytes += bytes.len() as u64;
                 data.write_chunk(&bytes)?;
             }

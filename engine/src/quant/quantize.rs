@@ -67,8 +67,8 @@ pub const QUANTIZABLE: [GgmlType; 14] = [
 /// Quantizes `values` (whole rows of `cols` values, row-major) to `ty`, rows in parallel.
 ///
 /// `imatrix`, when given, holds one importance weight per column (llama.cpp's `--imatrix` values: the mean of
-/// the squared activations each column saw); the k-quants and IQ4 types weight their fits with it, the other
-/// types ignore it. Errors: a type it cannot write, a row length that is not whole blocks, an importance matrix
+/// the squared activations each column saw); the k-quants, the IQ4 types and Q4_0/Q4_1/Q5_0/Q5_1 weight their
+/// fits with it (as ggml does), Q8_0 and MXFP4 ignore it. Errors: a type it cannot write, a row length that is not whole blocks, an importance matrix
 /// of the wrong length.
 pub fn quantize_tensor(
     ty: GgmlType,
@@ -101,6 +101,9 @@ pub fn quantize_tensor(
 /// Quantizes one row (`src.len()` whole blocks of `ty`), appending to `dst`. Panics on a type outside
 /// [`QUANTIZABLE`].
 pub fn quantize_row(ty: GgmlType, src: &[f32], imatrix: Option<&[f32]>, dst: &mut Vec<u8>) {
+    if let (GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1, Some(w)) = (ty, imatrix) {
+        return quantize_row_32_weighted(ty, src, w, dst);
+    }
     match ty {
         GgmlType::F32 => dst.extend(src.iter().flat_map(|v| v.to_le_bytes())),
         GgmlType::F16 => dst.extend(src.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes())),
@@ -117,6 +120,45 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], imatrix: Option<&[f32]>, dst: &mu
         GgmlType::IQ4_NL => quantize_row_iq4_nl(src, imatrix, dst),
         GgmlType::IQ4_XS => quantize_row_iq4_xs(src, imatrix, dst),
         other => panic!("quantize_row: cannot write {}", other.name()),
+    }
+}
+
+/// Q4_0, Q4_1, Q5_0 or Q5_1 with an importance matrix `imatrix` (one weight per column of the row), as ggml's
+/// `quantize_row_{q4_0,q4_1,q5_0,q5_1}_impl` (ggml-quants.c): block value `j` weighs `imatrix[j] * sqrt(sigma2 +
+/// x_j^2)` with `sigma2` the mean square of the whole row; Q4_0/Q5_0 fit a symmetric scale ([`fit_symmetric`],
+/// levels `-8..8` / `-16..16`), Q4_1/Q5_1 a scale and a min ([`fit_scale_min`], levels `0..=15` / `0..=31`,
+/// 37 grid widths from `nmax - 0.9` in steps of 0.05). Without an importance matrix these types keep the
+/// reference rounding of `quantize_row_q4_0` and the others (as ggml does).
+fn quantize_row_32_weighted(ty: GgmlType, src: &[f32], imatrix: &[f32], dst: &mut Vec<u8>) {
+    let sum_x2 = src.iter().fold(0f32, |a, &v| a + v * v);
+    let sigma2 = sum_x2 / src.len() as f32;
+    let five = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
+    let with_min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+    for (xb, qw) in src.chunks_exact(32).zip(imatrix.chunks_exact(32)) {
+        let mut w = [0f32; 32];
+        for j in 0..32 {
+            w[j] = qw[j] * (sigma2 + xb[j] * xb[j]).sqrt();
+        }
+        let mut l = [0u8; 32];
+        if with_min {
+            let (d, neg_min) = fit_scale_min(xb, &w, if five { 31 } else { 15 }, -0.9, 0.05, 36, &mut l);
+            dst.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            dst.extend_from_slice(&half::f16::from_f32(-neg_min).to_le_bytes());
+        } else {
+            let mut li = [0i8; 32];
+            let d = fit_symmetric(xb, if five { 16 } else { 8 }, Some(&w), &mut li);
+            for j in 0..32 {
+                l[j] = li[j] as u8;
+            }
+            dst.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        }
+        if five {
+            let qh = l.iter().enumerate().fold(0u32, |h, (i, &u)| h | (((u >> 4) as u32 & 1) << i));
+            dst.extend_from_slice(&qh.to_le_bytes());
+        }
+        for j in 0..16 {
+            dst.push((l[j] & 15) | ((l[j + 16] & 15) << 4));
+        }
     }
 }
 
@@ -274,7 +316,7 @@ fn fit_positive(x: &[f32], nmax: i32, w: &[f32], l: &mut [u8]) -> f32 {
         let q = nearest_int(iscale * x[i]).min(nmax);
         l[i] = q as u8;
         sumlx += w[i] * x[i] * q as f32;
-        suml2 += w[i] * (q * q) as f32;
+        suml2 += w[i] * q as f32 * q as f32;
     }
     for _ in 0..5 {
         let mut changed = false;
@@ -286,7 +328,7 @@ fn fit_positive(x: &[f32], nmax: i32, w: &[f32], l: &mut [u8]) -> f32 {
                 let nl = nearest_int(x[i] * sl2 / slx).min(nmax);
                 if nl != l[i] as i32 {
                     slx += w[i] * x[i] * nl as f32;
-                    sl2 += w[i] * (nl * nl) as f32;
+                    sl2 += w[i] * nl as f32 * nl as f32;
                     if slx * slx * suml2 > sumlx * sumlx * sl2 {
                         l[i] = nl as u8;
                         sumlx = slx;

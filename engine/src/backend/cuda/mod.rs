@@ -310,11 +310,8 @@ pub struct CudaModel {
     /// thread has more than four tasks ([`Self::dense_lanes`]): `NEBULA_CUDA_GEMV_DEPTH=4`; 2 (two tasks in
     /// flight, `gemvq_*_1`) otherwise.
     gemv_deep: bool,
-    /// Whether independent decode work shares launches: the shared expert's gate/up and SiLU in the routed
-    /// experts' launches ([`Self::shared_parts`]), Gated DeltaNet's `in_proj_qkv` and `in_proj_z` in one GEMV
-    /// ([`Self::gdn_in_proj`]) and its gates in the conv launch ([`Self::gdn_mix`]). On unless
-    /// `NEBULA_CUDA_FUSE=0` (study: the launches before these fusions).
-    fuse: bool,
+    /// Which independent pieces of decode work share launches ([`Fusions`], `NEBULA_CUDA_FUSE`).
+    fuse: Fusions,
     /// Routed experts and quantized dense matmuls of prefill batches (over `GEMV_MAX_TOKENS` tokens) on tensor
     /// cores (`moe_groupedmma_*`, int8 MMA, compute capability 8.0 and newer) where the type has an 8-bit path
     /// (needs `q8_acts`) and the column count is a multiple of 128; otherwise (or with `NEBULA_CUDA_MMA=0`) the
@@ -663,6 +660,48 @@ impl DevStack {
 /// threads per row), the default for dense matrices (`NEBULA_CUDA_GEMV_THREADS`).
 const GEMV_MIN_THREADS: usize = 1 << 15;
 
+/// Independent pieces of decode work that can share a launch: `shared`, the shared expert's gate/up and SiLU in the
+/// routed experts' launches ([`CudaModel::shared_parts`]); `qkvz`, Gated DeltaNet's `in_proj_qkv` and `in_proj_z`
+/// in one GEMV ([`CudaModel::gdn_in_proj`]); `gates`, its gates in the conv launch ([`CudaModel::gdn_mix`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Fusions {
+    shared: bool,
+    qkvz: bool,
+    gates: bool,
+}
+
+impl Fusions {
+    /// All three.
+    const ALL: Fusions = Fusions { shared: true, qkvz: true, gates: true };
+
+    /// `NEBULA_CUDA_FUSE`: unset, [`Self::ALL`]; `0`, none; else a comma-separated list of `shared`, `qkvz`,
+    /// `gates` (study: Nsight Compute times a fused step below the unfused one, yet the CUDA Graph step can measure
+    /// otherwise, as with the GEMV prologues).
+    ///
+    /// # Errors
+    /// An unknown name, quoted in the message.
+    fn parse(v: Option<&str>) -> Result<Self, CudaError> {
+        let Some(v) = v else { return Ok(Self::ALL) };
+        let mut f = Fusions { shared: false, qkvz: false, gates: false };
+        if v.trim() == "0" {
+            return Ok(f);
+        }
+        for name in v.split(',').map(str::trim) {
+            match name {
+                "shared" => f.shared = true,
+                "qkvz" => f.qkvz = true,
+                "gates" => f.gates = true,
+                other => {
+                    return Err(CudaError::Unsupported(format!(
+                        "NEBULA_CUDA_FUSE takes 0 or a list of shared, qkvz, gates; got {other:?}"
+                    )));
+                }
+            }
+        }
+        Ok(f)
+    }
+}
+
 /// The launch size (threads, at [`CudaModel::gemv_lanes`]' width) from which a dense GEMV keeps the shallow
 /// prefetch under `NEBULA_CUDA_GEMV_DEPTH=4`: about the threads an H200 holds at once (132 SMs x 2048); the output
 /// head (248,320 rows) measured slower deep (Nsight Compute: 141 against 122 us).
@@ -847,7 +886,7 @@ impl CudaModel {
                 .and_then(|v| v.parse().ok())
                 .filter(|&t: &usize| t > 0)
                 .unwrap_or(GEMV_MIN_THREADS),
-            fuse: std::env::var("NEBULA_CUDA_FUSE").map_or(true, |v| v != "0"),
+            fuse: Fusions::parse(std::env::var("NEBULA_CUDA_FUSE").ok().as_deref())?,
             gemv_deep: parse_gemv_depth(std::env::var("NEBULA_CUDA_GEMV_DEPTH").ok().as_deref())? == 4,
             tensor_cores: capability >= 8 && std::env::var("NEBULA_CUDA_MMA").map_or(true, |v| v != "0"),
             q8_cache: Mutex::new(None),
@@ -1540,7 +1579,7 @@ impl CudaModel {
     fn gdn_in_proj(&self, g: &DevGdn, m: u64, n: usize) -> Result<(u64, u64), CudaError> {
         let dev = &self.dev;
         let (qm, zm) = (g.qkv(dev), g.z(dev));
-        if n == 1 && g.z.is_none() && self.fuse {
+        if n == 1 && g.z.is_none() && self.fuse.qkvz {
             let xa = self.acts(qm.ty, m, 1, qm.cols)?;
             let tasks = Self::tasks_per_row(qm.ty, qm.cols, !matches!(xa, Acts::F32(..)));
             if self.dense_lanes(tasks, qm.rows) == self.dense_lanes(tasks, zm.rows) {
@@ -1576,7 +1615,7 @@ impl CudaModel {
         let (a_neg_exp, dt_bias) = (self.p(&g.a_neg_exp, 0), self.p(&g.dt_bias, 0));
         // With f32 b and a projections, the gates are computed by blocks of the conv launch (gdn_mix).
         let f32_gates = g.b.ty == GgmlType::F32 && g.a.ty == GgmlType::F32 && cfg.hidden.is_multiple_of(4);
-        let fused = f32_gates && self.fuse;
+        let fused = f32_gates && self.fuse.gates;
         if f32_gates && !fused {
             dev.launch(
                 "gdn_ba_gates",
@@ -2040,7 +2079,7 @@ impl CudaModel {
     fn shared_parts(&self, moe: &DevMoe) -> Option<usize> {
         let (d, ff) = (self.config.hidden, self.config.expert_ff);
         let sff = moe.sh_ff();
-        let ok = self.fuse
+        let ok = self.fuse.shared
             && moe.sh_up.is_none()
             && !self.gemv_prologue
             && moe.up.ty == moe.gate.ty
@@ -3105,7 +3144,16 @@ pub fn driver_present() -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_gemv_depth;
+    use super::{Fusions, parse_gemv_depth};
+
+    #[test]
+    fn fusions_parse_lists_and_name_unknown_entries() {
+        assert_eq!(Fusions::parse(None).unwrap(), Fusions::ALL);
+        assert_eq!(Fusions::parse(Some("0")).unwrap(), Fusions { shared: false, qkvz: false, gates: false });
+        assert_eq!(Fusions::parse(Some("qkvz, gates")).unwrap(), Fusions { shared: false, qkvz: true, gates: true });
+        let e = Fusions::parse(Some("shared,router")).unwrap_err().to_string();
+        assert!(e.contains("NEBULA_CUDA_FUSE") && e.contains("\"router\""), "{e}");
+    }
 
     #[test]
     fn gemv_depth_is_two_or_four_and_names_the_variable_otherwise() {

@@ -1,0 +1,236 @@
+//! Importance matrices for `nebula convert --imatrix FILE`: the per-column activation statistics that llama.cpp's
+//! `llama-imatrix` gathers over a calibration text, read in either of its file formats, so that the quantizers
+//! weight each column's rounding error by how strongly the model drives it (`quantize_row`'s `imatrix`).
+//!
+//! Formats (llama.cpp `tools/imatrix/imatrix.cpp`, `tools/quantize/quantize.cpp`):
+//! - GGUF (the default since 2025): per entry, an f32 tensor `<name>.in_sum2` `[cols, n_mat]` (sums of squared
+//!   activations) and `<name>.counts` `[1, n_mat]` (tokens seen per matrix); metadata `imatrix.datasets` (string
+//!   array) and `imatrix.chunk_count`. The weight of column `i` of matrix `j` is `in_sum2[j][i] / counts[j]`, or
+//!   1 where a matrix saw no token.
+//! - Legacy binary (`.dat`, little-endian): `i32` entry count; per entry `i32` name length, the name, `i32` call
+//!   count `ncall`, `i32` value count, `f32` values (each the mean times `ncall`); then `i32` chunk count, `i32`
+//!   length and the dataset name. The weight is `value / ncall` (the value itself when `ncall` is 0).
+//!
+//! Entries are keyed by GGUF tensor name (`blk.3.ffn_down_exps.weight`); a 3-D expert tensor has one row of
+//! columns per expert (`n_mat` = experts), or a single row shared by all of them.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use super::ConvertError;
+use crate::gguf::{GgmlType, GgufFile};
+
+/// An importance matrix: per tensor name, the column weights of each of its matrices.
+#[derive(Debug, Clone)]
+pub struct ImportanceMatrix {
+    /// The file it was read from.
+    pub path: PathBuf,
+    /// The calibration datasets the file names (may be empty).
+    pub datasets: Vec<String>,
+    /// Chunks of calibration text the statistics cover (0 when the file does not say).
+    pub chunks: u32,
+    /// Per tensor: `n_mat * cols` weights, matrix by matrix (every value finite and >= 0).
+    entries: HashMap<String, Vec<f32>>,
+}
+
+impl ImportanceMatrix {
+    /// Reads a GGUF or legacy importance matrix (told apart by the GGUF magic).
+    ///
+    /// # Errors
+    /// [`ConvertError::Io`] when the file cannot be read; [`ConvertError::Input`] naming the file and the
+    /// problem when it is truncated, inconsistent (values not a whole number of matrices, a `counts` tensor
+    /// that does not match its sums), or holds a negative, NaN or infinite weight (named by entry).
+    pub fn load(path: &Path) -> Result<Self, ConvertError> {
+        let bytes = std::fs::read(path).map_err(|e| ConvertError::Io { path: path.to_path_buf(), source: e })?;
+        let m = if bytes.starts_with(b"GGUF") { Self::from_gguf(path)? } else { Self::from_legacy(path, &bytes)? };
+        for (name, w) in &m.entries {
+            if let Some(v) = w.iter().find(|v| !v.is_finite() || **v < 0.0) {
+                return Err(bad(path, format!("entry '{name}' has the weight {v} (weights must be finite and >= 0)")));
+            }
+        }
+        Ok(m)
+    }
+
+    fn from_legacy(path: &Path, b: &[u8]) -> Result<Self, ConvertError> {
+        let mut r = Reader { b, at: 0, path };
+        let n = r.count("entry count")?;
+        let mut entries = HashMap::with_capacity(n.min(1 << 16));
+        for _ in 0..n {
+            let len = r.count("name length")?;
+            let name = String::from_utf8(r.take(len, "entry name")?.to_vec())
+                .map_err(|_| bad(path, "an entry name is not UTF-8".into()))?;
+            let ncall = r.i32(&format!("call count of '{name}'"))?;
+            let nval = r.count(&format!("value count of '{name}'"))?;
+            let raw = r.take(4 * nval, &format!("values of '{name}'"))?;
+            let vals = raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+            let w: Vec<f32> = if ncall > 0 { vals.map(|v| v / ncall as f32).collect() } else { vals.collect() };
+            if entries.insert(name.clone(), w).is_some() {
+                return Err(bad(path, format!("entry '{name}' appears twice")));
+            }
+        }
+        // The trailer (chunk count, dataset name) is optional in old files.
+        let chunks = if r.at + 4 <= b.len() { r.i32("chunk count")?.max(0) as u32 } else { 0 };
+        let mut datasets = Vec::new();
+        if r.at + 4 <= b.len() {
+            let len = r.count("dataset name length")?;
+            datasets.push(String::from_utf8_lossy(r.take(len, "dataset name")?).into_owned());
+        }
+        Ok(Self { path: path.to_path_buf(), datasets, chunks, entries })
+    }
+
+    fn from_gguf(path: &Path) -> Result<Self, ConvertError> {
+        let f = GgufFile::open(path)?;
+        let md = f.metadata();
+        let datasets = md.get_string_array_opt("imatrix.datasets")?.unwrap_or_default();
+        let datasets = datasets.into_iter().map(str::to_string).collect();
+        let chunks = md.get_u32_opt("imatrix.chunk_count")?.unwrap_or(0);
+        let f32s = |name: &str| -> Result<(Vec<f32>, Vec<u64>), ConvertError> {
+            let t = f.tensors().find(|t| t.name == name).ok_or_else(|| bad(path, format!("no tensor '{name}'")))?;
+            if t.ggml_type != GgmlType::F32 {
+                return Err(bad(path, format!("tensor '{name}' is {}, not F32", t.ggml_type.name())));
+            }
+            let d = f.tensor_data(t);
+            Ok((d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(), t.dims.clone()))
+        };
+        let mut entries = HashMap::new();
+        for t in f.tensors() {
+            let Some(name) = t.name.strip_suffix(".in_sum2") else { continue };
+            let (sums, dims) = f32s(&t.name)?;
+            let (counts, _) = f32s(&format!("{name}.counts"))?;
+            let cols = dims.first().copied().unwrap_or(0) as usize;
+            if cols == 0 || counts.is_empty() || sums.len() != cols * counts.len() {
+                return Err(bad(
+                    path,
+                    format!("entry '{name}': {} sums for {} counts of {cols} columns", sums.len(), counts.len()),
+                ));
+            }
+            let mut w = Vec::with_capacity(sums.len());
+            for (j, &c) in counts.iter().enumerate() {
+                let row = &sums[j * cols..(j + 1) * cols];
+                if c > 0.0 { w.extend(row.iter().map(|s| s / c)) } else { w.extend(std::iter::repeat_n(1.0, cols)) }
+            }
+            entries.insert(name.to_string(), w);
+        }
+        Ok(Self { path: path.to_path_buf(), datasets, chunks, entries })
+    }
+
+    /// Entries (tensors) it covers.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether it covers no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The weights for tensor `name` of `cols` columns made of `mats` matrices (experts): `cols` values shared
+    /// by every matrix, or `mats * cols`, matrix by matrix. `Ok(None)` when the file has no entry for it.
+    ///
+    /// # Errors
+    /// [`ConvertError::Input`] when the entry's length is neither (the file was made for another model).
+    pub fn weights(&self, name: &str, cols: usize, mats: usize) -> Result<Option<&[f32]>, ConvertError> {
+        let Some(w) = self.entries.get(name) else { return Ok(None) };
+        if w.len() == cols || w.len() == cols * mats {
+            Ok(Some(w))
+        } else {
+            Err(bad(
+                &self.path,
+                format!("entry '{name}' has {} values; the tensor has {mats} matrices of {cols} columns", w.len()),
+            ))
+        }
+    }
+}
+
+fn bad(path: &Path, problem: String) -> ConvertError {
+    ConvertError::Input { path: path.to_path_buf(), problem: format!("importance matrix: {problem}") }
+}
+
+/// A bounds-checked little-endian cursor.
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+    path: &'a Path,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&[u8], ConvertError> {
+        let end =
+            self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or_else(|| {
+                bad(self.path, format!("truncated at byte {} reading the {what} ({n} bytes)", self.at))
+            })?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn i32(&mut self, what: &str) -> Result<i32, ConvertError> {
+        let s = self.take(4, what)?;
+        Ok(i32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    }
+
+    /// A non-negative `i32` count.
+    fn count(&mut self, what: &str) -> Result<usize, ConvertError> {
+        let v = self.i32(what)?;
+        usize::try_from(v).map_err(|_| bad(self.path, format!("negative {what} ({v})")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn legacy(entries: &[(&str, i32, &[f32])]) -> Vec<u8> {
+        let mut b = (entries.len() as i32).to_le_bytes().to_vec();
+        for (name, ncall, vals) in entries {
+            b.extend((name.len() as i32).to_le_bytes());
+            b.extend(name.as_bytes());
+            b.extend(ncall.to_le_bytes());
+            b.extend((vals.len() as i32).to_le_bytes());
+            vals.iter().for_each(|v| b.extend(v.to_le_bytes()));
+        }
+        b.extend(3i32.to_le_bytes());
+        b.extend(4i32.to_le_bytes());
+        b.extend(b"wiki");
+        b
+    }
+
+    #[test]
+    fn legacy_values_are_divided_by_the_call_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.dat");
+        std::fs::write(&p, legacy(&[("a.weight", 2, &[2.0, 4.0, 6.0, 8.0]), ("b.weight", 0, &[1.5, 0.5])])).unwrap();
+        let m = ImportanceMatrix::load(&p).unwrap();
+        assert_eq!(m.len(), 2);
+        assert_eq!((m.chunks, m.datasets.clone()), (3, vec!["wiki".to_string()]));
+        assert_eq!(m.weights("a.weight", 4, 1).unwrap().unwrap(), &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(m.weights("a.weight", 2, 2).unwrap().unwrap(), &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(m.weights("b.weight", 2, 8).unwrap().unwrap(), &[1.5, 0.5]);
+        assert!(m.weights("c.weight", 2, 1).unwrap().is_none());
+        let e = m.weights("a.weight", 3, 1).unwrap_err().to_string();
+        assert!(e.contains("'a.weight'") && e.contains("4 values"), "{e}");
+    }
+
+    #[test]
+    fn bad_files_are_clear_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.dat");
+        let good = legacy(&[("a.weight", 1, &[1.0, 2.0])]);
+        for cut in [2usize, 6, 12, 20] {
+            std::fs::write(&p, &good[..cut]).unwrap();
+            let e = ImportanceMatrix::load(&p).unwrap_err().to_string();
+            assert!(e.contains("importance matrix") && e.contains("truncated"), "{cut}: {e}");
+        }
+        std::fs::write(&p, legacy(&[("a.weight", 1, &[1.0, f32::NAN])])).unwrap();
+        let e = ImportanceMatrix::load(&p).unwrap_err().to_string();
+        assert!(e.contains("'a.weight'") && e.contains("NaN"), "{e}");
+        std::fs::write(&p, legacy(&[("a.weight", 1, &[-1.0])])).unwrap();
+        assert!(ImportanceMatrix::load(&p).unwrap_err().to_string().contains("-1"));
+        let mut neg = legacy(&[("a.weight", 1, &[1.0])]);
+        neg[0..4].copy_from_slice(&(-5i32).to_le_bytes());
+        std::fs::write(&p, neg).unwrap();
+        assert!(ImportanceMatrix::load(&p).unwrap_err().to_string().contains("negative entry count"));
+        let missing = dir.path().join("none.dat");
+        assert!(matches!(ImportanceMatrix::load(&missing), Err(ConvertError::Io { .. })));
+    }
+}
