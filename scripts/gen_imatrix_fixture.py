@@ -12,6 +12,10 @@
    quantizes the GGUF with `--pure --imatrix` to each type below and records, per tensor, llama.cpp's type and the
    SHA-256 of its bytes: the expected values of the test (the truth comes from llama.cpp's quantizer).
 
+3. With LLAMA_IMATRIX pointing at llama.cpp's `llama-imatrix`, gathers llama.cpp's own importance matrix of the
+   demo model (`models/nebula-demo.gguf`) over `tests/fixtures/imatrix/calibration.txt` in chunks of 64 tokens:
+   the expected values of `nebula imatrix` (tests/quant_imatrix.rs).
+
 Usage: python3 scripts/gen_imatrix_fixture.py w256.gguf tests/fixtures/imatrix
 """
 import hashlib
@@ -74,6 +78,13 @@ def main():
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    imx = os.environ.get("LLAMA_IMATRIX")
+    if imx:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        subprocess.run([imx, "-m", os.path.join(root, "models/nebula-demo.gguf"), "-f",
+                        os.path.join(out_dir, "calibration.txt"), "-o",
+                        os.path.join(out_dir, "demo.llama-imatrix.gguf"), "-c", "64", "-t", "2"],
+                       check=True, capture_output=True)
     exe = os.environ.get("LLAMA_QUANTIZE")
     if not exe:
         print("LLAMA_QUANTIZE not set: wrote the importance matrices only")

@@ -179,3 +179,60 @@ fn a_mismatched_imatrix_is_refused_before_writing() {
     let written = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
     assert!(written < 4096, "{written} bytes written before the error");
 }
+
+/// `nebula imatrix` against `llama-imatrix`: the demo model over `calibration.txt` in chunks of 64 tokens gives
+/// the entries llama.cpp's collector gives (all but `ffn_gate_inp_shexp`, the one-row shared-expert gate that
+/// Nebula computes as a dot product and that no quantizer touches), with per-column weights within a few percent
+/// (dense weights: same token counts, median deviation 0.1 %, largest 4.2 %; experts: routing near-ties move a
+/// token or two between experts). The file `write_gguf` writes reads back to the same weights.
+#[test]
+fn nebula_imatrix_matches_llama_imatrix_on_the_demo_model() {
+    use nebula_engine::convert::ImatrixCollector;
+    use nebula_engine::text::tokenizer::{GgufVocab, TextTokenizer};
+    let path = nebula_tests::repo_root().join("models/nebula-demo.gguf");
+    let file = std::sync::Arc::new(GgufFile::open(&path).unwrap());
+    let tok = TextTokenizer::from_gguf_vocab(&GgufVocab::from_gguf(&file).unwrap().unwrap()).unwrap();
+    let model = Qwen4Exp::from_gguf(file).unwrap();
+    let ids = tok.encode_plain(&std::fs::read_to_string(fixture("calibration.txt")).unwrap()).unwrap();
+    let chunks: Vec<&[u32]> = ids.chunks_exact(64).collect();
+    assert_eq!(chunks.len(), 6, "llama-imatrix ran 6 chunks of 64 tokens");
+    let c = ImatrixCollector::new(&model, false);
+    assert_eq!(c.run(&model, &chunks).unwrap(), 384);
+    assert_eq!(c.unmatched(), 0, "a product on a weight outside the file");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("demo.imatrix.gguf");
+    c.write_gguf(&out, "calibration.txt", 6, 64).unwrap();
+    let ours = ImportanceMatrix::load(&out).unwrap();
+    assert_eq!((ours.chunks, ours.datasets.clone()), (6, vec!["calibration.txt".to_string()]));
+    let want = ImportanceMatrix::load(&fixture("demo.llama-imatrix.gguf")).unwrap();
+    let f = GgufFile::open(&path).unwrap();
+    let (mut dense, mut experts) = (0, 0);
+    for t in f.tensors().filter(|t| t.dims.len() >= 2) {
+        let (cols, mats) = (t.dims[0] as usize, t.dims[2..].iter().product::<u64>() as usize);
+        let (a, b) = (ours.weights(&t.name, cols, mats).unwrap(), want.weights(&t.name, cols, mats).unwrap());
+        let (a, b) = match (a, b) {
+            (Some(a), Some(b)) => (a, b),
+            (None, None) => continue,
+            (None, Some(_)) if t.name.contains("ffn_gate_inp_shexp") => continue,
+            other => panic!("{}: entry in only one file: {:?}", t.name, (other.0.is_some(), other.1.is_some())),
+        };
+        assert_eq!(a.len(), b.len(), "{}", t.name);
+        let mut rel: Vec<f32> = a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-30)).collect();
+        rel.sort_by(f32::total_cmp);
+        let (median, max) = (rel[rel.len() / 2], rel[rel.len() - 1]);
+        if mats == 1 {
+            assert!(median < 0.01 && max < 0.1, "{}: median {median:.2e}, max {max:.2e}", t.name);
+            dense += 1;
+        } else {
+            assert!(median < 0.05, "{}: median {median:.2e}", t.name);
+            experts += 1;
+        }
+    }
+    assert!(dense >= 50 && experts == 12, "{dense} dense and {experts} expert entries compared");
+    // The collected weights are what the writer wrote.
+    let direct = c.matrix(&out);
+    for t in f.tensors().filter(|t| t.dims.len() >= 2) {
+        let (cols, mats) = (t.dims[0] as usize, t.dims[2..].iter().product::<u64>() as usize);
+        assert_eq!(direct.weights(&t.name, cols, mats).unwrap(), ours.weights(&t.name, cols, mats).unwrap());
+    }
+}

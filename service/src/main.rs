@@ -70,6 +70,9 @@ enum Command {
     Bench(BenchCommand),
     /// Greedy continuation of a raw text prompt (engine comparisons).
     Generate(nebula_service::cli::generate::GenerateArgs),
+    /// Gather an importance matrix over a calibration text for `nebula convert --imatrix` (llama.cpp's GGUF
+    /// imatrix format, as `llama-imatrix` writes).
+    Imatrix(nebula_service::cli::imatrix::ImatrixArgs),
     /// Hardware profiles: `nebula profile detect` chooses one of deploy/profiles.toml and writes it.
     Profile(nebula_service::profile::ProfileArgs),
     /// Routing campaign over a prompt set: ranks each layer's experts (count, then router weight) and writes the
@@ -104,6 +107,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Synth(args) => nebula_service::cli::synth::run(args),
         Command::Generate(args) => nebula_service::cli::generate::run(args),
+        Command::Imatrix(args) => nebula_service::cli::imatrix::run(args),
         Command::Hotlist(args) => nebula_service::cli::hotlist::run(args),
         Command::Bench(BenchCommand::Model(args)) => nebula_service::cli::bench::run_model(args),
         Command::Bench(BenchCommand::Kernels(args)) => bench::run_kernels(&args),

@@ -176,6 +176,190 @@ impl Reader<'_> {
     }
 }
 
+/// Gathers an importance matrix by running the CPU model over calibration text, as llama.cpp's `llama-imatrix`
+/// does: for every weight product (through [`crate::quant::set_act_observer`]), per input column the sum of the
+/// squared inputs and per matrix the number of input rows (a routed expert counts only its tokens). Written in
+/// llama.cpp's GGUF format ([`Self::write_gguf`]), so `llama-quantize --imatrix` reads it too. As llama.cpp
+/// (`collect_imatrix`), only the `blk.*` weights are collected (the output head too when asked for:
+/// `--process-output`), and a dense product of fewer than 16 input rows is skipped.
+pub struct ImatrixCollector {
+    /// Weight tensors by the address range of their bytes, sorted by start.
+    spans: Vec<Span>,
+    stats: std::sync::Mutex<Vec<Option<Stat>>>,
+    /// Inputs whose weight matched no span (a copy outside the file), or whose width did not match.
+    unmatched: std::sync::atomic::AtomicUsize,
+}
+
+struct Span {
+    /// Whether its inputs are collected (a `blk.*` weight, or the head when asked for).
+    collect: bool,
+    start: usize,
+    end: usize,
+    name: String,
+    cols: usize,
+    mat_bytes: usize,
+    n_mat: usize,
+}
+
+struct Stat {
+    sums: Vec<f32>,
+    counts: Vec<u64>,
+}
+
+impl ImatrixCollector {
+    /// A collector for the `blk.*` weights of `model`'s file (tensors of 2 or 3 dimensions; `process_output`:
+    /// also the output head `output.weight`).
+    pub fn new(model: &crate::model::Qwen4Exp, process_output: bool) -> std::sync::Arc<Self> {
+        let f = &model.file;
+        let mut spans: Vec<Span> = f
+            .tensors()
+            .filter(|t| (2..=3).contains(&t.dims.len()))
+            .map(|t| {
+                let d = f.tensor_data(t);
+                let n_mat = t.dims.get(2).copied().unwrap_or(1).max(1) as usize;
+                Span {
+                    collect: t.name.starts_with("blk.") || (process_output && t.name == "output.weight"),
+                    start: d.as_ptr() as usize,
+                    end: d.as_ptr() as usize + d.len(),
+                    name: t.name.clone(),
+                    cols: t.dims[0] as usize,
+                    mat_bytes: d.len() / n_mat,
+                    n_mat,
+                }
+            })
+            .filter(|s| s.end > s.start)
+            .collect();
+        spans.sort_by_key(|s| s.start);
+        let n = spans.len();
+        std::sync::Arc::new(Self {
+            spans,
+            stats: std::sync::Mutex::new((0..n).map(|_| None).collect()),
+            unmatched: Default::default(),
+        })
+    }
+
+    fn record(&self, ptr: usize, xs: &[f32], n: usize) {
+        let i = self.spans.partition_point(|s| s.start <= ptr);
+        let span = i.checked_sub(1).map(|i| (i, &self.spans[i])).filter(|(_, s)| ptr < s.end);
+        let Some((i, s)) = span.filter(|(_, s)| n > 0 && xs.len() == n * s.cols) else {
+            self.unmatched.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return;
+        };
+        if !s.collect || (s.n_mat == 1 && n < 16) {
+            return; // llama-imatrix skips small dense batches
+        }
+        let mat = ((ptr - s.start) / s.mat_bytes.max(1)).min(s.n_mat - 1);
+        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let st = stats[i].get_or_insert_with(|| Stat { sums: vec![0.0; s.n_mat * s.cols], counts: vec![0; s.n_mat] });
+        let sums = &mut st.sums[mat * s.cols..(mat + 1) * s.cols];
+        for row in xs.chunks_exact(s.cols) {
+            for (a, &x) in sums.iter_mut().zip(row) {
+                *a += x * x;
+            }
+        }
+        st.counts[mat] += n as u64;
+    }
+
+    /// Runs `model` over each chunk of tokens from an empty state, collecting; the observer is removed again
+    /// whatever happens. Returns the number of tokens evaluated.
+    ///
+    /// # Errors
+    /// A forward pass's error (the statistics gathered so far stay).
+    pub fn run(
+        self: &std::sync::Arc<Self>,
+        model: &crate::model::Qwen4Exp,
+        chunks: &[&[u32]],
+    ) -> Result<usize, crate::model::ModelError> {
+        struct Uninstall;
+        impl Drop for Uninstall {
+            fn drop(&mut self) {
+                crate::quant::set_act_observer(None);
+            }
+        }
+        let me = std::sync::Arc::clone(self);
+        crate::quant::set_act_observer(Some(std::sync::Arc::new(move |p, xs, n| me.record(p, xs, n))));
+        let _guard = Uninstall;
+        let mut tokens = 0;
+        for c in chunks {
+            let mut state = model.new_state(c.len());
+            model.forward(&mut state, c, crate::model::LogitsFor::Last)?;
+            tokens += c.len();
+        }
+        Ok(tokens)
+    }
+
+    /// Entries with data so far.
+    pub fn entries(&self) -> usize {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Products whose weight was not found among the file's tensors (0 when every weight is read in place).
+    pub fn unmatched(&self) -> usize {
+        self.unmatched.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The collected statistics as an [`ImportanceMatrix`] (weights = sums / counts; 1 for a matrix that saw no
+    /// input, as llama-quantize does), named after `path`.
+    pub fn matrix(&self, path: &Path) -> ImportanceMatrix {
+        let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = HashMap::new();
+        for (s, st) in self.spans.iter().zip(stats.iter()) {
+            let Some(st) = st else { continue };
+            let mut w = Vec::with_capacity(st.sums.len());
+            for (j, &c) in st.counts.iter().enumerate() {
+                let row = &st.sums[j * s.cols..(j + 1) * s.cols];
+                if c > 0 {
+                    w.extend(row.iter().map(|v| v / c as f32))
+                } else {
+                    w.extend(std::iter::repeat_n(1.0, s.cols))
+                }
+            }
+            entries.insert(s.name.clone(), w);
+        }
+        ImportanceMatrix { path: path.to_path_buf(), datasets: Vec::new(), chunks: 0, entries }
+    }
+
+    /// Writes llama.cpp's GGUF importance-matrix format: per entry `<name>.in_sum2` (f32 `[cols, n_mat]`) and
+    /// `<name>.counts` (f32 `[1, n_mat]`), names sorted; `general.type = imatrix`, `imatrix.datasets`,
+    /// `imatrix.chunk_count`, `imatrix.chunk_size`.
+    ///
+    /// # Errors
+    /// Writing the file failed.
+    pub fn write_gguf(&self, path: &Path, dataset: &str, chunks: u32, chunk_size: u32) -> Result<(), ConvertError> {
+        let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let mut order: Vec<usize> = (0..self.spans.len()).filter(|&i| stats[i].is_some()).collect();
+        order.sort_by(|&a, &b| self.spans[a].name.cmp(&self.spans[b].name));
+        let mut w = crate::gguf::GgufWriter::create(path, 32)?;
+        w.add_kv("general.type", "imatrix")?;
+        w.add_kv("imatrix.datasets", vec![dataset])?;
+        w.add_kv("imatrix.chunk_count", chunks)?;
+        w.add_kv("imatrix.chunk_size", chunk_size)?;
+        for &i in &order {
+            let s = &self.spans[i];
+            // 2-D `[cols, n_mat]` and `[1, n_mat]`, trailing 1s dropped as ggml writes them.
+            let (sum_dims, count_dims) = if s.n_mat == 1 {
+                (vec![s.cols as u64], vec![1])
+            } else {
+                (vec![s.cols as u64, s.n_mat as u64], vec![1, s.n_mat as u64])
+            };
+            w.add_tensor(format!("{}.in_sum2", s.name), &sum_dims, GgmlType::F32)?;
+            w.add_tensor(format!("{}.counts", s.name), &count_dims, GgmlType::F32)?;
+        }
+        let mut data = w.begin_data()?;
+        for &i in &order {
+            let (s, st) = (&self.spans[i], stats[i].as_ref().expect("filtered above"));
+            data.begin_tensor(&format!("{}.in_sum2", s.name))?;
+            data.write_chunk(&st.sums.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+            data.end_tensor()?;
+            data.begin_tensor(&format!("{}.counts", s.name))?;
+            data.write_chunk(&st.counts.iter().flat_map(|&c| (c as f32).to_le_bytes()).collect::<Vec<u8>>())?;
+            data.end_tensor()?;
+        }
+        data.finish()?;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

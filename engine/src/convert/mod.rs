@@ -22,7 +22,7 @@ use crate::quant::{f32_to_bf16_bits, quantize};
 
 pub use checkpoint::{Checkpoint, SourceTensor};
 pub use hf_config::HfTextConfig;
-pub use imatrix::ImportanceMatrix;
+pub use imatrix::{ImatrixCollector, ImportanceMatrix};
 pub use recipe::{QuantRecipe, RecipeContext, RecipeName};
 pub use requantize::{requantize, requantize_with};
 

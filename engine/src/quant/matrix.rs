@@ -84,6 +84,36 @@ pub struct Matrix {
     data: WeightBytes,
 }
 
+/// An observer of the inputs of every product (importance-matrix collection, `nebula imatrix`): called with the
+/// address of the weight's bytes, the input rows (`[n, cols]`) and `n`, from [`Matrix::matvec`],
+/// [`Matrix::matmul`] and the MoE kernel ([`super::moe::routed_experts`]) when they are called on the thread that
+/// installed it (a forward pass issues its products from its own thread), so other threads' models are not seen.
+pub type ActObserver = Arc<dyn Fn(usize, &[f32], usize) + Send + Sync>;
+
+thread_local! {
+    static OBSERVER: std::cell::RefCell<Option<ActObserver>> = const { std::cell::RefCell::new(None) };
+}
+/// Threads with an observer installed (the fast path of every product reads only this).
+static OBSERVERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Installs (`Some`) or removes (`None`) this thread's [`ActObserver`]. While no thread has one a product pays
+/// one relaxed atomic load.
+pub fn set_act_observer(o: Option<ActObserver>) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let on = o.is_some();
+    let was = OBSERVER.with(|c| std::mem::replace(&mut *c.borrow_mut(), o).is_some());
+    match (was, on) {
+        (false, true) => _ = OBSERVERS.fetch_add(1, Relaxed),
+        (true, false) => _ = OBSERVERS.fetch_sub(1, Relaxed),
+        _ => {}
+    }
+}
+
+/// Whether this thread has an [`ActObserver`].
+pub fn observing() -> bool {
+    OBSERVERS.load(std::sync::atomic::Ordering::Relaxed) > 0 && OBSERVER.with(|c| c.borrow().is_some())
+}
+
 /// Rows handed to one rayon task: enough work to amortize scheduling, few enough to balance 16 cores.
 const ROWS_PER_TASK: usize = 16;
 /// Below this many weights a product runs on the calling thread.
@@ -205,10 +235,21 @@ impl Matrix {
         }
     }
 
+    /// Hands `xs` (`[n, cols]`, this matrix's inputs) to the installed [`ActObserver`], if any.
+    pub fn observe_input(&self, xs: &[f32], n: usize) {
+        if OBSERVERS.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            // Cloned out so that the observer may itself run products without a borrow conflict.
+            if let Some(o) = OBSERVER.with(|c| c.borrow().clone()) {
+                o(self.data.as_slice().as_ptr() as usize, xs, n);
+            }
+        }
+    }
+
     /// `y = W x`: `x` has `cols` values, `y` gets `rows` values. Parallel over rows.
     pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
         assert_eq!(x.len(), self.cols, "matvec input length");
         assert_eq!(y.len(), self.rows, "matvec output length");
+        self.observe_input(x, 1);
         let a = self.prepare(x, 1);
         self.matvec_prepared(&a, y);
     }
@@ -233,6 +274,7 @@ impl Matrix {
         if n == 1 {
             return self.matvec(xs, ys);
         }
+        self.observe_input(xs, n);
         let a = self.prepare(xs, n);
         // Compute the transpose [rows, n] in parallel row chunks, then scatter.
         let mut yt = vec![0f32; self.rows * n];

@@ -70,7 +70,7 @@ pub use iq3_xxs::Iq3Xxs;
 pub use iq4_nl::Iq4Nl;
 pub use iq4_xs::Iq4Xs;
 pub use isa::Isa;
-pub use matrix::{Matrix, WeightBytes};
+pub use matrix::{ActObserver, Matrix, WeightBytes, observing, set_act_observer};
 pub use mxfp4::Mxfp4;
 pub use q2_k::Q2K;
 pub use q3_k::Q3K;

@@ -324,10 +324,37 @@ pub fn routed_experts(work: &[ExpertWork<'_>], x: &[f32], n: usize, out: &mut [f
     if work.is_empty() || n == 0 {
         return;
     }
+    if super::matrix::observing() {
+        observe_expert_inputs(work, x);
+    }
     let outputs = expert_outputs(work, x, n);
     let parts: Vec<ExpertContribution<'_>> =
         work.iter().enumerate().map(|(i, w)| ExpertContribution { tokens: &w.tokens, y: outputs.block(i) }).collect();
     combine_expert_outputs(&parts, n, out);
+}
+
+/// For importance-matrix collection ([`super::matrix::ActObserver`]): each work item's gate and up inputs (its
+/// tokens' rows of `x`) and its down input `silu(W_gate x) * W_up x`, computed here through the plain products
+/// (the fused kernel never materialises it; the extra work happens only while an observer is installed).
+fn observe_expert_inputs(work: &[ExpertWork<'_>], x: &[f32]) {
+    for w in work {
+        let (d, ff) = (w.expert.gate.cols(), w.expert.gate.rows());
+        let xs: Vec<f32> = w.tokens.iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied()).collect();
+        let k = w.tokens.len();
+        w.expert.gate.observe_input(&xs, k);
+        w.expert.up.observe_input(&xs, k);
+        let mut h = vec![0f32; k * ff];
+        let mut u = vec![0f32; ff];
+        for (i, row) in xs.chunks_exact(d).enumerate() {
+            let g = &mut h[i * ff..(i + 1) * ff];
+            w.expert.gate.matvec_prepared(&w.expert.gate.prepare(row, 1), g);
+            w.expert.up.matvec_prepared(&w.expert.up.prepare(row, 1), &mut u);
+            for (gj, uj) in g.iter_mut().zip(&u) {
+                *gj = silu(*gj) * uj;
+            }
+        }
+        w.expert.down.observe_input(&h, k);
+    }
 }
 
 /// The unweighted down-projection outputs of a list of experts for their tokens: block `i` belongs to work item

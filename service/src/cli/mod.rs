@@ -1,7 +1,8 @@
 //! Subcommands beside `serve`: `synth` (random-weight real-width GGUF), `bench model` (prefill/decode speed),
-//! `generate` (greedy continuation) and `hotlist` (the routing campaign that ranks experts for placement).
+//! `generate` (greedy continuation), `imatrix` (importance matrices for quantization) and `hotlist` (the routing campaign that ranks experts for placement).
 
 pub mod bench;
 pub mod generate;
 pub mod hotlist;
+pub mod imatrix;
 pub mod synth;

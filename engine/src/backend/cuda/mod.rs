@@ -660,6 +660,23 @@ impl DevStack {
 /// threads per row), the default for dense matrices (`NEBULA_CUDA_GEMV_THREADS`).
 const GEMV_MIN_THREADS: usize = 1 << 15;
 
+/// The arguments of the Gated DeltaNet gates (`gdn_ba_gates`, and the tail of `gdn_conv_gates`'s): the device
+/// addresses `[m, Wb, Wa, A, dt_bias, beta, g]`, then `nv` value heads and the width `d`.
+fn gdn_gate_args(p: [u64; 7], nv: usize, d: usize) -> [Arg; 9] {
+    let [m, wb, wa, a, dt_bias, beta, g] = p;
+    [
+        Arg::Ptr(m),
+        Arg::Ptr(wb),
+        Arg::Ptr(wa),
+        Arg::Ptr(a),
+        Arg::Ptr(dt_bias),
+        Arg::Ptr(beta),
+        Arg::Ptr(g),
+        Arg::I32(nv as i32),
+        Arg::I32(d as i32),
+    ]
+}
+
 /// Independent pieces of decode work that can share a launch: `shared`, the shared expert's gate/up and SiLU in the
 /// routed experts' launches ([`CudaModel::shared_parts`]); `qkvz`, Gated DeltaNet's `in_proj_qkv` and `in_proj_z`
 /// in one GEMV ([`CudaModel::gdn_in_proj`]); `gates`, its gates in the conv launch ([`CudaModel::gdn_mix`]).
@@ -1617,22 +1634,8 @@ impl CudaModel {
         let f32_gates = g.b.ty == GgmlType::F32 && g.a.ty == GgmlType::F32 && cfg.hidden.is_multiple_of(4);
         let fused = f32_gates && self.fuse.gates;
         if f32_gates && !fused {
-            dev.launch(
-                "gdn_ba_gates",
-                (nv as u32, n as u32, 1),
-                64,
-                &[
-                    Arg::Ptr(m),
-                    Arg::Ptr(g.b.r(dev).ptr),
-                    Arg::Ptr(g.a.r(dev).ptr),
-                    Arg::Ptr(a_neg_exp),
-                    Arg::Ptr(dt_bias),
-                    Arg::Ptr(beta),
-                    Arg::Ptr(gg),
-                    Arg::I32(nv as i32),
-                    Arg::I32(cfg.hidden as i32),
-                ],
-            )?;
+            let args = gdn_gate_args([m, g.b.r(dev).ptr, g.a.r(dev).ptr, a_neg_exp, dt_bias, beta, gg], nv, cfg.hidden);
+            dev.launch("gdn_ba_gates", (nv as u32, n as u32, 1), 64, &args)?;
         } else if !f32_gates {
             let b = self.tmp(n * nv)?;
             self.matmul(g.b.r(dev), m, n, b)?;
@@ -1708,17 +1711,7 @@ impl CudaModel {
         match gates {
             None => dev.launch("gdn_conv", (c.div_ceil(64) as u32, 1, 1), 64, &[&conv_args[..], &shape].concat())?,
             Some([m, wb, wa, a_neg_exp, dt_bias]) => {
-                let gate_args = [
-                    Arg::Ptr(m),
-                    Arg::Ptr(wb),
-                    Arg::Ptr(wa),
-                    Arg::Ptr(a_neg_exp),
-                    Arg::Ptr(dt_bias),
-                    Arg::Ptr(beta),
-                    Arg::Ptr(gg),
-                    Arg::I32(nv as i32),
-                    Arg::I32(cfg.hidden as i32),
-                ];
+                let gate_args = gdn_gate_args([m, wb, wa, a_neg_exp, dt_bias, beta, gg], nv, cfg.hidden);
                 let blocks = c.div_ceil(64) + nv * n;
                 dev.launch("gdn_conv_gates", (blocks as u32, 1, 1), 64, &[&conv_args[..], &shape, &gate_args].concat())?
             }
