@@ -77,7 +77,7 @@ fn imatrix_quantization_matches_llama_quantize() {
             let w = m.weights(name, cols, mats).unwrap().expect("an entry for every fixture tensor");
             let mut bytes = Vec::new();
             for j in 0..mats {
-                let wj = if w.len() == cols { w } else { &w[j * cols..(j + 1) * cols] };
+                let wj = &w[j * cols..(j + 1) * cols];
                 let mat = &vals[j * rows * cols..(j + 1) * rows * cols];
                 bytes.extend(quantize::quantize_tensor(ty, mat, cols, Some(wj)).unwrap());
             }
@@ -109,15 +109,8 @@ fn requantize_with_imatrix_weights_the_error() {
     requantize_with(&src, &weighted, &recipe, Some(&m)).unwrap();
     let (f, p, q) =
         (GgufFile::open(&src).unwrap(), GgufFile::open(&plain).unwrap(), GgufFile::open(&weighted).unwrap());
-    let used = q
-        .tensors()
-        .filter(|t| !matches!(t.ggml_type, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16))
-        .filter(|t| {
-            m.weights(&t.name, t.dims[0] as usize, t.dims[2..].iter().product::<u64>() as usize).unwrap().is_some()
-        })
-        .count();
-    assert!(used >= 20, "{used}");
-    assert_eq!(q.metadata().get_i32("quantize.imatrix.entries_count").unwrap() as usize, used);
+    // As llama-quantize: the entries in the file.
+    assert_eq!(q.metadata().get_i32("quantize.imatrix.entries_count").unwrap() as usize, m.len());
     assert!(q.metadata().get_str("quantize.imatrix.file").unwrap().ends_with("wide256.imatrix.gguf"));
     let (mut lower, mut covered) = (0, 0);
     for t in q.tensors().filter(|t| matches!(t.ggml_type, GgmlType::Q4_K | GgmlType::IQ4_NL)) {
@@ -138,7 +131,7 @@ fn requantize_with_imatrix_weights_the_error() {
             let mut e = 0f64;
             for r in 0..rows * mats {
                 dequantize_row(t.ggml_type, &data[r * rb..(r + 1) * rb], &mut row).unwrap();
-                let wj = if w.len() == cols { w } else { &w[(r / rows) * cols..(r / rows + 1) * cols] };
+                let wj = &w[(r / rows) * cols..(r / rows + 1) * cols];
                 for c in 0..cols {
                     let d = (row[c] - x[r * cols + c]) as f64;
                     e += wj[c] as f64 * d * d;
@@ -156,6 +149,29 @@ fn requantize_with_imatrix_weights_the_error() {
     let mut state = model.new_state(8);
     let logits = model.forward(&mut state, &[1, 2, 3], nebula_engine::model::LogitsFor::Last).unwrap();
     assert!(logits.iter().all(|v| v.is_finite()));
+}
+
+/// An importance matrix that covers nothing of this model (its names are another model's) is refused before
+/// anything is written, as is a model file given in its place.
+#[test]
+fn an_imatrix_for_other_tensors_or_a_model_file_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = f32_gguf(tmp.path());
+    let p = tmp.path().join("other.dat");
+    let mut b = 1i32.to_le_bytes().to_vec();
+    let name = "blk.0.some_other_model.weight";
+    b.extend((name.len() as i32).to_le_bytes());
+    b.extend(name.as_bytes());
+    b.extend(1i32.to_le_bytes());
+    b.extend(4i32.to_le_bytes());
+    b.extend(std::iter::repeat_n(1f32.to_le_bytes(), 4).flatten());
+    std::fs::write(&p, b).unwrap();
+    let m = ImportanceMatrix::load(&p).unwrap();
+    let out = tmp.path().join("out.gguf");
+    let e = requantize_with(&src, &out, &QuantRecipe::Named(RecipeName::NebulaQ4), Some(&m)).unwrap_err().to_string();
+    assert!(e.contains("none of its 1 entries"), "{e}");
+    let e = ImportanceMatrix::load(&src).unwrap_err().to_string();
+    assert!(e.contains("not an importance matrix"), "{e}");
 }
 
 /// An importance matrix made for another model is refused before anything is written.

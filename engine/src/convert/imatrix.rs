@@ -12,7 +12,7 @@
 //!   length and the dataset name. The weight is `value / ncall` (the value itself when `ncall` is 0).
 //!
 //! Entries are keyed by GGUF tensor name (`blk.3.ffn_down_exps.weight`); a 3-D expert tensor has one row of
-//! columns per expert (`n_mat` = experts), or a single row shared by all of them.
+//! columns per expert (`n_mat` = experts).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -57,6 +57,16 @@ impl ImportanceMatrix {
         let mut entries = HashMap::with_capacity(n.min(1 << 16));
         for _ in 0..n {
             let len = r.count("name length")?;
+            if len == 0 || len > 4096 {
+                return Err(bad(
+                    path,
+                    format!(
+                        "not an importance matrix: an entry name of {len} bytes at byte {} (expected llama.cpp's GGUF \
+                         imatrix or its legacy .dat layout)",
+                        r.at - 4
+                    ),
+                ));
+            }
             let name = String::from_utf8(r.take(len, "entry name")?.to_vec())
                 .map_err(|_| bad(path, "an entry name is not UTF-8".into()))?;
             let ncall = r.i32(&format!("call count of '{name}'"))?;
@@ -92,6 +102,14 @@ impl ImportanceMatrix {
             let d = f.tensor_data(t);
             Ok((d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(), t.dims.clone()))
         };
+        if let Some(ty) = md.get_str_opt("general.type")?
+            && ty != "imatrix"
+        {
+            return Err(bad(path, format!("this GGUF is a {ty:?}, not an importance matrix (general.type)")));
+        }
+        if !f.tensors().any(|t| t.name.ends_with(".in_sum2")) {
+            return Err(bad(path, "this GGUF has no `<name>.in_sum2` tensors: not an importance matrix".into()));
+        }
         let mut entries = HashMap::new();
         for t in f.tensors() {
             let Some(name) = t.name.strip_suffix(".in_sum2") else { continue };
@@ -124,14 +142,15 @@ impl ImportanceMatrix {
         self.entries.is_empty()
     }
 
-    /// The weights for tensor `name` of `cols` columns made of `mats` matrices (experts): `cols` values shared
-    /// by every matrix, or `mats * cols`, matrix by matrix. `Ok(None)` when the file has no entry for it.
+    /// The weights for tensor `name` of `cols` columns made of `mats` matrices (experts): `mats * cols` values,
+    /// matrix by matrix. `Ok(None)` when the file has no entry for it.
     ///
     /// # Errors
-    /// [`ConvertError::Input`] when the entry's length is neither (the file was made for another model).
+    /// [`ConvertError::Input`] when the entry has another length (the file was made for another model; as
+    /// `llama-quantize`, one row for all the experts of a 3-D tensor is refused too).
     pub fn weights(&self, name: &str, cols: usize, mats: usize) -> Result<Option<&[f32]>, ConvertError> {
         let Some(w) = self.entries.get(name) else { return Ok(None) };
-        if w.len() == cols || w.len() == cols * mats {
+        if w.len() == cols * mats {
             Ok(Some(w))
         } else {
             Err(bad(
@@ -389,7 +408,9 @@ mod tests {
         assert_eq!((m.chunks, m.datasets.clone()), (3, vec!["wiki".to_string()]));
         assert_eq!(m.weights("a.weight", 4, 1).unwrap().unwrap(), &[1.0, 2.0, 3.0, 4.0]);
         assert_eq!(m.weights("a.weight", 2, 2).unwrap().unwrap(), &[1.0, 2.0, 3.0, 4.0]);
-        assert_eq!(m.weights("b.weight", 2, 8).unwrap().unwrap(), &[1.5, 0.5]);
+        assert_eq!(m.weights("b.weight", 2, 1).unwrap().unwrap(), &[1.5, 0.5]);
+        // One row for all eight experts is refused, as llama-quantize does.
+        assert!(m.weights("b.weight", 2, 8).unwrap_err().to_string().contains("8 matrices of 2 columns"));
         assert!(m.weights("c.weight", 2, 1).unwrap().is_none());
         let e = m.weights("a.weight", 3, 1).unwrap_err().to_string();
         assert!(e.contains("'a.weight'") && e.contains("4 values"), "{e}");
@@ -414,6 +435,9 @@ mod tests {
         neg[0..4].copy_from_slice(&(-5i32).to_le_bytes());
         std::fs::write(&p, neg).unwrap();
         assert!(ImportanceMatrix::load(&p).unwrap_err().to_string().contains("negative entry count"));
+        std::fs::write(&p, "this is plain text, not an importance matrix\n").unwrap();
+        let e = ImportanceMatrix::load(&p).unwrap_err().to_string();
+        assert!(e.contains("not an importance matrix"), "{e}");
         let missing = dir.path().join("none.dat");
         assert!(matches!(ImportanceMatrix::load(&missing), Err(ConvertError::Io { .. })));
     }

@@ -201,7 +201,8 @@ pub fn convert(dir: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertR
         .map(|t| imatrix_rows(opts.imatrix.as_ref(), &t.name, &t.dims, t.ty))
         .collect::<Result<Vec<_>, _>>()?;
     if let Some(m) = &opts.imatrix {
-        add_imatrix_metadata(&mut w, m, weights.iter().filter(|x| x.is_some()).count())?;
+        check_imatrix_used(m, weights.iter().filter(|x| x.is_some()).count())?;
+        add_imatrix_metadata(&mut w, m)?;
     }
     let mut data = w.begin_data()?;
     let mut data_bytes = 0u64;
@@ -872,8 +873,8 @@ fn write_tensor(
     Ok(written)
 }
 
-/// A tensor's importance-matrix weights: `weights` (`cols` values shared by every matrix, or one row of `cols`
-/// per matrix) for matrices of `rows_per_mat` rows.
+/// A tensor's importance-matrix weights: `weights` (one row of `cols` per matrix) for matrices of `rows_per_mat`
+/// rows.
 #[derive(Clone, Copy)]
 pub(crate) struct ImatrixRows<'a> {
     weights: &'a [f32],
@@ -896,13 +897,31 @@ pub(crate) fn imatrix_rows<'a>(
     Ok(m.weights(name, dims[0] as usize, mats)?.map(|weights| ImatrixRows { weights, rows_per_mat: dims[1] as usize }))
 }
 
-/// Writes llama.cpp's provenance keys for a quantization with the importance matrix `m` (`entries` tensors used).
-pub(crate) fn add_imatrix_metadata(w: &mut GgufWriter, m: &ImportanceMatrix, entries: usize) -> Result<(), GgufError> {
+/// Refuses an importance matrix none of whose entries matches a quantized tensor (made for another model, or
+/// for a recipe that quantizes nothing it covers); prints how many it covers otherwise.
+pub(crate) fn check_imatrix_used(m: &ImportanceMatrix, used: usize) -> Result<(), ConvertError> {
+    if used == 0 {
+        return Err(ConvertError::Input {
+            path: m.path.clone(),
+            problem: format!(
+                "importance matrix: none of its {} entries names a tensor this conversion quantizes (made for another \
+                 model?)",
+                m.len()
+            ),
+        });
+    }
+    eprintln!("importance matrix: applied to {used} quantized tensors ({} entries in the file)", m.len());
+    Ok(())
+}
+
+/// Writes llama.cpp's provenance keys for a quantization with the importance matrix `m` (`entries_count`: the
+/// entries in the file, as `llama-quantize` writes it).
+pub(crate) fn add_imatrix_metadata(w: &mut GgufWriter, m: &ImportanceMatrix) -> Result<(), GgufError> {
     w.add_kv("quantize.imatrix.file", m.path.display().to_string().as_str())?;
     if !m.datasets.is_empty() {
         w.add_kv("quantize.imatrix.dataset", m.datasets.join(", ").as_str())?;
     }
-    w.add_kv("quantize.imatrix.entries_count", entries as i32)?;
+    w.add_kv("quantize.imatrix.entries_count", m.len() as i32)?;
     w.add_kv("quantize.imatrix.chunks_count", m.chunks as i32)
 }
 
@@ -928,7 +947,7 @@ fn encode(vals: &[f32], ty: GgmlType, ne0: usize, imx: Option<(ImatrixRows<'_>, 
                 while r < rows {
                     let mat = (row0 + r) / per;
                     let end = ((mat + 1) * per - row0).min(rows);
-                    let w = if m.weights.len() == ne0 { m.weights } else { &m.weights[mat * ne0..(mat + 1) * ne0] };
+                    let w = &m.weights[mat * ne0..(mat + 1) * ne0];
                     out.extend(quantize(&vals[r * ne0..end * ne0], Some(w)));
                     r = end;
                 }

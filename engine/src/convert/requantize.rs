@@ -7,7 +7,9 @@
 use std::path::Path;
 
 use super::recipe::{QuantRecipe, RecipeContext};
-use super::{ConvertError, ConvertReport, ImportanceMatrix, add_imatrix_metadata, encode, imatrix_rows};
+use super::{
+    ConvertError, ConvertReport, ImportanceMatrix, add_imatrix_metadata, check_imatrix_used, encode, imatrix_rows,
+};
 use crate::gguf::{GgmlType, GgufFile, GgufWriter, TensorInfo};
 use crate::quant::{SUPPORTED, row_kernels};
 
@@ -69,7 +71,8 @@ pub fn requantize_with(
         .map(|(t, ty)| if *ty == t.ggml_type { Ok(None) } else { imatrix_rows(imatrix, &t.name, &t.dims, *ty) })
         .collect::<Result<Vec<_>, _>>()?;
     if let Some(m) = imatrix {
-        add_imatrix_metadata(&mut w, m, weights.iter().filter(|x| x.is_some()).count())?;
+        check_imatrix_used(m, weights.iter().filter(|x| x.is_some()).count())?;
+        add_imatrix_metadata(&mut w, m)?;
     }
     let mut data = w.begin_data()?;
     let mut data_bytes = 0u64;
