@@ -29,7 +29,7 @@ import tempfile
 import numpy as np
 import gguf
 
-TYPES = ["Q4_K_S", "Q5_K_S", "Q6_K", "IQ4_NL", "IQ4_XS"]
+TYPES = ["Q4_K_S", "Q5_K_S", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1"]
 
 
 def quantizable(t):

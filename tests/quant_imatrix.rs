@@ -90,7 +90,7 @@ fn imatrix_quantization_matches_llama_quantize() {
     }
     println!("tensors compared per type: {checked:?}");
     assert!(wrong.is_empty(), "{} tensors differ from llama-quantize: {wrong:?}", wrong.len());
-    for ty in ["Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q5_0", "Q5_1", "Q8_0"] {
+    for ty in ["Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"] {
         assert!(checked.get(ty).is_some_and(|&n| n > 0), "no {ty} tensor compared: {checked:?}");
     }
 }
@@ -245,10 +245,21 @@ fn nebula_imatrix_matches_llama_imatrix_on_the_demo_model() {
         }
     }
     assert!(dense >= 50 && experts == 12, "{dense} dense and {experts} expert entries compared");
+    // With the head (`--process-output`), every position's logits run, so the head has an entry too.
+    let head = ImatrixCollector::new(&model, true);
+    head.run(&model, &chunks[..1]).unwrap();
+    let hm = head.matrix(&out);
+    let h = f.tensors().find(|t| t.name == "output.weight").unwrap();
+    assert!(hm.weights("output.weight", h.dims[0] as usize, 1).unwrap().is_some(), "no head entry");
+    assert!(direct_has_no_head(&c.matrix(&out), h.dims[0] as usize));
     // The collected weights are what the writer wrote.
     let direct = c.matrix(&out);
     for t in f.tensors().filter(|t| t.dims.len() >= 2) {
         let (cols, mats) = (t.dims[0] as usize, t.dims[2..].iter().product::<u64>() as usize);
         assert_eq!(direct.weights(&t.name, cols, mats).unwrap(), ours.weights(&t.name, cols, mats).unwrap());
     }
+}
+
+fn direct_has_no_head(m: &ImportanceMatrix, cols: usize) -> bool {
+    m.weights("output.weight", cols, 1).unwrap().is_none()
 }

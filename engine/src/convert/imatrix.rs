@@ -207,6 +207,8 @@ pub struct ImatrixCollector {
     stats: std::sync::Mutex<Vec<Option<Stat>>>,
     /// Inputs whose weight matched no span (a copy outside the file), or whose width did not match.
     unmatched: std::sync::atomic::AtomicUsize,
+    /// Whether the head's inputs are collected (then every position's logits are computed, as llama-imatrix does).
+    process_output: bool,
 }
 
 struct Span {
@@ -254,13 +256,17 @@ impl ImatrixCollector {
             spans,
             stats: std::sync::Mutex::new((0..n).map(|_| None).collect()),
             unmatched: Default::default(),
+            process_output,
         })
     }
 
     fn record(&self, ptr: usize, xs: &[f32], n: usize) {
+        if n == 0 {
+            return;
+        }
         let i = self.spans.partition_point(|s| s.start <= ptr);
         let span = i.checked_sub(1).map(|i| (i, &self.spans[i])).filter(|(_, s)| ptr < s.end);
-        let Some((i, s)) = span.filter(|(_, s)| n > 0 && xs.len() == n * s.cols) else {
+        let Some((i, s)) = span.filter(|(_, s)| xs.len() == n * s.cols) else {
             self.unmatched.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return;
         };
@@ -301,7 +307,9 @@ impl ImatrixCollector {
         let mut tokens = 0;
         for c in chunks {
             let mut state = model.new_state(c.len());
-            model.forward(&mut state, c, crate::model::LogitsFor::Last)?;
+            // The head runs on every position only when its inputs are collected.
+            let want = if self.process_output { crate::model::LogitsFor::All } else { crate::model::LogitsFor::Last };
+            model.forward(&mut state, c, want)?;
             tokens += c.len();
         }
         Ok(tokens)

@@ -882,7 +882,8 @@ pub(crate) struct ImatrixRows<'a> {
 }
 
 /// The importance-matrix weights of tensor `name` (ggml dims `dims`: `[cols, rows]` or `[cols, rows, experts]`)
-/// when it is written in the quantized type `ty`; `None` without a matrix, an entry, or quantization.
+/// when it is written in the quantized type `ty` whose quantizer weights its fit; `None` without a matrix, an
+/// entry, or such a type.
 pub(crate) fn imatrix_rows<'a>(
     m: Option<&'a ImportanceMatrix>,
     name: &str,
@@ -890,7 +891,20 @@ pub(crate) fn imatrix_rows<'a>(
     ty: GgmlType,
 ) -> Result<Option<ImatrixRows<'a>>, ConvertError> {
     let Some(m) = m else { return Ok(None) };
-    if dims.len() < 2 || matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+    // Only the types whose quantizers weight their fits (Q8_0 and MXFP4 ignore it, as in ggml).
+    let weighted = matches!(
+        ty,
+        GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ4_NL
+            | GgmlType::IQ4_XS
+    );
+    if dims.len() < 2 || !weighted {
         return Ok(None);
     }
     let mats = dims[2..].iter().product::<u64>() as usize;

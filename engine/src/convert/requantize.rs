@@ -34,8 +34,9 @@ pub fn requantize(input: &Path, out: &Path, recipe: &QuantRecipe) -> Result<Conv
 
 /// [`requantize`] with an optional importance matrix (`nebula convert --imatrix`): every tensor it has an entry
 /// for is fitted with those column weights (per expert for 3-D expert tensors), the recipe takes its
-/// with-imatrix choices, and the output records the matrix as llama.cpp's `quantize.imatrix.*` keys. An entry
-/// whose length fits no tensor shape is an error before anything is written.
+/// with-imatrix choices, and the output records the matrix as llama.cpp's `quantize.imatrix.*` keys (the input's
+/// keys are never copied: they described the old rounding). An entry whose length fits no tensor shape, or a
+/// matrix none of whose entries is used, is an error before anything is written.
 pub fn requantize_with(
     input: &Path,
     out: &Path,
@@ -52,7 +53,7 @@ pub fn requantize_with(
         if k.starts_with("split.")
             || k == "general.alignment"
             || k == "general.file_type"
-            || (imatrix.is_some() && k.starts_with("quantize.imatrix."))
+            || k.starts_with("quantize.imatrix.")
         {
             continue;
         }
