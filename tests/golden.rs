@@ -166,28 +166,15 @@ fn quantization_recipes_agree_on_top1() {
         (RecipeName::UdQ4KXl, 0.95, &[GgmlType::Q4_K, GgmlType::Q5_1, GgmlType::Q8_0][..]),
         (RecipeName::Iq4Xs, 0.85, &[GgmlType::IQ4_XS, GgmlType::Q5_K, GgmlType::Q6_K][..]),
     ] {
-        let (mut same, mut total) = (0usize, 0usize);
-        for name in CASES {
-            let g = load_golden(name);
+        let agreement = top1_agreement(recipe.name(), |name| {
             let (model, types) = converted_with(name, recipe, tmp.path());
             if name == "wide256" {
                 for ty in must_have {
                     assert!(types.iter().any(|(_, t)| t == ty), "{}: no {} tensor in {name}", recipe.name(), ty.name());
                 }
             }
-            let ours = run(&model, &g, ForwardOptions::default());
-            let (rel, differ) = compare(&ours, &g.logits, g.vocab);
-            println!(
-                "{name} {}: max rel error {rel:.3e}, {} top-1 mismatches of {}",
-                recipe.name(),
-                differ.len(),
-                g.ids.len()
-            );
-            total += g.ids.len();
-            same += g.ids.len() - differ.len();
-        }
-        let agreement = same as f64 / total as f64;
-        println!("{}: top-1 agreement {:.2} % ({same} of {total})", recipe.name(), agreement * 100.0);
+            model
+        });
         assert!(agreement >= bar, "{}: top-1 agreement {agreement:.4} < {bar}", recipe.name());
     }
 }
@@ -287,8 +274,8 @@ fn quantization_recipes_with_an_imatrix_agree_on_top1() {
     use nebula_engine::convert::ImatrixCollector;
     let tmp = tempfile::tempdir().unwrap();
     for recipe in [RecipeName::NebulaQ4, RecipeName::Iq4Xs] {
-        let (mut same, mut total) = (0usize, 0usize);
-        for name in CASES {
+        let label = format!("{} + imatrix", recipe.name());
+        let agreement = top1_agreement(&label, |name| {
             let g = load_golden(name);
             let f32_model = converted(name, OutType::F32, tmp.path());
             // xorshift ids, disjoint in purpose from the golden prompts
@@ -311,20 +298,26 @@ fn quantization_recipes_with_an_imatrix_agree_on_top1() {
                 ..Default::default()
             };
             convert(&golden_dir(name), &out, &opts).expect("convert");
-            let model = Qwen4Exp::load(&out).unwrap();
-            let ours = run(&model, &g, ForwardOptions::default());
-            let (rel, differ) = compare(&ours, &g.logits, g.vocab);
-            println!(
-                "{name} {} + imatrix: max rel error {rel:.3e}, {} top-1 mismatches of {}",
-                recipe.name(),
-                differ.len(),
-                g.ids.len()
-            );
-            total += g.ids.len();
-            same += g.ids.len() - differ.len();
-        }
-        let agreement = same as f64 / total as f64;
-        println!("{} + imatrix: top-1 agreement {:.2} % ({same} of {total})", recipe.name(), agreement * 100.0);
-        assert!(agreement >= 0.85, "{} + imatrix: top-1 agreement {agreement:.4} < 0.85", recipe.name());
+            Qwen4Exp::load(&out).unwrap()
+        });
+        assert!(agreement >= 0.85, "{label}: top-1 agreement {agreement:.4} < 0.85");
     }
+}
+
+/// Top-1 agreement with the reference over the golden checkpoints of the model `make(name)` builds for each,
+/// printed per checkpoint and overall under `label`.
+fn top1_agreement(label: &str, mut make: impl FnMut(&str) -> Qwen4Exp) -> f64 {
+    let (mut same, mut total) = (0usize, 0usize);
+    for name in CASES {
+        let g = load_golden(name);
+        let model = make(name);
+        let ours = run(&model, &g, ForwardOptions::default());
+        let (rel, differ) = compare(&ours, &g.logits, g.vocab);
+        println!("{name} {label}: max rel error {rel:.3e}, {} top-1 mismatches of {}", differ.len(), g.ids.len());
+        total += g.ids.len();
+        same += g.ids.len() - differ.len();
+    }
+    let agreement = same as f64 / total as f64;
+    println!("{label}: top-1 agreement {:.2} % ({same} of {total})", agreement * 100.0);
+    agreement
 }

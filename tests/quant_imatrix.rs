@@ -158,15 +158,7 @@ fn an_imatrix_for_other_tensors_or_a_model_file_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let src = f32_gguf(tmp.path());
     let p = tmp.path().join("other.dat");
-    let mut b = 1i32.to_le_bytes().to_vec();
-    let name = "blk.0.some_other_model.weight";
-    b.extend((name.len() as i32).to_le_bytes());
-    b.extend(name.as_bytes());
-    b.extend(1i32.to_le_bytes());
-    b.extend(4i32.to_le_bytes());
-    b.extend(std::iter::repeat_n(1f32.to_le_bytes(), 4).flatten());
-    std::fs::write(&p, b).unwrap();
-    let m = ImportanceMatrix::load(&p).unwrap();
+    let m = one_entry_dat(&p, "blk.0.some_other_model.weight", 4);
     let out = tmp.path().join("out.gguf");
     let e = requantize_with(&src, &out, &QuantRecipe::Named(RecipeName::NebulaQ4), Some(&m)).unwrap_err().to_string();
     assert!(e.contains("none of its 1 entries"), "{e}");
@@ -181,14 +173,7 @@ fn a_mismatched_imatrix_is_refused_before_writing() {
     let src = f32_gguf(tmp.path());
     let p = tmp.path().join("other.dat");
     let name = "blk.0.attn_qkv.weight";
-    let mut b = 1i32.to_le_bytes().to_vec();
-    b.extend((name.len() as i32).to_le_bytes());
-    b.extend(name.as_bytes());
-    b.extend(1i32.to_le_bytes());
-    b.extend(100i32.to_le_bytes());
-    b.extend(std::iter::repeat_n(1f32.to_le_bytes(), 100).flatten());
-    std::fs::write(&p, b).unwrap();
-    let m = ImportanceMatrix::load(&p).unwrap();
+    let m = one_entry_dat(&p, name, 100);
     let out = tmp.path().join("out.gguf");
     let e = requantize_with(&src, &out, &QuantRecipe::Named(RecipeName::NebulaQ4), Some(&m)).unwrap_err().to_string();
     assert!(e.contains(name) && e.contains("100 values"), "{e}");
@@ -262,4 +247,16 @@ fn nebula_imatrix_matches_llama_imatrix_on_the_demo_model() {
 
 fn direct_has_no_head(m: &ImportanceMatrix, cols: usize) -> bool {
     m.weights("output.weight", cols, 1).unwrap().is_none()
+}
+
+/// Writes a legacy (`.dat`) importance matrix at `p` with one entry `name` of `n` weights 1.0, and loads it.
+fn one_entry_dat(p: &Path, name: &str, n: usize) -> ImportanceMatrix {
+    let mut b = 1i32.to_le_bytes().to_vec();
+    b.extend((name.len() as i32).to_le_bytes());
+    b.extend(name.as_bytes());
+    b.extend(1i32.to_le_bytes());
+    b.extend((n as i32).to_le_bytes());
+    b.extend(std::iter::repeat_n(1f32.to_le_bytes(), n).flatten());
+    std::fs::write(p, b).unwrap();
+    ImportanceMatrix::load(p).unwrap()
 }
