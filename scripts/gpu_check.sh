@@ -6,7 +6,7 @@
 #   3. `nebula bench model` all on the GPU (and, when Nsight Compute is installed, the per-kernel time of one decode
 #      step: scripts/ncu_decode_profile.py), the prefill profile at 2048, `nebula bench mtp` on a synth with the
 #      MTP block, then hybrid under the 12 GB / 128 GB and 8 GB / 32 GB profiles (before the hybrid runs: the
-#      decode A/B of the opt-in GEMV prologues, two rounds of four in-process repeats per setting),
+#      decode A/B of the launch fusions and the opt-in GEMV prologues, AB_ROUNDS=6 interleaved processes each),
 #   4. llama.cpp's `llama-bench` on the same file when LLAMA_BENCH points at one (this script never builds it).
 #
 # Usage (from the repository root):
@@ -38,11 +38,15 @@ echo "=== all weights on the GPU"
 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048,8192 --decode 64
 echo "=== all on the GPU, prefill without tensor cores (NEBULA_CUDA_MMA=0: dp4a experts, f32 cuBLAS dense)"
 NEBULA_CUDA_MMA=0 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048 --decode 4
-# Separate processes of one binary differ by up to ~6 % in decode; repeats inside one process usually by 1-3 %.
-for prologue in 0 1 0 1; do
-    echo "=== all on the GPU, decode A/B: opt-in GEMV prologues NEBULA_CUDA_GEMV_PROLOGUE=$prologue (4 repeats)"
-    NEBULA_CUDA_GEMV_PROLOGUE=$prologue "$NEBULA" bench model --model "$MODEL" --backend cuda \
-        --contexts 512,512,512,512 --decode 128
+# Repeats inside one process agree within 1-3 %, but whole processes of one binary land near ~400 or near ~445
+# tok/s (H200, bimodal): an A/B needs many processes per setting, interleaved. Here: the launch fusions
+# (NEBULA_CUDA_FUSE, on by default) and the opt-in GEMV prologues, AB_ROUNDS processes each.
+for _ in $(seq "${AB_ROUNDS:-6}"); do
+    for setting in "NEBULA_CUDA_FUSE=0" "NEBULA_CUDA_FUSE=shared,qkvz,gates" "NEBULA_CUDA_GEMV_PROLOGUE=1"; do
+        echo "=== all on the GPU, decode A/B: $setting (3 repeats in one process)"
+        env "$setting" "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,512,512 --decode 128 \
+            | grep -E "^ +512"
+    done
 done
 
 if command -v ncu > /dev/null; then
