@@ -99,8 +99,10 @@ impl ImportanceMatrix {
             if t.ggml_type != GgmlType::F32 {
                 return Err(bad(path, format!("tensor '{name}' is {}, not F32", t.ggml_type.name())));
             }
-            let d = f.tensor_data(t);
-            Ok((d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(), t.dims.clone()))
+            let mut v = vec![0f32; t.dims.iter().product::<u64>() as usize];
+            crate::quant::dequantize_row(GgmlType::F32, f.tensor_data(t), &mut v)
+                .map_err(|e| bad(path, format!("tensor '{name}': {e}")))?;
+            Ok((v, t.dims.clone()))
         };
         if let Some(ty) = md.get_str_opt("general.type")?
             && ty != "imatrix"
@@ -122,12 +124,7 @@ impl ImportanceMatrix {
                     format!("entry '{name}': {} sums for {} counts of {cols} columns", sums.len(), counts.len()),
                 ));
             }
-            let mut w = Vec::with_capacity(sums.len());
-            for (j, &c) in counts.iter().enumerate() {
-                let row = &sums[j * cols..(j + 1) * cols];
-                if c > 0.0 { w.extend(row.iter().map(|s| s / c)) } else { w.extend(std::iter::repeat_n(1.0, cols)) }
-            }
-            entries.insert(name.to_string(), w);
+            entries.insert(name.to_string(), means(&sums, &counts, cols));
         }
         Ok(Self { path: path.to_path_buf(), datasets, chunks, entries })
     }
@@ -159,6 +156,16 @@ impl ImportanceMatrix {
             ))
         }
     }
+}
+
+/// Per-column weights from sums of squares (`[n_mat, cols]`) and rows seen per matrix, as llama-quantize loads a
+/// GGUF imatrix: `sum / count`, or 1 for every column of a matrix that saw no row.
+fn means(sums: &[f32], counts: &[f32], cols: usize) -> Vec<f32> {
+    let mut w = Vec::with_capacity(sums.len());
+    for (row, &c) in sums.chunks_exact(cols).zip(counts) {
+        if c > 0.0 { w.extend(row.iter().map(|s| s / c)) } else { w.extend(std::iter::repeat_n(1.0, cols)) }
+    }
+    w
 }
 
 fn bad(path: &Path, problem: String) -> ConvertError {
@@ -332,16 +339,8 @@ impl ImatrixCollector {
         let mut entries = HashMap::new();
         for (s, st) in self.spans.iter().zip(stats.iter()) {
             let Some(st) = st else { continue };
-            let mut w = Vec::with_capacity(st.sums.len());
-            for (j, &c) in st.counts.iter().enumerate() {
-                let row = &st.sums[j * s.cols..(j + 1) * s.cols];
-                if c > 0 {
-                    w.extend(row.iter().map(|v| v / c as f32))
-                } else {
-                    w.extend(std::iter::repeat_n(1.0, s.cols))
-                }
-            }
-            entries.insert(s.name.clone(), w);
+            let counts: Vec<f32> = st.counts.iter().map(|&c| c as f32).collect();
+            entries.insert(s.name.clone(), means(&st.sums, &counts, s.cols));
         }
         ImportanceMatrix { path: path.to_path_buf(), datasets: Vec::new(), chunks: 0, entries }
     }

@@ -891,20 +891,7 @@ pub(crate) fn imatrix_rows<'a>(
     ty: GgmlType,
 ) -> Result<Option<ImatrixRows<'a>>, ConvertError> {
     let Some(m) = m else { return Ok(None) };
-    // Only the types whose quantizers weight their fits (Q8_0 and MXFP4 ignore it, as in ggml).
-    let weighted = matches!(
-        ty,
-        GgmlType::Q4_0
-            | GgmlType::Q4_1
-            | GgmlType::Q5_0
-            | GgmlType::Q5_1
-            | GgmlType::Q4_K
-            | GgmlType::Q5_K
-            | GgmlType::Q6_K
-            | GgmlType::IQ4_NL
-            | GgmlType::IQ4_XS
-    );
-    if dims.len() < 2 || !weighted {
+    if dims.len() < 2 || !quantize::uses_importance(ty) {
         return Ok(None);
     }
     let mats = dims[2..].iter().product::<u64>() as usize;

@@ -67,9 +67,9 @@ pub const QUANTIZABLE: [GgmlType; 14] = [
 /// Quantizes `values` (whole rows of `cols` values, row-major) to `ty`, rows in parallel.
 ///
 /// `imatrix`, when given, holds one importance weight per column (llama.cpp's `--imatrix` values: the mean of
-/// the squared activations each column saw); the k-quants, the IQ4 types and Q4_0/Q4_1/Q5_0/Q5_1 weight their
-/// fits with it (as ggml does), Q8_0 and MXFP4 ignore it. Errors: a type it cannot write, a row length that is not whole blocks, an importance matrix
-/// of the wrong length.
+/// the squared activations each column saw); the types of [`uses_importance`] weight their fits with it (as ggml
+/// does), the others ignore it. Errors: a type it cannot write, a row length that is not whole blocks, an
+/// importance matrix of the wrong length.
 pub fn quantize_tensor(
     ty: GgmlType,
     values: &[f32],
@@ -96,6 +96,23 @@ pub fn quantize_tensor(
         dst.copy_from_slice(&v);
     });
     Ok(out)
+}
+
+/// Whether [`quantize_row`] weights its fit for `ty` with an importance matrix: the k-quants, IQ4_NL/IQ4_XS and
+/// Q4_0/Q4_1/Q5_0/Q5_1 (Q8_0 and MXFP4 round the same with or without one, as in ggml).
+pub fn uses_importance(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ4_NL
+            | GgmlType::IQ4_XS
+    )
 }
 
 /// Quantizes one row (`src.len()` whole blocks of `ty`), appending to `dst`. Panics on a type outside

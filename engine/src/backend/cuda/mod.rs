@@ -828,27 +828,25 @@ impl CudaModel {
         for (i, l) in model.layers.iter().enumerate() {
             let what = format!("layer {i}");
             let mixer = match &l.mixer {
-                TokenMixer::LinearAttention(g) => DevMixer::Gdn(DevGdn {
-                    qkvz: match up.stacked(&[&g.in_proj_qkv, &g.in_proj_z], &what)? {
-                        Some(stack) => stack,
-                        None => up.matrix(&g.in_proj_qkv, &what)?,
-                    },
-                    z: match g.in_proj_z.ggml_type() == g.in_proj_qkv.ggml_type()
-                        && g.in_proj_z.cols() == g.in_proj_qkv.cols()
-                    {
-                        true => None,
-                        false => Some(up.matrix(&g.in_proj_z, &what)?),
-                    },
-                    qkv_rows: g.in_proj_qkv.rows(),
-                    b: up.matrix(&g.in_proj_b, &what)?,
-                    a: up.matrix(&g.in_proj_a, &what)?,
-                    conv: up.vector(&g.conv1d)?,
-                    dt_bias: up.vector(&g.dt_bias)?,
-                    a_neg_exp: up.vector(&g.a)?,
-                    norm: up.vector(&g.norm)?,
-                    out: up.matrix(&g.out_proj, &what)?,
-                    silu_gate: g.gate == crate::model::GateActivation::Silu,
-                }),
+                TokenMixer::LinearAttention(g) => {
+                    let (qkvz, z) = match up.stacked(&[&g.in_proj_qkv, &g.in_proj_z], &what)? {
+                        Some(stack) => (stack, None),
+                        None => (up.matrix(&g.in_proj_qkv, &what)?, Some(up.matrix(&g.in_proj_z, &what)?)),
+                    };
+                    DevMixer::Gdn(DevGdn {
+                        qkvz,
+                        z,
+                        qkv_rows: g.in_proj_qkv.rows(),
+                        b: up.matrix(&g.in_proj_b, &what)?,
+                        a: up.matrix(&g.in_proj_a, &what)?,
+                        conv: up.vector(&g.conv1d)?,
+                        dt_bias: up.vector(&g.dt_bias)?,
+                        a_neg_exp: up.vector(&g.a)?,
+                        norm: up.vector(&g.norm)?,
+                        out: up.matrix(&g.out_proj, &what)?,
+                        silu_gate: g.gate == crate::model::GateActivation::Silu,
+                    })
+                }
                 TokenMixer::SelfAttention(a) => DevMixer::Attn(up.attn(a, &what)?),
             };
             let moe = up.moe(&l.mlp, resident.map(|r| &r[i][..]), &what)?;
@@ -2105,7 +2103,6 @@ impl CudaModel {
         let dev = &self.dev;
         let cfg = &self.config;
         let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
-        let sff = moe.sh_ff();
         let slots = n * k;
         let rows = slots + n * parts;
         let g = self.tmp(rows * ff)?;
@@ -2120,7 +2117,6 @@ impl CudaModel {
         let shared = self.tmp(n * d)?;
         let off = slots * ff;
         self.gemv(moe.sh_down.r(dev), Acts::Q8(qx + off as u64, dx + (off / 32 * 4) as u64), n, shared)?;
-        debug_assert_eq!(parts * ff, sff);
         Ok(shared)
     }
 
