@@ -6,7 +6,8 @@
 #   3. `nebula bench model` all on the GPU (and, when Nsight Compute is installed, the per-kernel time of one decode
 #      step: scripts/ncu_decode_profile.py), the prefill profile at 2048, `nebula bench mtp` on a synth with the
 #      MTP block, then hybrid under the 12 GB / 128 GB and 8 GB / 32 GB profiles (before the hybrid runs: the
-#      decode A/B of the launch fusions and the opt-in GEMV prologues, AB_ROUNDS=6 interleaved processes each),
+#      decode A/B of the launch fusions and the opt-in GEMV prologues, AB_ROUNDS=6 interleaved processes each; and
+#      the host's CPU kernels against its read bandwidth, with the MoE kernel's prefetch and work-item settings),
 #   4. llama.cpp's `llama-bench` on the same file when LLAMA_BENCH points at one (this script never builds it).
 #
 # Usage (from the repository root):
@@ -69,6 +70,18 @@ if [ ! -f "$MTP_MODEL" ]; then
 fi
 echo "=== MTP speculative decoding, all on the GPU (random MTP weights: read the scripted-rate rows)"
 "$NEBULA" bench mtp --model "$MTP_MODEL" --backend cuda --prompt 2048 --tokens 128
+
+echo "=== the host CPU (issue 3's bandwidth goal: are 16 vCPUs 16 cores or 8 with two threads each?)"
+lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|NUMA node\(s\)|L3)" || true
+echo "=== CPU kernels against the read bandwidth at 8-16 threads, then the MoE kernel's prefetch depth and work items"
+"$NEBULA" bench kernels --threads 8,12,14,16 --types q4_k,iq4_nl --seconds 0.5
+for pf in 0 8 16; do
+    for rows in 32,64 64,128; do
+        echo "=== MoE kernel, NEBULA_CPU_PREFETCH=$pf NEBULA_CPU_MOE_ROWS=$rows"
+        NEBULA_CPU_PREFETCH=$pf NEBULA_CPU_MOE_ROWS=$rows "$NEBULA" bench kernels --threads 14,16 --types q4_k \
+            --seconds 0.5 | sed -n '/^MoE kernel/,$p'
+    done
+done
 
 P12="--gpu-experts 27 --ram-experts 512 --ngram-table ram --threads 14 --vram-budget-gib 12 --ram-budget-gib 128"
 echo "=== hybrid, 12 GB VRAM / 128 GB RAM profile (with the CPU MoE timeline and the streamed-prefill timeline)"
