@@ -73,6 +73,7 @@ echo "=== MTP speculative decoding, all on the GPU (random MTP weights: read the
 
 echo "=== the host CPU (issue 3's bandwidth goal: are 16 vCPUs 16 cores or 8 with two threads each?)"
 lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|NUMA node\(s\)|L3)" || true
+echo "AVX-512 extensions: $(grep -m1 -o -w -E 'avx512(f|bw|vl|_vnni|vbmi)' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 echo "=== CPU kernels against the read bandwidth at 8-16 threads, then the MoE kernel's prefetch depth and work items"
 "$NEBULA" bench kernels --threads 8,12,14,16 --types q4_k,iq4_nl --seconds 0.5
 for pf in 0 8 16; do

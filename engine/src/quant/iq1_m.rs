@@ -83,7 +83,7 @@ impl Grid32 for Iq1M {
     const IQ1_LEVELS: bool = true;
 
     #[inline(always)]
-    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+    fn sub32<const SCALAR_LOADS: bool>(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
         let (mut g, mut d) = ([0u64; 4], [0u64; 4]);
         for l in 0..4 {
             let (grid, neg) = entry(block, 4 * ib + l);

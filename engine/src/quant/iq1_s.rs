@@ -80,7 +80,7 @@ impl Grid32 for Iq1S {
     const IQ1_LEVELS: bool = true;
 
     #[inline(always)]
-    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+    fn sub32<const SCALAR_LOADS: bool>(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
         let h = qh(block, ib);
         let g = |l: usize| IQ1S_GRID[block[2 + 4 * ib + l] as usize | ((((h >> (3 * l)) & 7) as usize) << 8)];
         let s = 2 * ((h >> 12) & 7) as i16 + 1;

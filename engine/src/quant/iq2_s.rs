@@ -70,7 +70,7 @@ impl Grid32 for Iq2S {
     const NIBBLE_SCALES_AT: Option<usize> = Some(74);
 
     #[inline(always)]
-    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+    fn sub32<const SCALAR_LOADS: bool>(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
         let g = |l: usize| grid(block, 4 * ib + l);
         let n = |l: usize| SIGN_BYTES[block[34 + 4 * ib + l] as usize];
         let s = |j: usize| 2 * scale16(block, j) as i16 + 1;

@@ -4,7 +4,7 @@
 //! `block_iq2_xs`; tables and order of operations from `gguf.quants.IQ2_XS`).
 
 use super::grids::{IQ2XS_GRID, KSIGNS_IQ2XS};
-use super::unpacked::{Grid32, KSIGN_BYTES, Unpack256, Unpacked, grid_simd};
+use super::unpacked::{Grid32, KSIGN_BYTES, KsignIndices, Unpack256, Unpacked, grid_simd, lookup};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -66,14 +66,16 @@ impl Unpack256 for Iq2Xs {
 }
 
 impl Grid32 for Iq2Xs {
+    const KSIGN_INDICES: Option<KsignIndices> = Some(KsignIndices::Halfwords { first: 2 });
+
     const NIBBLE_SCALES_AT: Option<usize> = Some(66);
 
     #[inline(always)]
-    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+    fn sub32<const SCALAR_LOADS: bool>(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
         // The four entries' u16 in one load.
         let w = u64::from_le_bytes(block[2 + 8 * ib..10 + 8 * ib].try_into().unwrap());
         let (q0, q1, q2, q3) = (w as u16, (w >> 16) as u16, (w >> 32) as u16, (w >> 48) as u16);
-        let g = |q: u16| IQ2XS_GRID[(q & 511) as usize];
+        let g = |q: u16| lookup::<SCALAR_LOADS, _>(&IQ2XS_GRID.0, (q & 511) as usize);
         let n = |q: u16| KSIGN_BYTES[(q >> 9) as usize];
         let s = |j: usize| 2 * scale16(block, j) as i16 + 1;
         ([g(q0), g(q1), g(q2), g(q3)], [n(q0), n(q1), n(q2), n(q3)], s(2 * ib), s(2 * ib + 1))

@@ -4,7 +4,7 @@
 //! (ggml `block_iq2_xxs`; tables and order of operations from `gguf.quants.IQ2_XXS`).
 
 use super::grids::{IQ2XXS_GRID, KSIGNS_IQ2XS};
-use super::unpacked::{Grid32, KSIGN_BYTES, Unpack256, Unpacked, grid_simd};
+use super::unpacked::{Grid32, KSIGN_BYTES, KsignIndices, Unpack256, Unpacked, grid_simd, lookup};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -71,10 +71,12 @@ impl Unpack256 for Iq2Xxs {
 }
 
 impl Grid32 for Iq2Xxs {
+    const KSIGN_INDICES: Option<KsignIndices> = Some(KsignIndices::Words { first: 6, stride: 8 });
+
     #[inline(always)]
-    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+    fn sub32<const SCALAR_LOADS: bool>(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
         let (a0, a1) = aux(block, ib);
-        let g = |l: u32| IQ2XXS_GRID[((a0 >> (8 * l)) & 255) as usize];
+        let g = |l: u32| lookup::<SCALAR_LOADS, _>(&IQ2XXS_GRID.0, ((a0 >> (8 * l)) & 255) as usize);
         let n = |l: u32| KSIGN_BYTES[((a1 >> (7 * l)) & 127) as usize];
         let s = 2 * (a1 >> 28) as i16 + 1;
         ([g(0), g(1), g(2), g(3)], [n(0), n(1), n(2), n(3)], s, s)

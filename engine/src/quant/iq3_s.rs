@@ -71,7 +71,7 @@ impl Grid32 for Iq3S {
     const GRID_U32: Option<GridU32> = Some(GridU32 { grid: &IQ3S_GRID.0, qs: 2, qh: Some(66) });
 
     #[inline(always)]
-    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+    fn sub32<const SCALAR_LOADS: bool>(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
         // Two 4-value grid entries per word of 8 magnitudes.
         let g = |l: usize| grid(block, 8 * ib + 2 * l) as u64 | (grid(block, 8 * ib + 2 * l + 1) as u64) << 32;
         let n = |l: usize| SIGN_BYTES[block[74 + 4 * ib + l] as usize];

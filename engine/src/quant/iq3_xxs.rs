@@ -4,7 +4,7 @@
 //! `block_iq3_xxs`; tables and order of operations from `gguf.quants.IQ3_XXS`).
 
 use super::grids::{IQ3XXS_GRID, KSIGNS_IQ2XS};
-use super::unpacked::{Grid32, GridU32, KSIGN_BYTES, Unpack256, Unpacked, grid_simd};
+use super::unpacked::{Grid32, GridU32, KSIGN_BYTES, KsignIndices, Unpack256, Unpacked, grid_simd, lookup};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -70,14 +70,17 @@ impl Unpack256 for Iq3Xxs {
 }
 
 impl Grid32 for Iq3Xxs {
+    const KSIGN_INDICES: Option<KsignIndices> = Some(KsignIndices::Words { first: 66, stride: 4 });
+
     const GRID_U32: Option<GridU32> = Some(GridU32 { grid: &IQ3XXS_GRID.0, qs: 2, qh: None });
 
     #[inline(always)]
-    fn sub32(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
+    fn sub32<const SCALAR_LOADS: bool>(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
         // Two 4-value grid entries per word of 8 magnitudes.
         let g = |l: usize| {
             let e = 2 + 8 * ib + 2 * l;
-            IQ3XXS_GRID[block[e] as usize] as u64 | (IQ3XXS_GRID[block[e + 1] as usize] as u64) << 32
+            lookup::<SCALAR_LOADS, _>(&IQ3XXS_GRID.0, block[e] as usize) as u64
+                | (lookup::<SCALAR_LOADS, _>(&IQ3XXS_GRID.0, block[e + 1] as usize) as u64) << 32
         };
         let a = aux(block, ib);
         let n = |l: u32| KSIGN_BYTES[((a >> (7 * l)) & 127) as usize];
