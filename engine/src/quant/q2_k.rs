@@ -62,30 +62,68 @@ mod x86 {
     #![allow(unsafe_op_in_unsafe_fn)]
     use std::arch::x86_64::*;
 
-    use super::super::BlockFormat;
-    use super::super::unpacked::Unpacked;
-    use super::Q2K;
+    use super::super::q4_k::x86::d_dmin;
+    use super::super::simd::x86::hsum_i32_256;
+    use super::super::{Acc4, ActRow};
 
-    /// [`Unpack256::unpack`](super::Unpack256::unpack) of Q2_K with AVX2: 32 two-bit levels per step, the same
-    /// levels and scales as the scalar one.
+    /// A row dot of Q2_K, AVX2, straight from the blocks (no unpacked copy): per 32 values, bits `2s` of 32
+    /// level bytes (levels 0..3, unsigned) times the activations with `maddubs`, the scales of their two runs of
+    /// 16 (one per 128-bit lane) with `madd`; the mins' term as one `madd` of the 16 mins with the activations'
+    /// 16 block sums. The exact integer sums of [`super::super::unpacked::isum_scalar`] and the same `f32` term
+    /// as [`super::Q2K`]'s, so the same bits.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn unpack_avx2(block: &[u8], u: &mut Unpacked) {
-        assert!(block.len() >= Q2K::BLOCK_BYTES);
-        u.signs_apart = false;
-        let three = _mm256_set1_epi8(3);
-        for h in 0..2 {
-            let lows = _mm256_loadu_si256(block.as_ptr().add(16 + 32 * h) as *const __m256i);
-            for s in 0..4 {
-                let q = _mm256_and_si256(_mm256_srl_epi16(lows, _mm_cvtsi32_si128(2 * s as i32)), three);
-                _mm256_storeu_si256(u.q.as_mut_ptr().add(128 * h + 32 * s) as *mut __m256i, q);
+    pub unsafe fn dot_avx2<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let nsb = row.len() / 84;
+        assert!(xs.iter().all(|x| x.qs.len() >= 256 * nsb && x.sums.len() >= 16 * nsb && x.d.len() >= nsb));
+        let (three, nib) = (_mm256_set1_epi8(3), _mm_set1_epi8(15));
+        let mut acc = [Acc4::default(); 4];
+        let xq: [*const i8; T] = std::array::from_fn(|t| xs[t].qs.as_ptr());
+        let xb: [*const i16; T] = std::array::from_fn(|t| xs[t].sums.as_ptr());
+        for sb in 0..nsb {
+            let blk = row.as_ptr().add(84 * sb);
+            let packed = _mm_loadu_si128(blk as *const __m128i);
+            // The 16 run scales as bytes in both lanes, and the 16 mins as i16.
+            let scales = _mm256_broadcastsi128_si256(_mm_and_si128(packed, nib));
+            let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nib));
+            let (d, dmin) = d_dmin(blk.add(80));
+            let mut vacc = [_mm256_setzero_si256(); T];
+            for h in 0..2 {
+                let q = _mm256_loadu_si256(blk.add(16 + 32 * h) as *const __m256i);
+                for s in 0..4 {
+                    let lv = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)), three);
+                    // Runs r (low lane) and r + 1 (high lane): byte r (r + 1) zero-extended into every i16.
+                    let r = (8 * h + 2 * s) as u16;
+                    let (lo, hi) = ((0x8000 | r) as i16, (0x8000 | (r + 1)) as i16);
+                    let pick = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
+                    let sc = _mm256_shuffle_epi8(scales, pick);
+                    for t in 0..T {
+                        let x = _mm256_loadu_si256(xq[t].add(256 * sb + 128 * h + 32 * s) as *const __m256i);
+                        vacc[t] = _mm256_add_epi32(vacc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(lv, x), sc));
+                    }
+                }
+            }
+            for t in 0..T {
+                let bs = _mm256_loadu_si256(xb[t].add(16 * sb) as *const __m256i);
+                let msum = hsum_i32_256(_mm256_madd_epi16(mins, bs));
+                let dx = *xs[t].d.get_unchecked(sb);
+                acc[t].add(sb, (dx * d) * hsum_i32_256(vacc[t]) as f32 - (dx * dmin) * msum as f32);
             }
         }
-        for j in 0..16 {
-            u.scale[j] = (block[j] & 15) as i16;
+        for t in 0..T {
+            out[t] = acc[t].sum();
         }
     }
 }
 
-// The AVX2 products on AVX-512 machines too: the AVX-512 ones measured slower for Q2_K (3.5 against 5.3 GB/s on
-// the development VM).
-super::unpacked::avx2_unpack_simd!(Q2K, x86::unpack_avx2, super::unpacked::x86::isum_avx2);
+#[cfg(target_arch = "x86_64")]
+fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    use x86::dot_avx2;
+    // SAFETY: listed for Isa::Avx2 and Isa::Avx512 (which includes AVX2), chosen when the CPU has it.
+    unsafe { crate::dispatch_tokens!(dot_avx2, row, xs, out) }
+}
+/// The SIMD dot paths of this format (the AVX2 one on AVX-512 machines too).
+#[cfg(target_arch = "x86_64")]
+pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] = [(super::Isa::Avx2, dot_avx2), (super::Isa::Avx512, dot_avx2)];
+/// No SIMD paths off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];

@@ -73,34 +73,82 @@ mod x86 {
     #![allow(unsafe_op_in_unsafe_fn)]
     use std::arch::x86_64::*;
 
-    use super::super::BlockFormat;
-    use super::super::unpacked::Unpacked;
-    use super::{Q3K, scale};
+    use super::super::simd::x86::hsum_i32_256;
+    use super::super::{Acc4, ActRow};
 
-    /// [`Unpack256::unpack`](super::Unpack256::unpack) of Q3_K with AVX2: 32 levels per step (the 2-bit lows
-    /// of one shift of a 32-byte run, minus 4 where the `hmask` bit is clear), the same levels as the scalar one.
+    /// The 16 six-bit run scales of a Q3_K super-block (before the `- 32`), byte `j` = run `j`, from the 12
+    /// packed bytes at `p`: low nibbles of bytes 0..8 for runs 0..8 and their high nibbles for runs 8..16, each
+    /// with two bits of bytes 8..12 on top (byte `8 + j % 4`, bits `2 (j / 4)`), as [`super::scale`] reads them.
+    #[inline(always)]
+    unsafe fn scales6(p: *const u8) -> __m128i {
+        let a = (p as *const u32).read_unaligned();
+        let b = (p.add(4) as *const u32).read_unaligned();
+        let c = (p.add(8) as *const u32).read_unaligned();
+        let (lo4, hi2) = (0x0f0f_0f0fu32, 0x0303_0303u32);
+        let w0 = (a & lo4) | (c & hi2) << 4;
+        let w1 = (b & lo4) | ((c >> 2) & hi2) << 4;
+        let w2 = ((a >> 4) & lo4) | ((c >> 4) & hi2) << 4;
+        let w3 = ((b >> 4) & lo4) | ((c >> 6) & hi2) << 4;
+        _mm_set_epi32(w3 as i32, w2 as i32, w1 as i32, w0 as i32)
+    }
+
+    /// A row dot of Q3_K, AVX2, straight from the blocks (no unpacked copy): per 32 values, the 2-bit lows times
+    /// the activations with `maddubs`, minus 4 times the activations whose `hmask` bit is clear (a second
+    /// `maddubs` with bytes of 4 or 0), the signed scales of their two runs of 16 (one per 128-bit lane) with
+    /// `madd`. The exact integer sums of [`super::super::unpacked::isum_scalar`] and the same `f32` term as
+    /// [`super::Q3K`]'s, so the same bits.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn unpack_avx2(block: &[u8], u: &mut Unpacked) {
-        assert!(block.len() >= Q3K::BLOCK_BYTES);
-        u.signs_apart = false;
-        let three = _mm256_set1_epi8(3);
-        let one = _mm256_set1_epi8(1);
-        let hm = _mm256_loadu_si256(block.as_ptr() as *const __m256i);
-        for h in 0..2 {
-            let lows = _mm256_loadu_si256(block.as_ptr().add(32 + 32 * h) as *const __m256i);
-            for s in 0..4 {
-                let sh = _mm_cvtsi32_si128(2 * s as i32);
-                let low = _mm256_and_si256(_mm256_srl_epi16(lows, sh), three);
-                let hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128((4 * h + s) as i32)), one);
-                // low - 4 where the high bit is clear: (1 - hb) * 4 = (hb ^ 1) << 2 (bytes of 0 or 1, no carry).
-                let q = _mm256_sub_epi8(low, _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2));
-                _mm256_storeu_si256(u.q.as_mut_ptr().add(128 * h + 32 * s) as *mut __m256i, q);
+    pub unsafe fn dot_avx2<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let nsb = row.len() / 110;
+        assert!(xs.iter().all(|x| x.qs.len() >= 256 * nsb && x.d.len() >= nsb));
+        let (three, one, bias) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1), _mm256_set1_epi16(32));
+        let mut acc = [Acc4::default(); 4];
+        let xq: [*const i8; T] = std::array::from_fn(|t| xs[t].qs.as_ptr());
+        for sb in 0..nsb {
+            let blk = row.as_ptr().add(110 * sb);
+            let scales = _mm256_broadcastsi128_si256(scales6(blk.add(96)));
+            let d =
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((blk.add(108) as *const u16).read_unaligned() as i32)));
+            let hm = _mm256_loadu_si256(blk as *const __m256i);
+            let mut vacc = [_mm256_setzero_si256(); T];
+            for h in 0..2 {
+                let q = _mm256_loadu_si256(blk.add(32 + 32 * h) as *const __m256i);
+                for s in 0..4 {
+                    let low = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)), three);
+                    let hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128((4 * h + s) as i32)), one);
+                    // 4 where the high bit is clear, else 0 (bytes of 0 or 1: no carries between bytes).
+                    let four = _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2);
+                    // Runs r (low lane) and r + 1 (high lane): byte r (r + 1) zero-extended, minus 32.
+                    let r = (8 * h + 2 * s) as u16;
+                    let (lo, hi) = ((0x8000 | r) as i16, (0x8000 | (r + 1)) as i16);
+                    let pick = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
+                    let sc = _mm256_sub_epi16(_mm256_shuffle_epi8(scales, pick), bias);
+                    for t in 0..T {
+                        let x = _mm256_loadu_si256(xq[t].add(256 * sb + 128 * h + 32 * s) as *const __m256i);
+                        let p = _mm256_sub_epi16(_mm256_maddubs_epi16(low, x), _mm256_maddubs_epi16(four, x));
+                        vacc[t] = _mm256_add_epi32(vacc[t], _mm256_madd_epi16(p, sc));
+                    }
+                }
+            }
+            for t in 0..T {
+                acc[t].add(sb, (*xs[t].d.get_unchecked(sb) * d) * hsum_i32_256(vacc[t]) as f32);
             }
         }
-        for j in 0..16 {
-            u.scale[j] = scale(block, j) as i16;
+        for t in 0..T {
+            out[t] = acc[t].sum();
         }
     }
 }
 
-super::unpacked::avx2_unpack_simd!(Q3K, x86::unpack_avx2, super::unpacked::x86::isum_avx512);
+#[cfg(target_arch = "x86_64")]
+fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    use x86::dot_avx2;
+    // SAFETY: listed for Isa::Avx2 and Isa::Avx512 (which includes AVX2), chosen when the CPU has it.
+    unsafe { crate::dispatch_tokens!(dot_avx2, row, xs, out) }
+}
+/// The SIMD dot paths of this format (the AVX2 one on AVX-512 machines too).
+#[cfg(target_arch = "x86_64")]
+pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] = [(super::Isa::Avx2, dot_avx2), (super::Isa::Avx512, dot_avx2)];
+/// No SIMD paths off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];

@@ -3,11 +3,11 @@
 //! [`ActFormat::Q8K`](super::ActFormat) activations.
 //!
 //! A format unpacks a super-block into signed integer levels `q[256]` (|q| <= 127), or for the grid i-quants
-//! magnitudes and sign bits, and one integer scale per run of 16 values; the kernels compute `isum = sum_j scale_j * sum_{i in run j} q_i x_i` exactly (the products
-//! ggml forms with `maddubs`/`madd` after moving the signs of `q` onto the activations), and the format turns
-//! `isum` into the super-block's `f32` term. The unpacking is scalar table work (AVX2 for Q2_K and Q3_K); the
-//! products are scalar, AVX2 or AVX-512. The grid i-quants' SIMD paths skip the unpacked copy ([`Grid32`]): the
-//! unpacked form of those is the scalar reference.
+//! magnitudes and sign bits, and one integer scale per run of 16 values; the scalar reference computes
+//! `isum = sum_j scale_j * sum_{i in run j} q_i x_i` exactly and the format turns `isum` into the super-block's
+//! `f32` term. The SIMD paths read the blocks straight into registers, with no unpacked copy, and compute the
+//! same exact sums (the products ggml forms with `maddubs`/`madd`): the grid i-quants' here ([`Grid32`]), the
+//! others' in their own files (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS).
 
 use super::grids::CacheAligned;
 use super::{Acc4, ActRow, BlockFormat};
@@ -175,23 +175,10 @@ pub(crate) fn dot_with<F: Unpack256>(
     out: &mut [f32],
     isum: impl Fn(&Unpacked, &[i8]) -> i32,
 ) {
-    dot_with_unpack::<F>(row, xs, out, F::unpack, isum)
-}
-
-/// [`dot_with`] with another implementation of the format's [`Unpack256::unpack`] (one that must fill the same
-/// levels and scales: a SIMD unpacking).
-#[inline(always)]
-pub(crate) fn dot_with_unpack<F: Unpack256>(
-    row: &[u8],
-    xs: &[ActRow<'_>],
-    out: &mut [f32],
-    unpack: impl Fn(&[u8], &mut Unpacked),
-    isum: impl Fn(&Unpacked, &[i8]) -> i32,
-) {
     let mut acc = [Acc4::default(); 4];
     let mut u = Unpacked::default();
     for (sb, blk) in row.chunks_exact(F::BLOCK_BYTES).enumerate() {
-        unpack(blk, &mut u);
+        F::unpack(blk, &mut u);
         for (t, x) in xs.iter().enumerate() {
             let s = isum(&u, &x.qs[sb * 256..sb * 256 + 256]);
             acc[t].add(sb, F::term(blk, x, sb, s));
@@ -213,7 +200,7 @@ pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::simd::x86::hsum_i32_256;
-    use super::{Acc4, ActRow, Unpacked};
+    use super::{Acc4, ActRow};
 
     /// The IQ1 levels `8 * g + delta` of 32 values from four words of grid bytes `g` (-1, 0 or 1 each) and four
     /// words of delta bytes (1 or -1 each): the levels [`Unpack256::unpack`](super::Unpack256::unpack) writes
@@ -226,22 +213,6 @@ pub(crate) mod x86 {
         let m8 = _mm256_add_epi8(m4, m4);
         let dv = _mm256_set_epi64x(delta[3] as i64, delta[2] as i64, delta[1] as i64, delta[0] as i64);
         _mm256_add_epi8(m8, dv)
-    }
-
-    /// Exact scaled integer sum of the signed-level form (not `signs_apart`: the grid i-quants take
-    /// [`grid_dot_avx2`]), AVX2: |q| by sign(x, q) with `maddubs`, run scales with `madd`. `x` holds 256 values.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn isum_avx2(u: &Unpacked, x: &[i8]) -> i32 {
-        assert!(!u.signs_apart && x.len() >= 256);
-        let mut acc = _mm256_setzero_si256();
-        for c in 0..8 {
-            let xv = _mm256_loadu_si256(x.as_ptr().add(32 * c) as *const __m256i);
-            let q = _mm256_loadu_si256(u.q.as_ptr().add(32 * c) as *const __m256i);
-            let p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
-            let sc = _mm256_set_m128i(_mm_set1_epi16(u.scale[2 * c + 1]), _mm_set1_epi16(u.scale[2 * c]));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
-        }
-        hsum_i32_256(acc)
     }
 
     /// A row dot of a [`Grid32`] format, AVX2: per 32 values the grid words and sign bits go straight into
@@ -469,27 +440,6 @@ pub(crate) mod x86 {
             *o = a.sum();
         }
     }
-
-    /// Exact scaled integer sum of the signed-level form, AVX-512 (VNNI `vpdpwssd` applies the run scales). `x`
-    /// holds 256 values.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn isum_avx512(u: &Unpacked, x: &[i8]) -> i32 {
-        assert!(!u.signs_apart && x.len() >= 256);
-        let scales = _mm512_castsi256_si512(_mm256_loadu_si256(u.scale.as_ptr() as *const __m256i));
-        let mut acc = _mm512_setzero_si512();
-        let base = _mm512_set_epi16(
-            3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
-        );
-        for c in 0..4 {
-            let xv = _mm512_loadu_si512(x.as_ptr().add(64 * c) as *const _);
-            let q = _mm512_loadu_si512(u.q.as_ptr().add(64 * c) as *const _);
-            let xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(q), _mm512_setzero_si512(), xv);
-            let p = _mm512_maddubs_epi16(_mm512_abs_epi8(q), xs);
-            let idx = _mm512_add_epi16(base, _mm512_set1_epi16(4 * c as i16));
-            acc = _mm512_dpwssd_epi32(acc, p, _mm512_permutexvar_epi16(idx, scales));
-        }
-        _mm512_reduce_add_epi32(acc)
-    }
 }
 
 /// Declares `SIMD` for a [`Grid32`] format: the direct dot [`x86::grid_dot_avx2`] on AVX2 machines, and
@@ -520,41 +470,3 @@ macro_rules! grid_simd {
     };
 }
 pub(crate) use grid_simd;
-
-/// Declares `SIMD` for an [`Unpack256`] format whose levels unpack with AVX2 (`$unpack`: an `unsafe fn(&[u8],
-/// &mut Unpacked)` with AVX2 enabled, filling what [`Unpack256::unpack`] fills): the AVX2 slot multiplies with
-/// [`x86::isum_avx2`], the AVX-512 slot with `$isum512` (`isum_avx512`, or `isum_avx2` where that measured faster).
-macro_rules! avx2_unpack_simd {
-    ($f:ty, $unpack:path, $isum512:path) => {
-        #[cfg(target_arch = "x86_64")]
-        fn dot_avx2(row: &[u8], xs: &[$crate::quant::ActRow<'_>], out: &mut [f32]) {
-            // SAFETY: only listed for Isa::Avx2 and Isa::Avx512 (which includes AVX2), chosen when the CPU has it.
-            $crate::quant::unpacked::dot_with_unpack::<$f>(
-                row,
-                xs,
-                out,
-                |b, u| unsafe { $unpack(b, u) },
-                |u, x| unsafe { $crate::quant::unpacked::x86::isum_avx2(u, x) },
-            )
-        }
-        #[cfg(target_arch = "x86_64")]
-        fn dot_avx512(row: &[u8], xs: &[$crate::quant::ActRow<'_>], out: &mut [f32]) {
-            // SAFETY: as above, for Isa::Avx512.
-            $crate::quant::unpacked::dot_with_unpack::<$f>(
-                row,
-                xs,
-                out,
-                |b, u| unsafe { $unpack(b, u) },
-                |u, x| unsafe { $isum512(u, x) },
-            )
-        }
-        /// The SIMD dot paths of this format.
-        #[cfg(target_arch = "x86_64")]
-        pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] =
-            [(super::Isa::Avx2, dot_avx2), (super::Isa::Avx512, dot_avx512)];
-        /// No SIMD paths off x86-64.
-        #[cfg(not(target_arch = "x86_64"))]
-        pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];
-    };
-}
-pub(crate) use avx2_unpack_simd;
