@@ -2,10 +2,11 @@
 //! (per run of 32: four 3-bit index highs, a 3-bit scale `s` and a delta sign); entry `e` (8 values) uses
 //! `IQ1S_GRID[qs[e] | ((qh >> 3 * (e % 4)) & 7) << 8]` (values -1, 0, 1); value = `d * (2s + 1) * (grid +
 //! delta)`, `delta = -0.125` when bit 15 is set, else `0.125` (ggml `block_iq1_s`; tables from
-//! `gguf.quants.IQ1_S`). The kernels fold the delta into integer levels `8 * grid + sign(delta)`.
+//! `gguf.quants.IQ1_S`). The scalar reference folds the delta into integer levels `8 * grid + sign(delta)`; the
+//! SIMD dot sums the grid part and the delta part apart (the same exact integer).
 
 use super::grids::IQ1S_GRID;
-use super::unpacked::{Grid32, Unpack256, Unpacked, grid_simd};
+use super::unpacked::{Unpack256, Unpacked};
 use super::{ActFormat, ActRow, BlockFormat, f16_at, f16_finite_at};
 use crate::gguf::GgmlType;
 
@@ -70,22 +71,90 @@ impl Unpack256 for Iq1S {
     }
 }
 
-/// Eight delta bytes: `1` each, or `-1` each when `neg`.
-#[inline(always)]
-fn delta_word(neg: bool) -> u64 {
-    if neg { u64::MAX } else { 0x0101_0101_0101_0101 }
-}
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
 
-impl Grid32 for Iq1S {
-    const IQ1_LEVELS: bool = true;
+    use super::super::grids::IQ1S_GRID;
+    use super::super::simd::x86::hsum_i32_256;
+    use super::super::{Acc4, ActRow};
 
-    #[inline(always)]
-    fn sub32<const SCALAR_LOADS: bool>(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
-        let h = qh(block, ib);
-        let g = |l: usize| IQ1S_GRID[block[2 + 4 * ib + l] as usize | ((((h >> (3 * l)) & 7) as usize) << 8)];
-        let s = 2 * ((h >> 12) & 7) as i16 + 1;
-        ([g(0), g(1), g(2), g(3)], [delta_word(h & 0x8000 != 0); 4], s, s)
+    /// A row dot of IQ1_S, AVX2, with the delta split off: a run's levels are `8 g + delta` (`g` in -1..1 from
+    /// the grid, `delta` = ±1 for the whole run of 32), so its sum is `8 sum g x + delta sum x`. The grid part
+    /// is `maddubs` of `|g|` with the activations signed by `g`, the run scale applied by `madd`; the delta part
+    /// comes from the activations' block sums. `isum = 8 A + B` is the exact sum of
+    /// [`super::super::unpacked::isum_scalar`] (Q8_K activations are in -127..127, so the sign trick is exact),
+    /// and the `f32` term is [`super::Iq1S`]'s, so the same bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_avx2<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let nsb = row.len() / 50;
+        assert!(xs.iter().all(|x| x.qs.len() >= 256 * nsb && x.sums.len() >= 16 * nsb && x.d.len() >= nsb));
+        let mut acc = [Acc4::default(); 4];
+        let xq: [*const i8; T] = std::array::from_fn(|t| xs[t].qs.as_ptr());
+        let xb: [*const i16; T] = std::array::from_fn(|t| xs[t].sums.as_ptr());
+        for sb in 0..nsb {
+            let blk = &row[50 * sb..50 * sb + 50];
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([blk[0], blk[1]]) as i32)));
+            // The eight runs' `u16` words: scale 2 s + 1 from bits 12..15, negated where bit 15 (the delta's sign)
+            // is set (`psignw` by the word itself), each twice: the signed scale of each of the 16 block sums.
+            let qh = _mm_loadu_si128(blk[34..50].as_ptr() as *const __m128i);
+            let scale = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qh, 11), _mm_set1_epi16(14)), _mm_set1_epi16(1));
+            let signed = _mm_sign_epi16(scale, qh);
+            let per_sum = _mm256_set_m128i(_mm_unpackhi_epi16(signed, signed), _mm_unpacklo_epi16(signed, signed));
+            let mut grid_sum = [_mm256_setzero_si256(); T];
+            for pair in 0..4 {
+                // Grid indices of runs 2 pair and 2 pair + 1 (four entries each), built in one vector: the low
+                // bytes widened, each entry's three high bits from its run's word (bits 3 l) moved to bits 8..11.
+                let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk[2 + 8 * pair..].as_ptr() as *const __m128i));
+                let words = _mm256_cvtepu16_epi32(_mm_cvtsi32_si128(u32::from_le_bytes(
+                    blk[34 + 4 * pair..38 + 4 * pair].try_into().unwrap(),
+                ) as i32));
+                let hh = _mm256_permutevar8x32_epi32(words, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+                let hi = _mm256_and_si256(
+                    _mm256_srlv_epi32(hh, _mm256_set_epi32(9, 6, 3, 0, 9, 6, 3, 0)),
+                    _mm256_set1_epi32(7),
+                );
+                let idx = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8));
+                let mut ix = [0u32; 8];
+                _mm256_storeu_si256(ix.as_mut_ptr() as *mut __m256i, idx);
+                // Every index is below 2048, the grid's length (eleven bits).
+                let e = |k: usize| IQ1S_GRID.0[ix[k] as usize & 2047] as i64;
+                for half in 0..2 {
+                    let ib = 2 * pair + half;
+                    let h = u16::from_le_bytes([blk[34 + 2 * ib], blk[35 + 2 * ib]]);
+                    let g = _mm256_set_epi64x(e(4 * half + 3), e(4 * half + 2), e(4 * half + 1), e(4 * half));
+                    let mag = _mm256_sign_epi8(g, g);
+                    let sv = _mm256_set1_epi16((2 * ((h >> 12) & 7) + 1) as i16);
+                    for t in 0..T {
+                        let x = _mm256_loadu_si256(xq[t].add(256 * sb + 32 * ib) as *const __m256i);
+                        let p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, g));
+                        grid_sum[t] = _mm256_add_epi32(grid_sum[t], _mm256_madd_epi16(p, sv));
+                    }
+                }
+            }
+            for t in 0..T {
+                let bs = _mm256_loadu_si256(xb[t].add(16 * sb) as *const __m256i);
+                let delta_sum = hsum_i32_256(_mm256_madd_epi16(per_sum, bs));
+                let isum = 8 * hsum_i32_256(grid_sum[t]) + delta_sum;
+                acc[t].add(sb, ((*xs[t].d.get_unchecked(sb) * d) * isum as f32) * 0.125);
+            }
+        }
+        for t in 0..T {
+            out[t] = acc[t].sum();
+        }
     }
 }
 
-grid_simd!(Iq1S);
+#[cfg(target_arch = "x86_64")]
+fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+    use x86::dot_avx2;
+    // SAFETY: listed for Isa::Avx2 and Isa::Avx512 (which includes AVX2), chosen when the CPU has it.
+    unsafe { crate::dispatch_tokens!(dot_avx2, row, xs, out) }
+}
+/// The SIMD dot paths of this format (the AVX2 one on AVX-512 machines too).
+#[cfg(target_arch = "x86_64")]
+pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] = [(super::Isa::Avx2, dot_avx2), (super::Isa::Avx512, dot_avx2)];
+/// No SIMD paths off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];

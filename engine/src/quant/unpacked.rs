@@ -55,7 +55,7 @@ pub(crate) trait Unpack256: BlockFormat {
     fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32;
 }
 
-/// A grid i-quant (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) that the direct SIMD dot reads 32 values
+/// A grid i-quant (IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; IQ1_S has its own dot) that the direct SIMD dot reads 32 values
 /// at a time, straight from the block into registers, with no [`Unpacked`] copy in memory between: the same levels
 /// and run scales as [`Unpack256::unpack`], so the same exact integer sums and the same `f32` terms.
 pub(crate) trait Grid32: Unpack256 {
@@ -74,7 +74,7 @@ pub(crate) trait Grid32: Unpack256 {
     /// For formats whose signs are plain bits (32 bytes at this offset, bit `i % 8` of byte `i / 8` set when value
     /// `i` is negative), the SIMD dot expands them with vector instructions and ignores `sub32`'s sign words.
     const SIGN_BITS_AT: Option<usize> = None;
-    /// The IQ1 formats: `sub32`'s first words are grid bytes (-1, 0 or 1) and its second words delta bytes (1 or
+    /// IQ1_M: `sub32`'s first words are grid bytes (-1, 0 or 1) and its second words delta bytes (1 or
     /// -1), and the level is `8 * grid + delta` (as their `unpack` writes it).
     const IQ1_LEVELS: bool = false;
     /// For formats whose 32 values are eight 4-value entries of a `u32` grid (IQ3_XXS, IQ3_S): the SIMD dot
@@ -204,7 +204,7 @@ pub(crate) mod x86 {
 
     /// The IQ1 levels `8 * g + delta` of 32 values from four words of grid bytes `g` (-1, 0 or 1 each) and four
     /// words of delta bytes (1 or -1 each): the levels [`Unpack256::unpack`](super::Unpack256::unpack) writes
-    /// for IQ1_S and IQ1_M (byte arithmetic: three doublings, no carries between bytes).
+    /// for IQ1_M (byte arithmetic: three doublings, no carries between bytes).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn iq1_levels(g: [u64; 4], delta: [u64; 4]) -> __m256i {
         let m = _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64);
