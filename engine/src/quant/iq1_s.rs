@@ -97,10 +97,12 @@ mod x86 {
             let blk = &row[50 * sb..50 * sb + 50];
             let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([blk[0], blk[1]]) as i32)));
             // The eight runs' `u16` words: scale 2 s + 1 from bits 12..15, negated where bit 15 (the delta's sign)
-            // is set (`psignw` by the word itself), each twice: the signed scale of each of the 16 block sums.
+            // is set (`psignw` by the word with bit 0 forced on: `psignw` zeroes where its operand is 0, and an
+            // all-zero word is a valid run), each twice: the signed scale of each of the 16 block sums.
             let qh = _mm_loadu_si128(blk[34..50].as_ptr() as *const __m128i);
-            let scale = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qh, 11), _mm_set1_epi16(14)), _mm_set1_epi16(1));
-            let signed = _mm_sign_epi16(scale, qh);
+            let one = _mm_set1_epi16(1);
+            let scale = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qh, 11), _mm_set1_epi16(14)), one);
+            let signed = _mm_sign_epi16(scale, _mm_or_si128(qh, one));
             let per_sum = _mm256_set_m128i(_mm_unpackhi_epi16(signed, signed), _mm_unpacklo_epi16(signed, signed));
             let mut grid_sum = [_mm256_setzero_si256(); T];
             for pair in 0..4 {

@@ -164,6 +164,50 @@ fn every_instruction_set_is_bit_identical_to_scalar() {
     }
 }
 
+/// Bit patterns that random blocks almost never contain: IQ1_S runs whose `u16` word is 0 (scale 1, index
+/// highs 0, positive delta) or has only the delta bit set. `psignw` zeroes where its operand is 0, so a SIMD
+/// path that signed the scales by the raw word lost such runs' delta part; every path must equal the scalar one.
+#[test]
+fn iq1_s_runs_with_all_zero_words_are_exact() {
+    let ty = GgmlType::IQ1_S;
+    let (rows, cols, mut bytes) = weight_rows(ty);
+    let bs = ty.type_size();
+    for (b, blk) in bytes.chunks_exact_mut(bs).enumerate() {
+        for ib in 0..8 {
+            // Alternate: all zero, delta bit only, and (every third) the random word left as it was.
+            match (b + ib) % 3 {
+                0 => blk[34 + 2 * ib..36 + 2 * ib].copy_from_slice(&0u16.to_le_bytes()),
+                1 => blk[34 + 2 * ib..36 + 2 * ib].copy_from_slice(&0x8000u16.to_le_bytes()),
+                _ => {}
+            }
+        }
+    }
+    let rb = row_bytes(ty, cols).unwrap();
+    let scalar = row_kernels_for(ty, Isa::Scalar).unwrap();
+    let (_, acts) = activations(scalar.acts, cols, 4, 17);
+    for isa in Isa::available() {
+        let k = row_kernels_for(ty, isa).unwrap();
+        for nt in 1..=4 {
+            let xs: Vec<ActRow<'_>> = (0..nt).map(|t| acts.row(t)).collect();
+            for r in 0..rows {
+                let row = &bytes[r * rb..(r + 1) * rb];
+                let (mut want, mut got) = ([0f32; 4], [0f32; 4]);
+                (scalar.dot)(row, &xs, &mut want[..nt]);
+                (k.dot)(row, &xs, &mut got[..nt]);
+                for t in 0..nt {
+                    assert_eq!(
+                        got[t].to_bits(),
+                        want[t].to_bits(),
+                        "{isa} row {r} token {t}: {} vs {}",
+                        got[t],
+                        want[t]
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The kernels compute what the formats mean: the dot product of the dequantized weights with the
 /// dequantized activations, up to `f32` rounding (relative to the sum of |products|).
 #[test]

@@ -7,7 +7,7 @@
 //! `isum = sum_j scale_j * sum_{i in run j} q_i x_i` exactly and the format turns `isum` into the super-block's
 //! `f32` term. The SIMD paths read the blocks straight into registers, with no unpacked copy, and compute the
 //! same exact sums (the products ggml forms with `maddubs`/`madd`): the grid i-quants' here ([`Grid32`]), the
-//! others' in their own files (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS).
+//! others' in their own files (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS, IQ1_S).
 
 use super::grids::CacheAligned;
 use super::{Acc4, ActRow, BlockFormat};
@@ -88,7 +88,8 @@ pub(crate) trait Grid32: Unpack256 {
 
 /// `table[i]`, read as one plain scalar load that the auto-vectorizer leaves alone: the magnitude lookups of
 /// [`Grid32::sub32`]. Inlined into the AVX-512 dot, a run of ordinary lookups becomes gathers (`vpgatherdd`),
-/// which made the AVX-512 dot of IQ3_S half as fast here (Zen 4: 2.4 against 4.1-4.3 GB/s in cache) and are
+/// which made an AVX-512 version of IQ3_S's dot half as fast here (Zen 4: 2.4 against 4.1-4.3 GB/s in cache; IQ3_S
+/// now keeps the AVX2 dot) and are
 /// slow on Intel parts with the GDS mitigation; a volatile read is one `mov` that is never merged. Panics if `i`
 /// is out of bounds.
 #[inline(always)]
