@@ -148,15 +148,4 @@ mod x86 {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-fn dot_avx2(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
-    use x86::dot_avx2;
-    // SAFETY: listed for Isa::Avx2 and Isa::Avx512 (which includes AVX2), chosen when the CPU has it.
-    unsafe { crate::dispatch_tokens!(dot_avx2, row, xs, out) }
-}
-/// The SIMD dot paths of this format (the AVX2 one on AVX-512 machines too).
-#[cfg(target_arch = "x86_64")]
-pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] = [(super::Isa::Avx2, dot_avx2), (super::Isa::Avx512, dot_avx2)];
-/// No SIMD paths off x86-64.
-#[cfg(not(target_arch = "x86_64"))]
-pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];
+super::unpacked::avx2_dot_simd!(x86::dot_avx2);

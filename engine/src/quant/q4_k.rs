@@ -142,20 +142,50 @@ pub(crate) mod x86 {
     /// run scale applied by `madd`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_avx2<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
-        let mask = _mm256_set1_epi8(15);
-        let nsb = row.len() / 144;
+        dot45_avx2::<false, T>(row, xs, out)
+    }
+
+    /// Q5_K's AVX2 dot: [`dot_avx2`] on Q5_K's blocks (176 bytes: the 12 scale bytes as Q4_K's, then 32 high-bit
+    /// bytes, then the nibbles), with bit `j` of the high-bit bytes moved to bit 4 of run `j`'s levels (0..31,
+    /// still unsigned for `maddubs`). The same `f32` term as Q5_K's scalar path.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q5k_avx2<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        dot45_avx2::<true, T>(row, xs, out)
+    }
+
+    /// The AVX2 dot of Q4_K (`HIGH` false) and Q5_K (`HIGH` true), whose blocks differ only by Q5_K's high bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot45_avx2<const HIGH: bool, const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let (block_bytes, nibbles_at) = if HIGH { (176, 48) } else { (144, 16) };
+        let nsb = row.len() / block_bytes;
+        assert!(xs.iter().all(|x| x.qs.len() >= 256 * nsb && x.sums.len() >= 16 * nsb && x.d.len() >= nsb));
+        let (mask, sixteen) = (_mm256_set1_epi8(15), _mm256_set1_epi8(16));
         let mut acc = [Acc4::default(); 4];
         let xq: [*const i8; T] = std::array::from_fn(|t| xs[t].qs.as_ptr());
         let xb: [*const i16; T] = std::array::from_fn(|t| xs[t].sums.as_ptr());
         for sb in 0..nsb {
-            let blk = row.as_ptr().add(144 * sb);
+            let blk = row.as_ptr().add(block_bytes * sb);
             let (sc, m) = scales_mins_u64(blk.add(4));
             let (d, dmin) = d_dmin(blk);
+            let qh = if HIGH { _mm256_loadu_si256(blk.add(16) as *const __m256i) } else { _mm256_setzero_si256() };
+            // Bit j of each high-bit byte, moved to bit 4: shift right by j - 4 (left by 4 - j), keep 16.
+            let high = |j: i32| {
+                let moved = if j >= 4 {
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(j - 4))
+                } else {
+                    _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - j))
+                };
+                _mm256_and_si256(moved, sixteen)
+            };
             let mut vacc = [_mm256_setzero_si256(); T];
             for c in 0..4 {
-                let q = _mm256_loadu_si256(blk.add(16 + 32 * c) as *const __m256i);
-                let lo = _mm256_and_si256(q, mask);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                let q = _mm256_loadu_si256(blk.add(nibbles_at + 32 * c) as *const __m256i);
+                let mut lo = _mm256_and_si256(q, mask);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                if HIGH {
+                    lo = _mm256_or_si256(lo, high(2 * c as i32));
+                    hi = _mm256_or_si256(hi, high(2 * c as i32 + 1));
+                }
                 // run scales 2c and 2c+1 broadcast to all 16 lanes
                 let s_lo = _mm256_set1_epi16(((sc >> (16 * c)) & 0xff) as i16);
                 let s_hi = _mm256_set1_epi16(((sc >> (16 * c + 8)) & 0xff) as i16);

@@ -129,38 +129,43 @@ fn activations(format: ActFormat, cols: usize, tokens: usize, seed: u64) -> (Vec
     (xs, a)
 }
 
-#[test]
-fn every_instruction_set_is_bit_identical_to_scalar() {
-    let isas = Isa::available();
-    eprintln!("instruction sets on this CPU: {isas:?}");
-    for &ty in &SUPPORTED {
-        let (rows, cols, bytes) = weight_rows(ty);
-        let rb = row_bytes(ty, cols).unwrap();
-        let scalar = row_kernels_for(ty, Isa::Scalar).unwrap();
-        let (_, acts) = activations(scalar.acts, cols, 4, 7 + ty.id() as u64);
-        for &isa in &isas {
-            let k = row_kernels_for(ty, isa).unwrap();
-            assert_eq!(k.isa, isa, "{} has no {isa} path", ty.name());
-            for nt in 1..=4 {
-                let xs: Vec<ActRow<'_>> = (0..nt).map(|t| acts.row(t)).collect();
-                for r in 0..rows {
-                    let row = &bytes[r * rb..(r + 1) * rb];
-                    let (mut want, mut got) = ([0f32; 4], [0f32; 4]);
-                    (scalar.dot)(row, &xs, &mut want[..nt]);
-                    (k.dot)(row, &xs, &mut got[..nt]);
-                    for t in 0..nt {
-                        assert_eq!(
-                            got[t].to_bits(),
-                            want[t].to_bits(),
-                            "{} {isa} row {r} token {t} of {nt}: {} vs scalar {}",
-                            ty.name(),
-                            got[t],
-                            want[t]
-                        );
-                    }
+/// Every instruction-set path of `ty` on every row of `bytes` (`[rows, cols]`) gives the scalar path's bits, for
+/// 1 to 4 tokens of random activations (`seed`).
+fn assert_paths_match_scalar(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8], seed: u64) {
+    let rb = row_bytes(ty, cols).unwrap();
+    let scalar = row_kernels_for(ty, Isa::Scalar).unwrap();
+    let (_, acts) = activations(scalar.acts, cols, 4, seed);
+    for isa in Isa::available() {
+        let k = row_kernels_for(ty, isa).unwrap();
+        assert_eq!(k.isa, isa, "{} has no {isa} path", ty.name());
+        for nt in 1..=4 {
+            let xs: Vec<ActRow<'_>> = (0..nt).map(|t| acts.row(t)).collect();
+            for r in 0..rows {
+                let row = &bytes[r * rb..(r + 1) * rb];
+                let (mut want, mut got) = ([0f32; 4], [0f32; 4]);
+                (scalar.dot)(row, &xs, &mut want[..nt]);
+                (k.dot)(row, &xs, &mut got[..nt]);
+                for t in 0..nt {
+                    assert_eq!(
+                        got[t].to_bits(),
+                        want[t].to_bits(),
+                        "{} {isa} row {r} token {t} of {nt}: {} vs scalar {}",
+                        ty.name(),
+                        got[t],
+                        want[t]
+                    );
                 }
             }
         }
+    }
+}
+
+#[test]
+fn every_instruction_set_is_bit_identical_to_scalar() {
+    eprintln!("instruction sets on this CPU: {:?}", Isa::available());
+    for &ty in &SUPPORTED {
+        let (rows, cols, bytes) = weight_rows(ty);
+        assert_paths_match_scalar(ty, rows, cols, &bytes, 7 + ty.id() as u64);
     }
 }
 
@@ -182,30 +187,7 @@ fn iq1_s_runs_with_all_zero_words_are_exact() {
             }
         }
     }
-    let rb = row_bytes(ty, cols).unwrap();
-    let scalar = row_kernels_for(ty, Isa::Scalar).unwrap();
-    let (_, acts) = activations(scalar.acts, cols, 4, 17);
-    for isa in Isa::available() {
-        let k = row_kernels_for(ty, isa).unwrap();
-        for nt in 1..=4 {
-            let xs: Vec<ActRow<'_>> = (0..nt).map(|t| acts.row(t)).collect();
-            for r in 0..rows {
-                let row = &bytes[r * rb..(r + 1) * rb];
-                let (mut want, mut got) = ([0f32; 4], [0f32; 4]);
-                (scalar.dot)(row, &xs, &mut want[..nt]);
-                (k.dot)(row, &xs, &mut got[..nt]);
-                for t in 0..nt {
-                    assert_eq!(
-                        got[t].to_bits(),
-                        want[t].to_bits(),
-                        "{isa} row {r} token {t}: {} vs {}",
-                        got[t],
-                        want[t]
-                    );
-                }
-            }
-        }
-    }
+    assert_paths_match_scalar(ty, rows, cols, &bytes, 17);
 }
 
 /// The kernels compute what the formats mean: the dot product of the dequantized weights with the

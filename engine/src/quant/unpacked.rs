@@ -473,3 +473,24 @@ macro_rules! grid_simd {
     };
 }
 pub(crate) use grid_simd;
+
+/// Declares `SIMD` for a format with one AVX2 dot, `$kernel` (a path to an `unsafe fn<const T: usize>(&[u8],
+/// &[ActRow], &mut [f32])` with AVX2 enabled, `T` the token count 1..=4), used on AVX-512 machines too.
+macro_rules! avx2_dot_simd {
+    ($kernel:path) => {
+        #[cfg(target_arch = "x86_64")]
+        fn dot_avx2(row: &[u8], xs: &[$crate::quant::ActRow<'_>], out: &mut [f32]) {
+            use $kernel as kernel;
+            // SAFETY: listed for Isa::Avx2 and Isa::Avx512 (which includes AVX2), chosen when the CPU has it.
+            unsafe { $crate::dispatch_tokens!(kernel, row, xs, out) }
+        }
+        /// The SIMD dot paths of this format (the AVX2 one on AVX-512 machines too).
+        #[cfg(target_arch = "x86_64")]
+        pub(crate) const SIMD: [(super::Isa, super::DotFn); 2] =
+            [(super::Isa::Avx2, dot_avx2), (super::Isa::Avx512, dot_avx2)];
+        /// No SIMD paths off x86-64.
+        #[cfg(not(target_arch = "x86_64"))]
+        pub(crate) const SIMD: [(super::Isa, super::DotFn); 0] = [];
+    };
+}
+pub(crate) use avx2_dot_simd;
