@@ -55,9 +55,10 @@ pub(crate) trait Unpack256: BlockFormat {
     fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32;
 }
 
-/// A grid i-quant (IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; IQ1_S has its own dot) that the direct SIMD dot reads 32 values
-/// at a time, straight from the block into registers, with no [`Unpacked`] copy in memory between: the same levels
-/// and run scales as [`Unpack256::unpack`], so the same exact integer sums and the same `f32` terms.
+/// A grid i-quant (IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; IQ1_S has its own dot) that the direct SIMD
+/// dot reads 32 values at a time, straight from the block into registers, with no [`Unpacked`] copy in memory
+/// between: the same levels and run scales as [`Unpack256::unpack`], so the same exact integer sums and the same
+/// `f32` terms.
 pub(crate) trait Grid32: Unpack256 {
     /// Values `32 ib .. 32 ib + 32` of a super-block: their magnitudes as four little-endian words of 8 bytes,
     /// their signs as four words of 8 sign bytes ([`SIGN_BYTES`]: `0xFF` negative, `0x01` positive) and the
@@ -88,10 +89,9 @@ pub(crate) trait Grid32: Unpack256 {
 
 /// `table[i]`, read as one plain scalar load that the auto-vectorizer leaves alone: the magnitude lookups of
 /// [`Grid32::sub32`]. Inlined into the AVX-512 dot, a run of ordinary lookups becomes gathers (`vpgatherdd`),
-/// which made an AVX-512 version of IQ3_S's dot half as fast here (Zen 4: 2.4 against 4.1-4.3 GB/s in cache; IQ3_S
-/// now keeps the AVX2 dot) and are
-/// slow on Intel parts with the GDS mitigation; a volatile read is one `mov` that is never merged. Panics if `i`
-/// is out of bounds.
+/// which made an AVX-512 version of IQ3_S's dot half as fast here (Zen 4: 2.4 against 4.1-4.3 GB/s in cache;
+/// IQ3_S now keeps the AVX2 dot) and are slow on Intel parts with the GDS mitigation; a volatile read is one
+/// `mov` that is never merged. Panics if `i` is out of bounds.
 #[inline(always)]
 pub(crate) fn lut<T: Copy>(table: &[T], i: usize) -> T {
     let r = &table[i];
