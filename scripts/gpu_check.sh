@@ -76,6 +76,8 @@ lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|NUMA node\(s\)|L3)" ||
 echo "AVX-512 extensions: $(grep -m1 -o -w -E 'avx512(f|bw|vl|_vnni|vbmi)' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 echo "=== CPU kernels against the read bandwidth at 8-16 threads, then the MoE kernel's prefetch depth and work items"
 "$NEBULA" bench kernels --threads 8,12,14,16 --types q4_k,iq4_nl --seconds 0.5
+echo "=== the low-bit CPU kernels of the sixth session (direct Q2_K/Q3_K/Q5_K/IQ1_S dots, AVX-512 sign-index i-quants)"
+"$NEBULA" bench kernels --threads 1,14,16 --types q2_k,q3_k,q5_k,iq1_s,iq2_xxs,iq2_xs,iq3_xxs,iq2_s,iq3_s --seconds 0.3
 for pf in 0 8 16; do
     for rows in 32,64 64,128; do
         echo "=== MoE kernel, NEBULA_CPU_PREFETCH=$pf NEBULA_CPU_MOE_ROWS=$rows"
