@@ -5,7 +5,7 @@
 //! `d * (2s + 1) * (grid + delta)` (ggml `block_iq1_m`; tables from `gguf.quants.IQ1_M`).
 
 use super::grids::IQ1S_GRID;
-use super::unpacked::{Grid32, Unpack256, Unpacked, grid_simd};
+use super::unpacked::{Unpack256, Unpacked};
 use super::{ActFormat, ActRow, BlockFormat};
 use crate::gguf::GgmlType;
 
@@ -79,20 +79,66 @@ impl Unpack256 for Iq1M {
     }
 }
 
-impl Grid32 for Iq1M {
-    const IQ1_LEVELS: bool = true;
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
 
-    #[inline(always)]
-    fn sub32<const SCALAR_LOADS: bool>(block: &[u8], ib: usize) -> ([u64; 4], [u64; 4], i16, i16) {
-        let (mut g, mut d) = ([0u64; 4], [0u64; 4]);
-        for l in 0..4 {
-            let (grid, neg) = entry(block, 4 * ib + l);
-            g[l] = u64::from_le_bytes(grid.map(|v| v as u8));
-            d[l] = if neg { u64::MAX } else { 0x0101_0101_0101_0101 };
+    use super::super::grids::IQ1S_GRID;
+    use super::super::simd::x86::hsum_i32_256;
+    use super::super::{Acc4, ActRow};
+    use super::{d_bits, sc};
+
+    /// A row dot of IQ1_M, AVX2, straight from the blocks: per run of 32, the four entries' grid words (bytes -1..1)
+    /// and their deltas (±1 per 8 values, from bit 3 of each entry's nibble, expanded with one compare), the levels
+    /// `8 g + delta` by byte doublings (no carries), `maddubs` of `|q|` with the activations signed by `q`, and the
+    /// scales of the run's two halves of 16 with `madd`. The levels, exact integer sums and `f32` term of the
+    /// scalar path ([`super::Iq1M`]), so the same bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_avx2<const T: usize>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
+        let nsb = row.len() / 56;
+        assert!(xs.iter().all(|x| x.qs.len() >= 256 * nsb && x.d.len() >= nsb));
+        let mut acc = [Acc4::default(); 4];
+        let xq: [*const i8; T] = std::array::from_fn(|t| xs[t].qs.as_ptr());
+        // Qword l of a run holds entry l: its delta is negative when bit 4 l + 3 of the run's two nibble bytes is set.
+        let delta_bit = _mm256_set_epi64x(
+            0x8000_8000_8000_8000u64 as i64,
+            0x0800_0800_0800_0800,
+            0x0080_0080_0080_0080,
+            0x0008_0008_0008_0008,
+        );
+        let one = _mm256_set1_epi8(1);
+        for sb in 0..nsb {
+            let blk = &row[56 * sb..56 * sb + 56];
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits(blk) as i32)));
+            let mut vacc = [_mm256_setzero_si256(); T];
+            for ib in 0..8 {
+                let nib = u16::from_le_bytes([blk[32 + 2 * ib], blk[33 + 2 * ib]]) as usize;
+                let e = |l: usize| IQ1S_GRID.0[blk[4 * ib + l] as usize | ((nib >> (4 * l)) & 7) << 8] as i64;
+                let g = _mm256_set_epi64x(e(3), e(2), e(1), e(0));
+                let set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(nib as i16), delta_bit), delta_bit);
+                let delta = _mm256_or_si256(set, one);
+                let g2 = _mm256_add_epi8(g, g);
+                let g4 = _mm256_add_epi8(g2, g2);
+                let q = _mm256_add_epi8(_mm256_add_epi8(g4, g4), delta);
+                let mag = _mm256_sign_epi8(q, q);
+                let w = sc(blk, ib / 2) as i32;
+                let s = |half: usize| (2 * ((w >> (3 * (2 * (ib % 2) + half))) & 7) + 1) as i16;
+                let sv = _mm256_set_m128i(_mm_set1_epi16(s(1)), _mm_set1_epi16(s(0)));
+                for t in 0..T {
+                    let x = _mm256_loadu_si256(xq[t].add(256 * sb + 32 * ib) as *const __m256i);
+                    let p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, q));
+                    vacc[t] = _mm256_add_epi32(vacc[t], _mm256_madd_epi16(p, sv));
+                }
+            }
+            for t in 0..T {
+                acc[t].add(sb, ((*xs[t].d.get_unchecked(sb) * d) * hsum_i32_256(vacc[t]) as f32) * 0.125);
+            }
         }
-        let s = |j: usize| 2 * scale16(block, j) as i16 + 1;
-        (g, d, s(2 * ib), s(2 * ib + 1))
+        for t in 0..T {
+            out[t] = acc[t].sum();
+        }
     }
 }
 
-grid_simd!(Iq1M);
+super::unpacked::avx2_dot_simd!(x86::dot_avx2);

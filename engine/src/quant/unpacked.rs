@@ -7,7 +7,7 @@
 //! `isum = sum_j scale_j * sum_{i in run j} q_i x_i` exactly and the format turns `isum` into the super-block's
 //! `f32` term. The SIMD paths read the blocks straight into registers, with no unpacked copy, and compute the
 //! same exact sums (the products ggml forms with `maddubs`/`madd`): the grid i-quants' here ([`Grid32`]), the
-//! others' in their own files (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS, IQ1_S).
+//! others' in their own files (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS, IQ1_S, IQ1_M).
 
 use super::grids::CacheAligned;
 use super::{Acc4, ActRow, BlockFormat};
@@ -55,10 +55,10 @@ pub(crate) trait Unpack256: BlockFormat {
     fn term(block: &[u8], x: &ActRow<'_>, sb: usize, isum: i32) -> f32;
 }
 
-/// A grid i-quant (IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; IQ1_S has its own dot) that the direct SIMD
-/// dot reads 32 values at a time, straight from the block into registers, with no [`Unpacked`] copy in memory
-/// between: the same levels and run scales as [`Unpack256::unpack`], so the same exact integer sums and the same
-/// `f32` terms.
+/// A grid i-quant (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; IQ1_S and IQ1_M have their own dots) that the
+/// direct SIMD dot reads 32 values at a time, straight from the block into registers, with no [`Unpacked`] copy
+/// in memory between: the same levels and run scales as [`Unpack256::unpack`], so the same exact integer sums
+/// and the same `f32` terms.
 pub(crate) trait Grid32: Unpack256 {
     /// Values `32 ib .. 32 ib + 32` of a super-block: their magnitudes as four little-endian words of 8 bytes,
     /// their signs as four words of 8 sign bytes ([`SIGN_BYTES`]: `0xFF` negative, `0x01` positive) and the
@@ -75,9 +75,6 @@ pub(crate) trait Grid32: Unpack256 {
     /// For formats whose signs are plain bits (32 bytes at this offset, bit `i % 8` of byte `i / 8` set when value
     /// `i` is negative), the SIMD dot expands them with vector instructions and ignores `sub32`'s sign words.
     const SIGN_BITS_AT: Option<usize> = None;
-    /// IQ1_M: `sub32`'s first words are grid bytes (-1, 0 or 1) and its second words delta bytes (1 or
-    /// -1), and the level is `8 * grid + delta` (as their `unpack` writes it).
-    const IQ1_LEVELS: bool = false;
     /// For formats whose 32 values are eight 4-value entries of a `u32` grid (IQ3_XXS, IQ3_S): the SIMD dot
     /// then builds the eight indices with vector instructions, looks the entries up itself and ignores `sub32`'s
     /// magnitude words.
@@ -203,19 +200,6 @@ pub(crate) mod x86 {
     use super::super::simd::x86::hsum_i32_256;
     use super::{Acc4, ActRow};
 
-    /// The IQ1 levels `8 * g + delta` of 32 values from four words of grid bytes `g` (-1, 0 or 1 each) and four
-    /// words of delta bytes (1 or -1 each): the levels [`Unpack256::unpack`](super::Unpack256::unpack) writes
-    /// for IQ1_M (byte arithmetic: three doublings, no carries between bytes).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn iq1_levels(g: [u64; 4], delta: [u64; 4]) -> __m256i {
-        let m = _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64);
-        let m2 = _mm256_add_epi8(m, m);
-        let m4 = _mm256_add_epi8(m2, m2);
-        let m8 = _mm256_add_epi8(m4, m4);
-        let dv = _mm256_set_epi64x(delta[3] as i64, delta[2] as i64, delta[1] as i64, delta[0] as i64);
-        _mm256_add_epi8(m8, dv)
-    }
-
     /// A row dot of a [`Grid32`] format, AVX2: per 32 values the grid words and sign bits go straight into
     /// registers (no unpacked copy), the signs onto the activations, `maddubs` then `madd` with the run scales;
     /// the integer sums equal [`super::isum_scalar`]'s, so the result equals the unpacked paths' bit for bit.
@@ -259,11 +243,7 @@ pub(crate) mod x86 {
             };
             for ib in 0..8 {
                 let (g, n, s0, s1) = F::sub32::<false>(blk, ib);
-                let (m, sg) = if F::IQ1_LEVELS {
-                    // Odd levels, never 0: the level itself is the sign operand, its magnitude the multiplier.
-                    let q = iq1_levels(g, n);
-                    (_mm256_abs_epi8(q), q)
-                } else if let Some(super::GridU32 { grid, qs, qh }) = F::GRID_U32 {
+                let m = if let Some(super::GridU32 { grid, qs, qh }) = F::GRID_U32 {
                     // Lane j: qs[8 ib + j] | ((qh[ib] >> j) & 1) << 8 (an index below the grid's length, checked
                     // above), stored, then looked up. LLVM turns these eight lookups into one `vpgatherdd`, which
                     // measured faster than scalar loads through `lut` on the development VM's Zen 4 (moe10 one
@@ -282,14 +262,12 @@ pub(crate) mod x86 {
                     _mm256_storeu_si256(ix.as_mut_ptr() as *mut __m256i, idx);
                     // SAFETY: every index is below 256, or 512 with qh: the grid's length (asserted per row).
                     let e = |j: usize| *grid.get_unchecked(ix[j] as usize) as i32;
-                    (_mm256_set_epi32(e(7), e(6), e(5), e(4), e(3), e(2), e(1), e(0)), _mm256_setzero_si256())
+                    _mm256_set_epi32(e(7), e(6), e(5), e(4), e(3), e(2), e(1), e(0))
                 } else {
-                    let m = _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64);
-                    (m, _mm256_setzero_si256())
+                    _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64)
                 };
                 // 0xFF where the value is negative, else 0x01: _mm256_sign_epi8 then negates or keeps x.
                 let sg = match F::SIGN_BITS_AT {
-                    _ if F::IQ1_LEVELS => sg,
                     Some(at) => {
                         let bits = u32::from_le_bytes(blk[at + 4 * ib..at + 4 * ib + 4].try_into().unwrap());
                         _mm256_or_si256(super::super::simd::x86::bits_to_bytes(bits), _mm256_set1_epi8(1))
@@ -326,7 +304,7 @@ pub(crate) mod x86 {
     /// (its 9-bit grid indices cost more scalar work per lookup than the wider steps save).
     #[inline(always)]
     pub fn grid_avx512_applies<F: super::Grid32>() -> bool {
-        !F::IQ1_LEVELS && F::KSIGN_INDICES.is_some() && is_x86_feature_detected!("avx512vbmi")
+        F::KSIGN_INDICES.is_some() && is_x86_feature_detected!("avx512vbmi")
     }
 
     /// The super-block's 256 sign bits as four masks (bit `i` of mask `p`: value `64 p + i` is negative), looked up
