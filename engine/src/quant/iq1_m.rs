@@ -85,7 +85,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::grids::IQ1S_GRID;
-    use super::super::simd::x86::hsum_i32_256;
+    use super::super::simd::x86::{f16_to_f32, hsum_i32_256};
     use super::super::{Acc4, ActRow};
     use super::{d_bits, sc};
 
@@ -110,7 +110,7 @@ mod x86 {
         let one = _mm256_set1_epi8(1);
         for sb in 0..nsb {
             let blk = &row[56 * sb..56 * sb + 56];
-            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits(blk) as i32)));
+            let d = f16_to_f32(d_bits(blk));
             let mut vacc = [_mm256_setzero_si256(); T];
             for ib in 0..8 {
                 let nib = u16::from_le_bytes([blk[32 + 2 * ib], blk[33 + 2 * ib]]) as usize;

@@ -77,7 +77,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::grids::IQ1S_GRID;
-    use super::super::simd::x86::hsum_i32_256;
+    use super::super::simd::x86::{f16_to_f32, hsum_i32_256};
     use super::super::{Acc4, ActRow};
 
     /// A row dot of IQ1_S, AVX2, with the delta split off: a run's levels are `8 g + delta` (`g` in -1..1 from
@@ -95,7 +95,7 @@ mod x86 {
         let xb: [*const i16; T] = std::array::from_fn(|t| xs[t].sums.as_ptr());
         for sb in 0..nsb {
             let blk = &row[50 * sb..50 * sb + 50];
-            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([blk[0], blk[1]]) as i32)));
+            let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]]));
             // The eight runs' `u16` words: scale 2 s + 1 from bits 12..15, negated where bit 15 (the delta's sign)
             // is set (`psignw` by the word with bit 0 forced on: `psignw` zeroes where its operand is 0, and an
             // all-zero word is a valid run), each twice: the signed scale of each of the 16 block sums.

@@ -63,7 +63,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::q4_k::x86::d_dmin;
-    use super::super::simd::x86::hsum_i32_256;
+    use super::super::simd::x86::{hsum_i32_256, run_pair_scales};
     use super::super::{Acc4, ActRow};
 
     /// A row dot of Q2_K, AVX2, straight from the blocks (no unpacked copy): per 32 values, bits `2s` of 32
@@ -91,11 +91,7 @@ mod x86 {
                 let q = _mm256_loadu_si256(blk.add(16 + 32 * h) as *const __m256i);
                 for s in 0..4 {
                     let lv = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)), three);
-                    // Runs r (low lane) and r + 1 (high lane): byte r (r + 1) zero-extended into every i16.
-                    let r = (8 * h + 2 * s) as u16;
-                    let (lo, hi) = ((0x8000 | r) as i16, (0x8000 | (r + 1)) as i16);
-                    let pick = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
-                    let sc = _mm256_shuffle_epi8(scales, pick);
+                    let sc = run_pair_scales(scales, 8 * h + 2 * s);
                     for t in 0..T {
                         let x = _mm256_loadu_si256(xq[t].add(256 * sb + 128 * h + 32 * s) as *const __m256i);
                         vacc[t] = _mm256_add_epi32(vacc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(lv, x), sc));

@@ -73,7 +73,7 @@ mod x86 {
     #![allow(unsafe_op_in_unsafe_fn)]
     use std::arch::x86_64::*;
 
-    use super::super::simd::x86::hsum_i32_256;
+    use super::super::simd::x86::{f16_to_f32, hsum_i32_256, run_pair_scales, u16_at};
     use super::super::{Acc4, ActRow};
 
     /// The 16 six-bit run scales of a Q3_K super-block (before the `- 32`), byte `j` = run `j`, from the 12
@@ -107,8 +107,7 @@ mod x86 {
         for sb in 0..nsb {
             let blk = row.as_ptr().add(110 * sb);
             let scales = _mm256_broadcastsi128_si256(scales6(blk.add(96)));
-            let d =
-                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((blk.add(108) as *const u16).read_unaligned() as i32)));
+            let d = f16_to_f32(u16_at(blk.add(108)));
             let hm = _mm256_loadu_si256(blk as *const __m256i);
             let mut vacc = [_mm256_setzero_si256(); T];
             for h in 0..2 {
@@ -118,11 +117,7 @@ mod x86 {
                     let hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128((4 * h + s) as i32)), one);
                     // 4 where the high bit is clear, else 0 (bytes of 0 or 1: no carries between bytes).
                     let four = _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2);
-                    // Runs r (low lane) and r + 1 (high lane): byte r (r + 1) zero-extended, minus 32.
-                    let r = (8 * h + 2 * s) as u16;
-                    let (lo, hi) = ((0x8000 | r) as i16, (0x8000 | (r + 1)) as i16);
-                    let pick = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
-                    let sc = _mm256_sub_epi16(_mm256_shuffle_epi8(scales, pick), bias);
+                    let sc = _mm256_sub_epi16(run_pair_scales(scales, 8 * h + 2 * s), bias);
                     for t in 0..T {
                         let x = _mm256_loadu_si256(xq[t].add(256 * sb + 128 * h + 32 * s) as *const __m256i);
                         let p = _mm256_sub_epi16(_mm256_maddubs_epi16(low, x), _mm256_maddubs_epi16(four, x));

@@ -88,6 +88,24 @@ pub(crate) mod x86 {
         _mm_cvtph_ps(_mm_setr_epi16(a as i16, b as i16, c as i16, d as i16, 0, 0, 0, 0))
     }
 
+    /// One `f16` (its bits) to `f32`, exactly (F16C).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn f16_to_f32(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// The scales of runs `r` and `r + 1` of 16 values, as `i16` in every lane of the low and the high 128-bit
+    /// lane: bytes `r` and `r + 1` of each lane of `scales` (one byte per run, the same 16 bytes in both lanes),
+    /// zero-extended by one `pshufb` (Q2_K and Q3_K, whose 32-value steps span two runs).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn run_pair_scales(scales: __m256i, r: usize) -> __m256i {
+        // Control bytes (r, 0x80) per i16: byte r, then a zero (pshufb zeroes where the control's top bit is set).
+        let (lo, hi) = ((0x8000 | r as u16) as i16, (0x8000 | (r as u16 + 1)) as i16);
+        _mm256_shuffle_epi8(scales, _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo)))
+    }
+
     /// Loads the little-endian u16 at `p`.
     #[inline(always)]
     pub unsafe fn u16_at(p: *const u8) -> u16 {

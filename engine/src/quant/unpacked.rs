@@ -208,13 +208,7 @@ pub(crate) mod x86 {
     pub unsafe fn grid_dot_avx2<F: super::Grid32>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
         let blocks = row.len() / F::BLOCK_BYTES;
         assert!(xs.iter().all(|x| x.qs.len() >= 256 * blocks), "activations shorter than the row");
-        match xs.len() {
-            1 => grid_dot_nt::<F, 1>(row, xs, out),
-            2 => grid_dot_nt::<F, 2>(row, xs, out),
-            3 => grid_dot_nt::<F, 3>(row, xs, out),
-            4 => grid_dot_nt::<F, 4>(row, xs, out),
-            n => panic!("{n} tokens in one dot (at most 4)"),
-        }
+        crate::dispatch_tokens!(grid_dot_nt::<F>, row, xs, out)
     }
 
     /// [`grid_dot_avx2`] for `NT` tokens (a compile-time count, so the per-token sums stay in registers).
@@ -349,13 +343,7 @@ pub(crate) mod x86 {
     pub unsafe fn grid_dot_avx512<F: super::Grid32>(row: &[u8], xs: &[ActRow<'_>], out: &mut [f32]) {
         let blocks = row.len() / F::BLOCK_BYTES;
         assert!(xs.iter().all(|x| x.qs.len() >= 256 * blocks), "activations shorter than the row");
-        match xs.len() {
-            1 => grid_dot512_nt::<F, 1>(row, xs, out),
-            2 => grid_dot512_nt::<F, 2>(row, xs, out),
-            3 => grid_dot512_nt::<F, 3>(row, xs, out),
-            4 => grid_dot512_nt::<F, 4>(row, xs, out),
-            n => panic!("{n} tokens in one dot (at most 4)"),
-        }
+        crate::dispatch_tokens!(grid_dot512_nt::<F>, row, xs, out)
     }
 
     /// [`grid_dot_avx512`] for `NT` tokens.
