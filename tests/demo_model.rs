@@ -148,76 +148,15 @@ fn requantized_demo_model_agrees_on_top1() {
 }
 
 /// Runs `req` to the end; returns the output ids, the finish reason and the usage.
-fn run(engine: &Engine, req: GenerateRequest) -> (Vec<u32>, FinishReason, nebula_engine::worker::Usage) {
-    let mut rx = engine.submit(req).expect("submits");
-    let mut out = Vec::new();
-    loop {
-        match rx.blocking_recv().expect("the worker reports an end") {
-            GenerationEvent::Token { id, .. } => out.push(id),
-            GenerationEvent::Finished { reason, usage } => return (out, reason, usage),
-            GenerationEvent::Failed(e) => panic!("generation failed: {e}"),
-            _ => {}
-        }
-    }
-}
-
-fn prompt_ids(engine: &Engine, messages: serde_json::Value) -> Vec<u32> {
-    let template = engine.chat_template().unwrap();
-    let mut req = RenderRequest::new(&messages);
-    req.add_generation_prompt = true;
-    engine.tokenizer().encode(&template.render(&req).unwrap()).unwrap()
-}
-
-/// Resuming from a prefix-cache checkpoint gives the same greedy output as prefilling everything, and prefills
-/// only the tokens after the checkpoint: an exact repeat none, a follow-up turn only the new message, a new chat
-/// sharing the system prompt only what follows it.
+/// The prefix cache on the CPU: exact repeat, follow-up turn, shared system prompt and a mid-prompt edit resume
+/// from the nearest checkpoint, prefill only the rest and answer as a cold run does
+/// ([`nebula_tests::check_prefix_cache`]).
 #[test]
 fn prefix_cache_resumes_exactly() {
     let engine = demo_engine();
-    let fresh = |ids: &[u32]| {
-        let mut req = GenerateRequest::new(ids.to_vec(), 60);
-        req.use_prefix_cache = false;
-        run(&engine, req)
-    };
-    let system = "You are the Nebula demo model. Answer briefly.";
-    let first = prompt_ids(
-        &engine,
-        serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Hello!"}]),
-    );
-    let (out1, _, usage) = run(&engine, GenerateRequest::new(first.clone(), 60));
-    assert_eq!(usage.cached_tokens, 0);
-    assert_eq!(out1, fresh(&first).0);
-
-    // Exact repeat: nothing to prefill, same answer.
-    let (again, _, usage) = run(&engine, GenerateRequest::new(first.clone(), 60));
-    assert_eq!(usage.cached_tokens, first.len());
-    assert_eq!(again, out1);
-
-    // Follow-up turn: the prompt is the first prompt, the answer and the new message.
-    let text = engine.tokenizer().decode(&out1, false).unwrap();
-    let (reasoning, answer) = text.split_once("</think>").unwrap();
-    let follow = prompt_ids(
-        &engine,
-        serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Hello!"},
-            {"role": "assistant", "content": answer.trim(), "reasoning_content": reasoning.trim()},
-            {"role": "user", "content": "What is 2 + 2?"}]),
-    );
-    assert!(follow.starts_with(&first));
-    let (out2, _, usage) = run(&engine, GenerateRequest::new(follow.clone(), 60));
-    assert_eq!(usage.cached_tokens, first.len() + out1.len(), "the answer's tokens are reused too");
-    assert_eq!(out2, fresh(&follow).0);
-
-    // A new chat with the same system prompt resumes after the system turn.
-    let other = prompt_ids(
-        &engine,
-        serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Name a planet."}]),
-    );
-    let system_turn = first.iter().skip(1).position(|&t| t == 248045).unwrap() + 1;
-    let (out3, _, usage) = run(&engine, GenerateRequest::new(other.clone(), 60));
-    assert_eq!(usage.cached_tokens, system_turn);
-    assert_eq!(out3, fresh(&other).0);
-    let stats = engine.stats();
-    assert!(stats.prefix_hits.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    let cached = nebula_tests::check_prefix_cache(&engine);
+    println!("cached tokens per warm request: {cached:?}");
+    assert!(engine.stats().prefix_hits.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
 
 /// Log-probabilities come with each token when asked for, the chosen (greedy) token first among the top ones.
@@ -279,7 +218,7 @@ fn placed_engine_answers_the_same_and_survives_read_errors() {
         engine.submit(GenerateRequest { use_prefix_cache: false, ..GenerateRequest::new(prompt.clone(), 4) }).unwrap();
     let failure = loop {
         match rx.blocking_recv().expect("the worker reports an end") {
-            GenerationEvent::Failed(e) => break e,
+            GenerationEvent::Failed(e) => break e.to_string(),
             GenerationEvent::Finished { .. } => panic!("the injected read error did not fail the request"),
             _ => {}
         }

@@ -538,7 +538,7 @@ struct Collect {
     max: usize,
 }
 
-impl<S> nebula_engine::speculative::TokenSink<S> for Collect {
+impl<M: nebula_engine::backend::Backend> nebula_engine::speculative::TokenSink<M> for Collect {
     fn mask(&mut self, _logits: &mut [f32]) -> Result<(), String> {
         Ok(())
     }
@@ -558,7 +558,7 @@ impl<S> nebula_engine::speculative::TokenSink<S> for Collect {
 
 /// Greedy decoding of `n` tokens after `prompt` through the speculative decoder (`drafter` proposes; drafting
 /// off when `spec` is false): (tokens, report, the state it leaves).
-fn spec_greedy<M: nebula_engine::speculative::SpeculativeModel<State = nebula_engine::backend::cuda::CudaState>>(
+fn spec_greedy<M: nebula_engine::backend::Backend<State = nebula_engine::backend::cuda::CudaState>>(
     gpu: &CudaModel,
     drafter: &M,
     prompt: &[u32],
@@ -700,4 +700,116 @@ fn opening_the_gpu_without_one_is_a_clean_error() {
 
 fn nebula_kernels_probe() -> bool {
     nebula_engine::backend::cuda::driver_present()
+}
+
+/// Resuming a sequence on the GPU (all-GPU and hybrid) from a snapshot, live or spilled to host memory, gives a
+/// cold run's logits: on the golden F32 checkpoints and the demo model, the first half of the tokens is
+/// prefilled, snapshotted, the source state runs on (as a cached entry's state does), then a fork from the
+/// snapshot runs the second half. Its logits match a cold run of all tokens within the GPU tolerance with the
+/// same top-1 at every position; the fork from the host image (state and snapshot spilled) and a restore of the
+/// source state to the snapshot give bit for bit the live fork's logits.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn gpu_states_resume_from_snapshots_live_and_spilled() {
+    use nebula_engine::backend::{Backend, Kept};
+    let tmp = tempfile::tempdir().unwrap();
+    let mut files: Vec<(String, std::path::PathBuf)> = Vec::new();
+    for name in CASES {
+        let path = tmp.path().join(format!("{name}.gguf"));
+        convert(
+            &nebula_tests::repo_root().join("tests/fixtures/golden").join(name),
+            &path,
+            &ConvertOptions { out_type: OutType::F32, ..Default::default() },
+        )
+        .unwrap();
+        files.push((name.to_owned(), path));
+    }
+    files.push(("demo".to_owned(), nebula_tests::repo_root().join("models/nebula-demo.gguf")));
+    for (name, path) in &files {
+        let cpu = Qwen4Exp::load(path).unwrap();
+        let ids = if name == "demo" { demo_chat_prompt(&cpu) } else { golden(name).0 };
+        let vocab = cpu.config.vocab;
+        let n = ids.len();
+        let k = n / 2;
+        let half = cpu.config.n_expert / 2;
+        let backends = [
+            ("all-GPU", CudaModel::from_cpu(&cpu, 0, None).unwrap()),
+            ("hybrid", CudaModel::for_model(placed(path, half), 0, None).unwrap()),
+        ];
+        for (label, gpu) in &backends {
+            let mut cold = Backend::new_state(gpu, n, true).unwrap();
+            let cold_logits = Backend::forward(gpu, &mut cold, &ids, LogitsFor::All).unwrap();
+            let tail = &cold_logits[k * vocab..];
+
+            let mut source = Backend::new_state(gpu, n, true).unwrap();
+            Backend::forward(gpu, &mut source, &ids[..k], LogitsFor::None).unwrap();
+            let snap = Backend::snapshot(gpu, &source).unwrap();
+            Backend::forward(gpu, &mut source, &ids[k..(k + 3).min(n)], LogitsFor::None).unwrap();
+            let kept = Kept::Live(source);
+            let resume = |from: &Kept<_>, snap: &_| {
+                let mut st = Backend::fork(gpu, from, snap, n, true).unwrap();
+                assert_eq!(Backend::position(gpu, &st), k);
+                Backend::forward(gpu, &mut st, &ids[k..], LogitsFor::All).unwrap()
+            };
+            let live = resume(&kept, &snap);
+            let (err, differ) = compare(&live, tail, vocab);
+            println!("{name} {label}: resumed at {k} of {n} vs cold {err:.3e}, top-1 differs at {differ:?}");
+            assert!(err <= 1e-3 && differ.is_empty(), "{name} {label}: resumed vs cold {err:.3e}, {differ:?}");
+
+            let Kept::Live(source) = kept else { unreachable!() };
+            let image = Kept::Host(Backend::spill_state(gpu, &source).unwrap());
+            let host_snap = Backend::spill_snapshot(gpu, &snap).unwrap();
+            assert_eq!(nebula_engine::backend::BackendSnapshot::held(&host_snap).device, 0);
+            assert_eq!(resume(&image, &host_snap), live, "{name} {label}: the spilled copy resumes differently");
+
+            let mut source = source;
+            Backend::restore(gpu, &mut source, &snap).unwrap();
+            let restored = Backend::forward(gpu, &mut source, &ids[k..], LogitsFor::All).unwrap();
+            assert_eq!(restored, live, "{name} {label}: restore differs from the fork");
+        }
+    }
+}
+
+/// The prefix cache on the GPU through the engine, on the demo model: all-GPU, hybrid (half the experts on the
+/// GPU) and all-GPU with a zero VRAM budget for the cache (every entry spilled to host memory and copied back):
+/// exact repeat, follow-up turn, shared system prompt and a mid-prompt edit resume from the nearest checkpoint,
+/// prefill only the rest and answer exactly as a cold run ([`nebula_tests::check_prefix_cache`]).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn the_prefix_cache_resumes_on_the_gpu_and_hybrid() {
+    use nebula_engine::backend::BackendKind;
+    use nebula_engine::placement::PlacementOptions;
+    use nebula_engine::prefix_cache::PrefixCacheOptions;
+    use nebula_engine::worker::{Engine, EngineOptions};
+    use std::sync::atomic::Ordering::Relaxed;
+    let path = nebula_tests::repo_root().join("models/nebula-demo.gguf");
+    let n_expert = Qwen4Exp::load(&path).unwrap().config.n_expert;
+    let cuda = BackendKind::Cuda { device: 0, vram_budget: None };
+    let hybrid = PlacementOptions { gpu_experts: n_expert / 2, lock_memory: false, ..Default::default() };
+    for (label, placement, device_bytes) in
+        [("all-GPU", None, 1 << 30), ("hybrid", Some(hybrid), 1 << 30), ("all-GPU spilled", None, 0)]
+    {
+        let opts = EngineOptions {
+            backend: cuda,
+            placement,
+            prefix_cache: PrefixCacheOptions { device_bytes, ..Default::default() },
+            ..Default::default()
+        };
+        let engine = Engine::load(&path, opts).expect("the demo model loads on the GPU");
+        let cached = nebula_tests::check_prefix_cache(&engine);
+        let stats = engine.stats();
+        println!(
+            "{label}: cached tokens {cached:?}; cache holds {} entries, {} bytes ({} in VRAM), {} spills",
+            stats.cache_entries.load(Relaxed),
+            stats.cache_bytes.load(Relaxed),
+            stats.cache_device_bytes.load(Relaxed),
+            stats.cache_spills.load(Relaxed)
+        );
+        if device_bytes == 0 {
+            assert_eq!(stats.cache_device_bytes.load(Relaxed), 0, "{label}: nothing stays in VRAM");
+            assert!(stats.cache_spills.load(Relaxed) > 0, "{label}: entries were spilled");
+        } else {
+            assert!(stats.cache_device_bytes.load(Relaxed) > 0, "{label}: entries stay in VRAM");
+        }
+    }
 }

@@ -48,3 +48,122 @@ pub fn golden_with_random_mtp_gguf(name: &str, tmp: &std::path::Path) -> PathBuf
     nebula_engine::synth::append_random_mtp(&plain, &with, 7).unwrap();
     with
 }
+
+/// Runs `req` on `engine` to its end: (tokens, finish reason, usage).
+///
+/// Panics: the request fails or the worker stops.
+pub fn run_request(
+    engine: &nebula_engine::worker::Engine,
+    req: nebula_engine::worker::GenerateRequest,
+) -> (Vec<u32>, nebula_engine::worker::FinishReason, nebula_engine::worker::Usage) {
+    use nebula_engine::worker::GenerationEvent;
+    let mut rx = engine.submit(req).expect("submits");
+    let mut out = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("the worker reports an end") {
+            GenerationEvent::Token { id, .. } => out.push(id),
+            GenerationEvent::Finished { reason, usage } => return (out, reason, usage),
+            GenerationEvent::Failed(e) => panic!("generation failed: {e}"),
+            _ => {}
+        }
+    }
+}
+
+/// `messages` rendered with `engine`'s chat template (generation prompt added) and tokenized.
+///
+/// Panics: the engine has no template, or rendering fails.
+pub fn chat_prompt(engine: &nebula_engine::worker::Engine, messages: serde_json::Value) -> Vec<u32> {
+    let template = engine.chat_template().expect("the model has a chat template");
+    let mut req = nebula_engine::text::chat_template::RenderRequest::new(&messages);
+    req.add_generation_prompt = true;
+    engine.tokenizer().encode(&template.render(&req).unwrap()).unwrap()
+}
+
+/// The prefix cache's contract on the demo model, whatever the backend `engine` runs on: resuming from a
+/// checkpoint gives the same greedy output as prefilling everything (the cache off), and only the tokens after
+/// the checkpoint are prefilled (counted by the engine's `prefilled_tokens`): an exact repeat none, a follow-up
+/// turn only the new message, a new chat sharing the system prompt only what follows the system turn, and a
+/// follow-up whose last message was edited only what follows the turn boundary before the edit. Returns the
+/// cached-token count of each warm request, for the caller's report.
+///
+/// Panics: any of these fails.
+pub fn check_prefix_cache(engine: &nebula_engine::worker::Engine) -> Vec<usize> {
+    use nebula_engine::worker::GenerateRequest;
+    use std::sync::atomic::Ordering::Relaxed;
+    let im_start = engine.tokenizer().token_to_id("<|im_start|>").expect("the chat template's turn token");
+    let fresh = |ids: &[u32]| {
+        let mut req = GenerateRequest::new(ids.to_vec(), 60);
+        req.use_prefix_cache = false;
+        run_request(engine, req).0
+    };
+    let mut cached = Vec::new();
+    // Runs `ids` with the cache and checks it resumed at `want` (or at least `at_least` when `want` is None)
+    // and prefilled exactly the rest, with the fresh run's tokens.
+    let mut warm = |ids: &[u32], want: Option<usize>, at_least: usize, what: &str| {
+        let before = engine.stats().prefilled_tokens.load(Relaxed);
+        let (out, _, usage) = run_request(engine, GenerateRequest::new(ids.to_vec(), 60));
+        let prefilled = engine.stats().prefilled_tokens.load(Relaxed) - before;
+        if let Some(w) = want {
+            assert_eq!(usage.cached_tokens, w, "{what}: resumed at {} instead of {w}", usage.cached_tokens);
+        }
+        assert!(usage.cached_tokens >= at_least, "{what}: resumed at {} < {at_least}", usage.cached_tokens);
+        assert_eq!(prefilled, ids.len() - usage.cached_tokens, "{what}: prefilled more than the uncached tokens");
+        assert_eq!(out, fresh(ids), "{what}: the resumed output differs from a cold run's");
+        cached.push(usage.cached_tokens);
+        out
+    };
+    let system = "You are the Nebula demo model. Answer briefly.";
+    let first = chat_prompt(
+        engine,
+        serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Hello!"}]),
+    );
+    let (out1, _, usage) = run_request(engine, GenerateRequest::new(first.clone(), 60));
+    assert_eq!(out1, fresh(&first), "a cold run with the cache on equals one with it off");
+    assert!(usage.cached_tokens < first.len());
+
+    // Exact repeat: nothing to prefill.
+    let again = warm(&first, Some(first.len()), 0, "exact repeat");
+    assert_eq!(again, out1);
+
+    // Follow-up turn: the first prompt, its answer and a new message.
+    let text = engine.tokenizer().decode(&out1, false).unwrap();
+    let (reasoning, answer) = text.split_once("</think>").unwrap_or(("", &text));
+    let history = serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": answer.trim(), "reasoning_content": reasoning.trim()}]);
+    let with = |user: &str| {
+        let mut m = history.clone();
+        m.as_array_mut().unwrap().push(serde_json::json!({"role": "user", "content": user}));
+        chat_prompt(engine, m)
+    };
+    let follow = with("What is 2 + 2?");
+    assert!(follow.starts_with(&first));
+    warm(&follow, Some(first.len() + out1.len()), 0, "follow-up turn");
+
+    // A new chat with the same system prompt resumes after the system turn.
+    let other = chat_prompt(
+        engine,
+        serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": "Name a planet."}]),
+    );
+    let system_turn = first.iter().skip(1).position(|&t| t == im_start).unwrap() + 1;
+    warm(&other, Some(system_turn), 0, "shared system prompt");
+
+    // The follow-up with its last message edited: resumes no later than the edit, no earlier than the turn
+    // boundary before it.
+    let edited = with("What is 3 + 3?");
+    let edit = edited.iter().zip(&follow).take_while(|(a, b)| a == b).count();
+    let turn = edited[..edit].iter().rposition(|&t| t == im_start).expect("a turn before the edit");
+    let (_, _, usage) = {
+        let before = engine.stats().prefilled_tokens.load(Relaxed);
+        let r = run_request(engine, GenerateRequest::new(edited.clone(), 60));
+        assert_eq!(engine.stats().prefilled_tokens.load(Relaxed) - before, edited.len() - r.2.cached_tokens);
+        r
+    };
+    assert!(
+        usage.cached_tokens >= turn && usage.cached_tokens <= edit,
+        "mid-prompt edit resumed at {}",
+        usage.cached_tokens
+    );
+    warm(&edited, Some(edited.len()), 0, "the edited follow-up repeated");
+    cached.push(usage.cached_tokens);
+    cached
+}

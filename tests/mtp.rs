@@ -12,9 +12,10 @@
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 
+use nebula_engine::backend::{Backend, BackendError, HeldBytes, Kept};
+use nebula_engine::model::Snapshot;
 use nebula_engine::model::{LogitsFor, Qwen4Exp, SequenceState};
 use nebula_engine::sampling::{Sampler, SamplingParams, argmax};
-use nebula_engine::speculative::SpeculativeModel;
 use nebula_engine::speculative::decoder::{FixedCosts, Flow, SpeculativeDecoder, SpeculativeOptions, TokenSink};
 use nebula_engine::speculative::scripted::{DraftPlan, ScriptedDrafter};
 use nebula_engine::synth::append_random_mtp;
@@ -220,7 +221,7 @@ struct Collect<'a> {
     checked: usize,
 }
 
-impl TokenSink<SequenceState> for Collect<'_> {
+impl<M: Backend<State = SequenceState>> TokenSink<M> for Collect<'_> {
     fn mask(&mut self, _logits: &mut [f32]) -> Result<(), String> {
         Ok(())
     }
@@ -234,7 +235,7 @@ impl TokenSink<SequenceState> for Collect<'_> {
     fn needs_logits(&self) -> bool {
         self.needs
     }
-    fn consumed(&mut self, state: &SequenceState) {
+    fn consumed(&mut self, _model: &M, state: &SequenceState) {
         if let Some((states, p)) = self.states {
             let want = &states[state.pos - p];
             assert!(state == want, "state at position {} differs from plain decoding", state.pos);
@@ -250,7 +251,7 @@ impl TokenSink<SequenceState> for Collect<'_> {
 }
 
 /// Greedy decoding of `n` tokens after `prompt` with `model` (drafting on or off).
-fn greedy<M: SpeculativeModel<State = SequenceState>>(
+fn greedy<M: Backend<State = SequenceState>>(
     model: &M,
     state: SequenceState,
     logits: Vec<f32>,
@@ -268,58 +269,97 @@ fn greedy<M: SpeculativeModel<State = SequenceState>>(
     (sink.out, dec.report, sink.checked)
 }
 
-/// The CPU model seen through [`SpeculativeModel`], counting the plain steps that chose their token on the
-/// model's side ([`SpeculativeModel::step_greedy`]).
+/// The CPU model seen through [`Backend`], counting the plain steps that chose their token on the model's side
+/// ([`Backend::step_greedy`]).
 struct CountGreedy<'a> {
     model: &'a Qwen4Exp,
     greedy_steps: std::cell::Cell<usize>,
 }
 
-impl SpeculativeModel for CountGreedy<'_> {
+/// The CPU model's state operations, delegated to the wrapped model (`$inner`), for test wrappers that change
+/// only how they draft or step.
+macro_rules! delegate_cpu_state {
+    ($inner:tt) => {
+        fn config(&self) -> &nebula_engine::model::ModelConfig {
+            &self.$inner.config
+        }
+        fn describe(&self) -> String {
+            Backend::describe(self.$inner)
+        }
+        fn has_mtp(&self) -> bool {
+            true
+        }
+        fn new_state(&self, max_len: usize, drafting: bool) -> Result<SequenceState, BackendError> {
+            Backend::new_state(self.$inner, max_len, drafting)
+        }
+        fn position(&self, state: &SequenceState) -> usize {
+            state.pos
+        }
+        fn forward(&self, s: &mut SequenceState, t: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError> {
+            Backend::forward(self.$inner, s, t, want)
+        }
+        fn snapshot(&self, state: &SequenceState) -> Result<Snapshot, BackendError> {
+            Backend::snapshot(self.$inner, state)
+        }
+        fn restore(&self, state: &mut SequenceState, snap: &Snapshot) -> Result<(), BackendError> {
+            Backend::restore(self.$inner, state, snap)
+        }
+        fn fork(
+            &self,
+            source: &Kept<SequenceState>,
+            snap: &Snapshot,
+            max_len: usize,
+            drafting: bool,
+        ) -> Result<SequenceState, BackendError> {
+            Backend::fork(self.$inner, source, snap, max_len, drafting)
+        }
+        fn state_held(&self, state: &SequenceState) -> HeldBytes {
+            Backend::state_held(self.$inner, state)
+        }
+        fn spill_state(&self, state: &SequenceState) -> Result<SequenceState, BackendError> {
+            Backend::spill_state(self.$inner, state)
+        }
+        fn spill_snapshot(&self, snap: &Snapshot) -> Result<Snapshot, BackendError> {
+            Backend::spill_snapshot(self.$inner, snap)
+        }
+        fn placement_stats(&self) -> Option<std::sync::Arc<nebula_engine::placement::PlacementStats>> {
+            Backend::placement_stats(self.$inner)
+        }
+    };
+}
+
+impl Backend for CountGreedy<'_> {
     type State = SequenceState;
-    type Record = <Qwen4Exp as SpeculativeModel>::Record;
-    fn vocab(&self) -> usize {
-        <Qwen4Exp as SpeculativeModel>::vocab(self.model)
+    type Snapshot = Snapshot;
+    type Record = <Qwen4Exp as Backend>::Record;
+    delegate_cpu_state!(model);
+    fn step(&self, state: &mut SequenceState, token: u32) -> Result<Vec<f32>, BackendError> {
+        Backend::step(self.model, state, token)
     }
-    fn position(&self, state: &SequenceState) -> usize {
-        <Qwen4Exp as SpeculativeModel>::position(self.model, state)
-    }
-    fn step(&self, state: &mut SequenceState, token: u32) -> Result<Vec<f32>, nebula_engine::model::ModelError> {
-        <Qwen4Exp as SpeculativeModel>::step(self.model, state, token)
-    }
-    fn step_greedy(
-        &self,
-        state: &mut SequenceState,
-        token: u32,
-    ) -> Result<Option<u32>, nebula_engine::model::ModelError> {
+    fn step_greedy(&self, state: &mut SequenceState, token: u32) -> Result<Option<u32>, BackendError> {
         self.greedy_steps.set(self.greedy_steps.get() + 1);
-        <Qwen4Exp as SpeculativeModel>::step_greedy(self.model, state, token)
+        Backend::step_greedy(self.model, state, token)
     }
     fn can_draft(&self, state: &SequenceState) -> bool {
-        <Qwen4Exp as SpeculativeModel>::can_draft(self.model, state)
+        Backend::can_draft(self.model, state)
     }
-    fn draft(
-        &self,
-        state: &mut SequenceState,
-        pending: u32,
-        n: usize,
-    ) -> Result<Vec<u32>, nebula_engine::model::ModelError> {
-        <Qwen4Exp as SpeculativeModel>::draft(self.model, state, pending, n)
+    fn draft(&self, state: &mut SequenceState, pending: u32, n: usize) -> Result<Vec<u32>, BackendError> {
+        Backend::draft(self.model, state, pending, n)
     }
     fn verify(
         &self,
         state: &mut SequenceState,
         chain: &[u32],
-    ) -> Result<nebula_engine::speculative::Verified<Self::Record>, nebula_engine::model::ModelError> {
-        <Qwen4Exp as SpeculativeModel>::verify(self.model, state, chain)
+    ) -> Result<nebula_engine::speculative::Verified<Self::Record>, BackendError> {
+        Backend::verify(self.model, state, chain)
     }
     fn rollback(
         &self,
         state: &mut SequenceState,
         record: &Self::Record,
         keep: usize,
-    ) -> Result<nebula_engine::speculative::Rollback, nebula_engine::model::ModelError> {
-        <Qwen4Exp as SpeculativeModel>::rollback(self.model, state, record, keep)
+    ) -> Result<nebula_engine::speculative::Rollback, BackendError> {
+        Backend::rollback(self.model, state, record, keep)
     }
 }
 
@@ -553,27 +593,15 @@ fn demo_model_with_mtp_decodes_exactly_as_without() {
 /// the state), so relaxed levels have near-greedy drafts to accept.
 struct SecondBest<'a>(&'a Qwen4Exp);
 
-impl SpeculativeModel for SecondBest<'_> {
+impl Backend for SecondBest<'_> {
     type State = SequenceState;
+    type Snapshot = Snapshot;
     type Record = nebula_engine::model::ChainRecord;
-    fn vocab(&self) -> usize {
-        self.0.config.vocab
-    }
-    fn position(&self, s: &SequenceState) -> usize {
-        s.pos
-    }
-    fn step(&self, s: &mut SequenceState, t: u32) -> Result<Vec<f32>, nebula_engine::model::ModelError> {
-        self.0.step(s, t)
-    }
+    delegate_cpu_state!(0);
     fn can_draft(&self, _s: &SequenceState) -> bool {
         true
     }
-    fn draft(
-        &self,
-        s: &mut SequenceState,
-        pending: u32,
-        n: usize,
-    ) -> Result<Vec<u32>, nebula_engine::model::ModelError> {
+    fn draft(&self, s: &mut SequenceState, pending: u32, n: usize) -> Result<Vec<u32>, BackendError> {
         let mut copy = s.clone();
         let mut tok = pending;
         let mut out = Vec::new();
@@ -590,16 +618,16 @@ impl SpeculativeModel for SecondBest<'_> {
         &self,
         s: &mut SequenceState,
         chain: &[u32],
-    ) -> Result<nebula_engine::speculative::Verified<Self::Record>, nebula_engine::model::ModelError> {
-        self.0.verify(s, chain)
+    ) -> Result<nebula_engine::speculative::Verified<Self::Record>, BackendError> {
+        Backend::verify(self.0, s, chain)
     }
     fn rollback(
         &self,
         s: &mut SequenceState,
         r: &Self::Record,
         keep: usize,
-    ) -> Result<nebula_engine::speculative::Rollback, nebula_engine::model::ModelError> {
-        self.0.rollback(s, r, keep)
+    ) -> Result<nebula_engine::speculative::Rollback, BackendError> {
+        Backend::rollback(self.0, s, r, keep)
     }
 }
 
@@ -611,7 +639,7 @@ struct RuleSink {
     non_greedy: usize,
 }
 
-impl TokenSink<SequenceState> for RuleSink {
+impl<M: Backend<State = SequenceState>> TokenSink<M> for RuleSink {
     fn mask(&mut self, _logits: &mut [f32]) -> Result<(), String> {
         Ok(())
     }

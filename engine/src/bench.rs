@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use crate::backend::{BackendError, Runner};
+use crate::backend::{Backend, BackendError};
 use crate::model::{LayerKind, LogitsFor, ModelConfig};
 use crate::sampling::argmax;
 
@@ -45,6 +45,10 @@ pub struct BenchRow {
     pub prefill_phases: Vec<(&'static str, f64, u64)>,
     /// Hybrid streamed prefill's copy/compute timeline (`NEBULA_CUDA_PROFILE=copies`), when recorded.
     pub prefill_copies: Option<String>,
+    /// Per-kernel times of the timed decode steps (`NEBULA_CUDA_PROFILE=kernels`), when recorded.
+    pub decode_kernels: Vec<(String, f64, u64)>,
+    /// Per-phase times of the timed decode steps (`NEBULA_CUDA_PROFILE=1`), when recorded.
+    pub decode_phases: Vec<(&'static str, f64, u64)>,
     /// Hybrid decode only: where the decode steps' time went, and the routed expert uses the CPU computed
     /// (from the placement counters over the timed steps).
     pub hybrid: Option<HybridDecode>,
@@ -87,11 +91,12 @@ impl BenchRow {
 }
 
 /// Runs the benchmark.
-pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, BackendError> {
+pub fn run<B: Backend>(runner: &B, opts: &BenchOptions) -> Result<Vec<BenchRow>, BackendError> {
     let vocab = runner.config().vocab as u64;
     let mut rows = Vec::new();
     for &ctx in &opts.contexts {
-        let mut st = runner.new_state(ctx + opts.decode_tokens + 1)?;
+        // Plain decoding: no MTP cache to keep aligned.
+        let mut st = runner.new_state(ctx + opts.decode_tokens + 1, false)?;
         let mut x = opts.seed | 1;
         // Random ordinary tokens (below the special-token range when the vocabulary is Qwen's).
         let limit = vocab.min(248_000);
@@ -107,14 +112,10 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
         // kernel loading and library heuristics are not part of prefill speed.
         {
             let first = &prompt[..prompt.len().min(opts.prefill_chunk.max(1))];
-            let mut warm = runner.new_state(first.len() + 1)?;
+            let mut warm = runner.new_state(first.len() + 1, false)?;
             runner.forward(&mut warm, first, LogitsFor::Last)?;
         }
-        if let Runner::Cuda(m) = runner {
-            m.take_kernel_times();
-            m.take_profile();
-            m.take_copy_report()?;
-        }
+        runner.take_timings()?;
         let t0 = Instant::now();
         let mut logits = Vec::new();
         let chunks: Vec<&[u32]> = prompt.chunks(opts.prefill_chunk.max(1)).collect();
@@ -123,32 +124,25 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
             logits = runner.forward(&mut st, c, want)?;
         }
         let prefill_s = t0.elapsed().as_secs_f64();
-        let (prefill_kernels, prefill_phases, prefill_copies) = match runner {
-            Runner::Cuda(m) => (m.take_kernel_times(), m.take_profile(), m.take_copy_report()?),
-            Runner::Cpu(_) => (Vec::new(), Vec::new(), None),
-        };
+        let prefill = runner.take_timings()?;
+        let (prefill_kernels, prefill_phases, prefill_copies) = (prefill.kernels, prefill.phases, prefill.copies);
         let mut tok = argmax(&logits).unwrap_or(0) as u32;
         let ttft_ms = t0.elapsed().as_secs_f64() * 1e3;
         // One untimed step warms up decode-shaped kernels.
         logits = runner.forward(&mut st, &[tok], LogitsFor::Last)?;
         tok = argmax(&logits).unwrap_or(0) as u32;
         // Profiles (NEBULA_CUDA_PROFILE) then cover decode only: what prefill and the warm-up step left is dropped.
-        if let Runner::Cuda(m) = runner {
-            m.take_kernel_times();
-            m.take_profile();
-        }
+        runner.take_timings()?;
         let stats0 = runner.placement_stats().map(|s| s.snapshot());
-        if let Runner::Cuda(m) = runner {
-            m.take_hybrid_times();
-        }
         let t1 = Instant::now();
         for _ in 0..opts.decode_tokens {
             logits = runner.forward(&mut st, &[tok], LogitsFor::Last)?;
             tok = argmax(&logits).unwrap_or(0) as u32;
         }
         let dec_s = t1.elapsed().as_secs_f64();
-        let hybrid = match (runner, stats0, runner.placement_stats()) {
-            (Runner::Cuda(m), Some(s0), Some(s1)) => m.take_hybrid_times().map(|t| {
+        let decode = runner.take_timings()?;
+        let hybrid = match (decode.hybrid, stats0, runner.placement_stats()) {
+            (Some(t), Some(s0), Some(s1)) => Some({
                 let s1 = s1.snapshot();
                 let per = opts.decode_tokens.max(1) as f64;
                 HybridDecode {
@@ -179,6 +173,8 @@ pub fn run(runner: &Runner, opts: &BenchOptions) -> Result<Vec<BenchRow>, Backen
             prefill_kernels,
             prefill_phases,
             prefill_copies,
+            decode_kernels: decode.kernels,
+            decode_phases: decode.phases,
             hybrid,
         });
     }

@@ -23,14 +23,14 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use crate::backend::BackendKind;
-use crate::backend::cuda::{CudaModel, CudaState};
+use crate::backend::cuda::CudaModel;
+use crate::backend::{Backend, BackendKind, Loaded};
 use crate::gguf::GgufFile;
-use crate::model::{LoadOptions, LogitsFor, ModelConfig, ModelError, Qwen4Exp, SequenceState};
+use crate::model::{LoadOptions, LogitsFor, ModelConfig, ModelError, Qwen4Exp};
 use crate::placement::{PlacementOptions, PlacementReport, PlacementStats};
 use crate::prefix_cache::{CacheEntry, Checkpoint, PrefixCache, PrefixCacheOptions};
 use crate::sampling::{Sampler, SamplingParams, TokenConstraint, TokenLogprobs, logprobs_of};
-use crate::speculative::decoder::{Flow, SpeculativeDecoder, SpeculativeOptions, TokenSink};
+use crate::speculative::decoder::{DecodeError, Flow, SpeculativeDecoder, SpeculativeOptions, TokenSink};
 use crate::speculative::{AccuracyLevel, SpecStats};
 use crate::text::chat_template::{ChatTemplate, TemplateError};
 use crate::text::tokenizer::{GgufVocab, TextTokenizer, TokenizerError};
@@ -142,8 +142,22 @@ pub enum GenerationEvent {
     },
     /// Generation ended normally.
     Finished { reason: FinishReason, usage: Usage },
-    /// The model failed on this request (the engine stays up).
-    Failed(String),
+    /// The request failed (the engine stays up).
+    Failed(GenerationError),
+}
+
+/// Why a started request failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GenerationError {
+    /// The request's constraint (JSON grammar, forced tool call) could not go on.
+    #[error("constrained decoding: {0}")]
+    Constraint(String),
+    /// The model or the device failed on this request (a weight read, a device error, no token possible).
+    #[error("{0}")]
+    Backend(String),
+    /// The worker caught a panic while running the request (a bug; the prefix cache was cleared).
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 /// A request's [`TokenConstraint`], shareable so that [`GenerateRequest`] stays `Clone` (clones share it).
@@ -251,9 +265,9 @@ pub struct EngineOptions {
     /// MTP speculative decoding (server switch): load the model's MTP block and draft with it. Off, the block is
     /// not loaded at all.
     pub mtp: bool,
-    /// Where the forward pass runs: the CPU model, or every weight on one GPU ([`BackendKind::Cuda`]: the GPU by
-    /// index and an optional VRAM budget checked before anything is allocated). On the GPU the prefix cache and
-    /// MTP drafting are not used yet (their state snapshots are CPU-side).
+    /// Where the forward pass runs: the CPU model, or one GPU ([`BackendKind::Cuda`]: the GPU by index and an
+    /// optional VRAM budget checked before anything is allocated; all-GPU, or hybrid with a placement). The
+    /// prefix cache and MTP drafting work on every backend.
     pub backend: BackendKind,
 }
 
@@ -281,8 +295,12 @@ pub struct EngineStats {
     pub prefilled_tokens: AtomicUsize,
     /// Sequences in the prefix cache now.
     pub cache_entries: AtomicUsize,
-    /// Bytes the prefix cache holds now.
+    /// Bytes the prefix cache holds now (host and device memory).
     pub cache_bytes: AtomicUsize,
+    /// Of those, bytes in device memory (VRAM).
+    pub cache_device_bytes: AtomicUsize,
+    /// Prefix-cache entries moved from VRAM to host memory since start.
+    pub cache_spills: AtomicUsize,
     /// MTP speculative decoding.
     pub speculative: SpecStats,
 }
@@ -309,6 +327,7 @@ pub struct Engine {
     placement: Arc<PlacementReport>,
     placement_stats: Arc<PlacementStats>,
     mtp: bool,
+    prefix_cache: PrefixCacheOptions,
 }
 
 impl std::fmt::Debug for Engine {
@@ -368,17 +387,11 @@ impl Engine {
         }
         let placement = Arc::new(model.placement_report());
         let placement_stats = model.placement_stats();
-        let model = Arc::new(model);
-        let gpu = match opts.backend {
-            BackendKind::Cpu => None,
-            // A placed model runs hybrid: GPU-tier experts on the GPU, the rest on the CPU.
-            BackendKind::Cuda { device, vram_budget } => Some(Box::new(
-                CudaModel::for_model(model.clone(), device, vram_budget)
-                    .map_err(|source| LoadError::Backend { path: shown.clone(), source })?,
-            )),
-        };
         let config = model.config.clone();
         let mtp = model.mtp().is_some();
+        // The one place the backend is chosen; a placed model on CUDA runs hybrid.
+        let backend = Loaded::new(Arc::new(model), opts.backend)
+            .map_err(|source| LoadError::Backend { path: shown.clone(), source })?;
         // End of turn: <|im_end|> and <|endoftext|> by name, plus the file's EOS id.
         let mut stop_tokens: Vec<u32> =
             ["<|im_end|>", "<|endoftext|>"].iter().filter_map(|t| tokenizer.token_to_id(t)).collect();
@@ -392,21 +405,21 @@ impl Engine {
         let waiting = Arc::new(AtomicUsize::new(0));
         let running = Arc::new(AtomicUsize::new(0));
         let stats = Arc::new(EngineStats::default());
-        let worker = Worker {
-            model,
-            gpu,
+        let rules = WorkerRules {
             stop_tokens: stop_tokens.clone(),
             turn_start: tokenizer.token_to_id("<|im_start|>"),
             max_context,
             waiting: waiting.clone(),
             running: running.clone(),
-            cache: PrefixCache::new(opts.prefix_cache.clone()),
             stats: stats.clone(),
         };
-        std::thread::Builder::new()
-            .name("nebula-engine".into())
-            .spawn(move || worker.run(rx))
-            .expect("spawning the engine thread");
+        let cache_opts = opts.prefix_cache.clone();
+        let spawn = std::thread::Builder::new().name("nebula-engine".into());
+        match backend {
+            Loaded::Cpu(m) => spawn.spawn(move || Worker::new(m, rules, cache_opts).run(rx)),
+            Loaded::Cuda(m) => spawn.spawn(move || Worker::<CudaModel>::new(Arc::from(m), rules, cache_opts).run(rx)),
+        }
+        .expect("spawning the engine thread");
         Ok(Self {
             jobs,
             stats,
@@ -422,6 +435,7 @@ impl Engine {
             placement,
             placement_stats,
             mtp,
+            prefix_cache: opts.prefix_cache.clone(),
         })
     }
 
@@ -495,6 +509,10 @@ impl Engine {
     pub fn placement_stats(&self) -> &Arc<PlacementStats> {
         &self.placement_stats
     }
+    /// The prefix cache's limits (host and device budgets).
+    pub fn prefix_cache_options(&self) -> &PrefixCacheOptions {
+        &self.prefix_cache
+    }
     /// Whether the model drafts with its MTP block (the file has one and the server switch is on).
     pub fn has_mtp(&self) -> bool {
         self.mtp
@@ -503,36 +521,39 @@ impl Engine {
 
 /// The worker's per-token rules for one request (grammar, events, stop rules, checkpoints), driven by the
 /// decode loop.
-struct RequestSink<'a> {
+struct RequestSink<'a, B: Backend> {
     req: &'a GenerateRequest,
     events: &'a mpsc::UnboundedSender<GenerationEvent>,
     stop_tokens: &'a [u32],
     output: Vec<u32>,
     completion_tokens: usize,
-    checkpoints: &'a mut Vec<Checkpoint>,
+    checkpoints: &'a mut Vec<Checkpoint<B::Snapshot>>,
     use_cache: bool,
     prompt_len: usize,
     interval: usize,
     next_checkpoint: usize,
+    /// Set when the request's constraint failed (the failure is then [`GenerationError::Constraint`]).
+    constraint_failed: bool,
 }
 
-impl RequestSink<'_> {
+impl<B: Backend> RequestSink<'_, B> {
     fn constraint<T>(
-        &self,
+        &mut self,
         f: impl FnOnce(&mut Box<dyn TokenConstraint>) -> Result<T, String>,
     ) -> Result<Option<T>, String> {
-        match &self.req.constraint {
-            None => Ok(None),
-            Some(c) => {
-                let mut guard =
-                    c.0.lock().map_err(|_| "constrained decoding: the constraint's lock is poisoned".to_owned())?;
-                f(&mut guard).map(Some).map_err(|e| format!("constrained decoding: {e}"))
-            }
-        }
+        let out = match &self.req.constraint {
+            None => return Ok(None),
+            Some(c) => match c.0.lock() {
+                Ok(mut guard) => f(&mut guard).map(Some),
+                Err(_) => Err("the constraint's lock is poisoned".to_owned()),
+            },
+        };
+        self.constraint_failed |= out.is_err();
+        out
     }
 }
 
-impl TokenSink<SequenceState> for RequestSink<'_> {
+impl<B: Backend> TokenSink<B> for RequestSink<'_, B> {
     fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
         self.constraint(|c| c.mask(logits)).map(|_| ())
     }
@@ -569,34 +590,46 @@ impl TokenSink<SequenceState> for RequestSink<'_> {
         self.req.max_tokens.saturating_sub(self.completion_tokens)
     }
 
-    fn consumed(&mut self, state: &SequenceState) {
-        if self.use_cache && state.pos >= self.next_checkpoint {
-            self.checkpoints.push(Checkpoint { snapshot: state.snapshot(), logits: None });
-            let done = (state.pos - self.prompt_len) / self.interval;
+    fn consumed(&mut self, model: &B, state: &B::State) {
+        let pos = model.position(state);
+        if self.use_cache && pos >= self.next_checkpoint {
+            match model.snapshot(state) {
+                Ok(snap) => self.checkpoints.push(Checkpoint::new(snap, None)),
+                Err(e) => tracing::warn!("prefix cache: no checkpoint at {pos}: {e}"),
+            }
+            let done = (pos - self.prompt_len) / self.interval;
             self.next_checkpoint = self.prompt_len + (done + 1) * self.interval;
         }
     }
 }
 
-struct Worker {
-    model: Arc<Qwen4Exp>,
-    /// The GPU copy of the model when the backend is CUDA (then every forward runs there).
-    gpu: Option<Box<CudaModel>>,
+/// What every worker shares with its [`Engine`], whatever the backend.
+struct WorkerRules {
     stop_tokens: Vec<u32>,
     /// `<|im_start|>`: the prompt gets a checkpoint before each one (turn boundaries).
     turn_start: Option<u32>,
     max_context: usize,
     waiting: Arc<AtomicUsize>,
     running: Arc<AtomicUsize>,
-    cache: PrefixCache,
     stats: Arc<EngineStats>,
 }
 
-impl Worker {
+/// The worker thread's side: the backend, the prefix cache of its sequences, and the one generation loop.
+struct Worker<B: Backend> {
+    backend: Arc<B>,
+    rules: WorkerRules,
+    cache: PrefixCache<B>,
+}
+
+impl<B: Backend> Worker<B> {
+    fn new(backend: Arc<B>, rules: WorkerRules, cache: PrefixCacheOptions) -> Self {
+        Self { backend, rules, cache: PrefixCache::new(cache) }
+    }
+
     fn run(mut self, rx: std::sync::mpsc::Receiver<Job>) {
         while let Ok(job) = rx.recv() {
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            self.running.fetch_add(1, Ordering::SeqCst);
+            self.rules.waiting.fetch_sub(1, Ordering::SeqCst);
+            self.rules.running.fetch_add(1, Ordering::SeqCst);
             let events = job.events.clone();
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.generate(job)));
             if let Err(panic) = outcome {
@@ -607,11 +640,15 @@ impl Worker {
                     .unwrap_or_else(|| "unknown panic".into());
                 // The cache may hold a half-updated entry; start it afresh.
                 self.cache.clear();
-                let _ = events.send(GenerationEvent::Failed(format!("internal error: {msg}")));
+                let _ = events.send(GenerationEvent::Failed(GenerationError::Internal(msg)));
             }
-            self.stats.cache_entries.store(self.cache.len(), Ordering::Relaxed);
-            self.stats.cache_bytes.store(self.cache.bytes(), Ordering::Relaxed);
-            self.running.fetch_sub(1, Ordering::SeqCst);
+            let stats = &self.rules.stats;
+            let held = self.cache.held();
+            stats.cache_entries.store(self.cache.len(), Ordering::Relaxed);
+            stats.cache_bytes.store(held.device + held.host, Ordering::Relaxed);
+            stats.cache_device_bytes.store(held.device, Ordering::Relaxed);
+            stats.cache_spills.store(self.cache.spilled(), Ordering::Relaxed);
+            self.rules.running.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
@@ -622,7 +659,7 @@ impl Worker {
         let mut at: Vec<usize> = prompt
             .iter()
             .enumerate()
-            .filter(|&(i, t)| i > 0 && Some(*t) == self.turn_start)
+            .filter(|&(i, t)| i > 0 && Some(*t) == self.rules.turn_start)
             .map(|(i, _)| i)
             .chain((interval..prompt.len()).step_by(interval))
             .chain(std::iter::once(prompt.len()))
@@ -633,42 +670,61 @@ impl Worker {
         at
     }
 
-    fn generate(&mut self, job: Job) {
-        if let Some(gpu) = self.gpu.take() {
-            self.generate_on_gpu(&gpu, job);
-            self.gpu = Some(gpu);
-            return;
+    /// The state to run `prompt` on: forked from the prefix cache's best checkpoint (with the cached logits when
+    /// it covers the whole prompt, and the entry's earlier checkpoints), or fresh.
+    ///
+    /// Errors: a fresh state cannot be allocated (a failed fork falls back to a fresh state).
+    #[allow(clippy::type_complexity)]
+    fn start_state(
+        &mut self,
+        prompt: &[u32],
+        limit: usize,
+        drafting: bool,
+        use_cache: bool,
+    ) -> Result<(B::State, Vec<f32>, Vec<Checkpoint<B::Snapshot>>), crate::backend::BackendError> {
+        let backend = &*self.backend;
+        if use_cache {
+            self.rules.stats.prefix_queries.fetch_add(prompt.len(), Ordering::Relaxed);
+            if let Some(hit) = self.cache.lookup(prompt) {
+                let pos = hit.checkpoint.pos();
+                match backend.fork(&hit.entry.state, &hit.checkpoint.snapshot, limit, drafting) {
+                    Ok(state) => {
+                        let checkpoints = hit.entry.checkpoints.iter().filter(|c| c.pos() <= pos).cloned().collect();
+                        let logits = if pos == prompt.len() { hit.checkpoint.logits.clone() } else { None };
+                        return Ok((state, logits.unwrap_or_default(), checkpoints));
+                    }
+                    Err(e) => tracing::warn!("prefix cache: resuming at {pos} failed, prefilling afresh: {e}"),
+                }
+            }
         }
+        Ok((backend.new_state(limit, drafting)?, Vec::new(), Vec::new()))
+    }
+
+    /// Runs one request to its end: resume or start a state, prefill the rest of the prompt in chunks (ending
+    /// at checkpoint positions), decode through [`SpeculativeDecoder`], keep the sequence in the prefix cache.
+    fn generate(&mut self, job: Job) {
         let Job { req, events, queued } = job;
         let cancelled = || req.cancel.load(Ordering::Relaxed) || events.is_closed();
         let queue_ms = queued.elapsed().as_secs_f64() * 1e3;
         if cancelled() {
             return;
         }
-        let prompt = &req.prompt;
-        let limit = self.max_context.min(prompt.len() + req.max_tokens);
-        let use_cache = req.use_prefix_cache && self.cache.enabled();
-
-        // Resume from the best checkpoint, or start afresh.
-        let mut checkpoints: Vec<Checkpoint> = Vec::new();
-        let mut resumed: Option<(SequenceState, Option<Vec<f32>>)> = None;
-        if use_cache {
-            self.stats.prefix_queries.fetch_add(prompt.len(), Ordering::Relaxed);
-            if let Some(hit) = self.cache.lookup(prompt) {
-                let pos = hit.checkpoint.snapshot.pos();
-                if let Ok(state) = self.model.fork_state(&hit.entry.state, &hit.checkpoint.snapshot, limit) {
-                    checkpoints = hit.entry.checkpoints.iter().filter(|c| c.snapshot.pos() <= pos).cloned().collect();
-                    let logits = if pos == prompt.len() { hit.checkpoint.logits.clone() } else { None };
-                    resumed = Some((state, logits));
-                }
-            }
-        }
-        let (mut state, mut logits) = match resumed {
-            Some((state, logits)) => (state, logits.unwrap_or_default()),
-            None => (self.model.new_state(limit), Vec::new()),
+        let fail = |error: GenerationError| {
+            let _ = events.send(GenerationEvent::Failed(error));
         };
-        let cached_tokens = state.pos;
-        self.stats.prefix_hits.fetch_add(cached_tokens, Ordering::Relaxed);
+        let backend = self.backend.clone();
+        let stats = self.rules.stats.clone();
+        let prompt = &req.prompt;
+        let limit = self.rules.max_context.min(prompt.len() + req.max_tokens);
+        let use_cache = req.use_prefix_cache && self.cache.enabled();
+        let drafting = req.speculative && backend.has_mtp();
+
+        let (mut state, mut logits, mut checkpoints) = match self.start_state(prompt, limit, drafting, use_cache) {
+            Ok(s) => s,
+            Err(e) => return fail(GenerationError::Backend(e.to_string())),
+        };
+        let cached_tokens = backend.position(&state);
+        stats.prefix_hits.fetch_add(cached_tokens, Ordering::Relaxed);
         let _ = events.send(GenerationEvent::Started { cached_tokens });
 
         let mut sampler = Sampler::new(req.sampling);
@@ -686,34 +742,36 @@ impl Worker {
         let finish = |reason: FinishReason, usage: Usage| {
             let _ = events.send(GenerationEvent::Finished { reason, usage });
         };
-        let fail = |message: String| {
-            let _ = events.send(GenerationEvent::Failed(message));
-        };
 
         // Prefill what the cache did not cover, in chunks that end at each checkpoint position.
         let t0 = Instant::now();
         let chunk = req.prefill_chunk.unwrap_or(PREFILL_CHUNK).max(1);
-        let marks = if use_cache { self.prompt_checkpoints(prompt, state.pos) } else { vec![prompt.len()] };
+        let marks = if use_cache { self.prompt_checkpoints(prompt, cached_tokens) } else { vec![prompt.len()] };
         let mut next_mark = 0;
-        while state.pos < prompt.len() {
+        let mut pos = cached_tokens;
+        while pos < prompt.len() {
             if cancelled() {
                 return finish(FinishReason::Cancelled, usage);
             }
-            while marks.get(next_mark).is_some_and(|&m| m <= state.pos) {
+            while marks.get(next_mark).is_some_and(|&m| m <= pos) {
                 next_mark += 1;
             }
-            let end = marks.get(next_mark).copied().unwrap_or(prompt.len()).min(state.pos + chunk);
+            let end = marks.get(next_mark).copied().unwrap_or(prompt.len()).min(pos + chunk);
             let want = if end == prompt.len() { LogitsFor::Last } else { LogitsFor::None };
-            let from = state.pos;
-            let n = end - from;
-            match self.model.forward(&mut state, &prompt[from..end], want) {
+            match backend.forward(&mut state, &prompt[pos..end], want) {
                 Ok(l) => logits = l,
-                Err(e) => return fail(e.to_string()),
+                Err(e) => return fail(GenerationError::Backend(e.to_string())),
             }
-            self.stats.prefilled_tokens.fetch_add(n, Ordering::Relaxed);
+            stats.prefilled_tokens.fetch_add(end - pos, Ordering::Relaxed);
+            pos = end;
             if use_cache && marks.contains(&end) {
-                let keep = (end == prompt.len()).then(|| logits.clone());
-                checkpoints.push(Checkpoint { snapshot: state.snapshot(), logits: keep });
+                match backend.snapshot(&state) {
+                    Ok(snap) => {
+                        let keep = (end == prompt.len()).then(|| logits.clone());
+                        checkpoints.push(Checkpoint::new(snap, keep));
+                    }
+                    Err(e) => tracing::warn!("prefix cache: no checkpoint at {end}: {e}"),
+                }
             }
             let _ = events.send(GenerationEvent::Prefilled { done: end, total: prompt.len() });
         }
@@ -721,13 +779,12 @@ impl Worker {
 
         let t1 = Instant::now();
         let interval = self.cache.options().interval.max(1);
-        let opts =
-            SpeculativeOptions { enabled: req.speculative, level: req.accuracy_level, ..SpeculativeOptions::default() };
-        let mut decoder = SpeculativeDecoder::new(&*self.model, opts, Some(&self.stats.speculative));
-        let mut sink = RequestSink {
+        let opts = SpeculativeOptions { enabled: drafting, level: req.accuracy_level, ..SpeculativeOptions::default() };
+        let mut decoder = SpeculativeDecoder::new(&*backend, opts, Some(&stats.speculative));
+        let mut sink = RequestSink::<B> {
             req: &req,
             events: &events,
-            stop_tokens: &self.stop_tokens,
+            stop_tokens: &self.rules.stop_tokens,
             output: Vec::new(),
             completion_tokens: 0,
             checkpoints: &mut checkpoints,
@@ -735,132 +792,43 @@ impl Worker {
             prompt_len: prompt.len(),
             interval,
             next_checkpoint: prompt.len() + interval,
+            constraint_failed: false,
         };
         let outcome = decoder.run(&mut state, logits, &mut sampler, &mut sink, limit);
         let output = std::mem::take(&mut sink.output);
+        let constraint_failed = sink.constraint_failed;
         usage.completion_tokens = sink.completion_tokens;
         usage.draft_tokens = decoder.report.drafted;
         usage.accepted_draft_tokens = decoder.report.accepted;
         let reason = match outcome {
             Ok(o) => o.reason,
-            Err(e) => return fail(e),
+            Err(DecodeError::Request(m)) if constraint_failed => return fail(GenerationError::Constraint(m)),
+            Err(e) => return fail(GenerationError::Backend(e.to_string())),
         };
         usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
         finish(reason, usage);
 
         // Keep the sequence: every token the state consumed, with a checkpoint at its end.
-        if use_cache && state.pos >= prompt.len() {
-            if checkpoints.last().is_none_or(|c| c.snapshot.pos() != state.pos) {
-                checkpoints.push(Checkpoint { snapshot: state.snapshot(), logits: None });
+        let end = backend.position(&state);
+        if use_cache && end >= prompt.len() {
+            if checkpoints.last().is_none_or(|c| c.pos() != end) {
+                match backend.snapshot(&state) {
+                    Ok(snap) => checkpoints.push(Checkpoint::new(snap, None)),
+                    Err(e) => tracing::warn!("prefix cache: no checkpoint at {end}: {e}"),
+                }
             }
             let mut tokens = prompt.clone();
-            tokens.extend_from_slice(&output[..state.pos - prompt.len()]);
-            self.cache.insert(CacheEntry { tokens, state, checkpoints });
+            tokens.extend_from_slice(&output[..end - prompt.len()]);
+            self.cache.insert(CacheEntry::new(&*backend, tokens, state, checkpoints));
+            self.cache.fit_device_budget(&backend);
         }
     }
 }
 
-impl Worker {
-    /// [`Worker::generate`] on the GPU model: prefill in chunks, then the same decode loop, sampler, grammar and
-    /// stop rules as on the CPU (through [`SpeculativeDecoder`], drafting with the GPU's MTP block when loaded). No prefix cache: its
-    /// checkpoints are CPU states.
-    fn generate_on_gpu(&self, gpu: &CudaModel, job: Job) {
-        let Job { req, events, queued } = job;
-        let cancelled = || req.cancel.load(Ordering::Relaxed) || events.is_closed();
-        let queue_ms = queued.elapsed().as_secs_f64() * 1e3;
-        if cancelled() {
-            return;
-        }
-        let prompt = &req.prompt;
-        let limit = self.max_context.min(prompt.len() + req.max_tokens);
-        let fail = |message: String| {
-            let _ = events.send(GenerationEvent::Failed(message));
-        };
-        // Drafting with the GPU's MTP block; without it the state needs no MTP cache.
-        let drafting = req.speculative && gpu.has_mtp();
-        let mut state = match gpu.new_state_with(limit, drafting) {
-            Ok(s) => s,
-            Err(e) => return fail(e.to_string()),
-        };
-        let _ = events.send(GenerationEvent::Started { cached_tokens: 0 });
-        let mut sampler = Sampler::new(req.sampling);
-        sampler.observe_prompt(prompt);
-        let mut usage = Usage {
-            prompt_tokens: prompt.len(),
-            cached_tokens: 0,
-            completion_tokens: 0,
-            queue_ms,
-            prefill_ms: 0.0,
-            decode_ms: 0.0,
-            draft_tokens: 0,
-            accepted_draft_tokens: 0,
-        };
-        let finish = |reason: FinishReason, usage: Usage| {
-            let _ = events.send(GenerationEvent::Finished { reason, usage });
-        };
-        let t0 = Instant::now();
-        let chunk = req.prefill_chunk.unwrap_or(PREFILL_CHUNK).max(1);
-        let mut logits = Vec::new();
-        while state.pos < prompt.len() {
-            if cancelled() {
-                return finish(FinishReason::Cancelled, usage);
-            }
-            let (from, end) = (state.pos, (state.pos + chunk).min(prompt.len()));
-            let want = if end == prompt.len() { LogitsFor::Last } else { LogitsFor::None };
-            match gpu.forward(&mut state, &prompt[from..end], want) {
-                Ok(l) => logits = l,
-                Err(e) => return fail(e.to_string()),
-            }
-            self.stats.prefilled_tokens.fetch_add(end - from, Ordering::Relaxed);
-            let _ = events.send(GenerationEvent::Prefilled { done: end, total: prompt.len() });
-        }
-        usage.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let t1 = Instant::now();
-        let opts = SpeculativeOptions { enabled: drafting, level: req.accuracy_level, ..SpeculativeOptions::default() };
-        let mut decoder = SpeculativeDecoder::new(gpu, opts, Some(&self.stats.speculative));
-        let mut checkpoints = Vec::new();
-        let mut sink = RequestSink {
-            req: &req,
-            events: &events,
-            stop_tokens: &self.stop_tokens,
-            output: Vec::new(),
-            completion_tokens: 0,
-            checkpoints: &mut checkpoints,
-            use_cache: false,
-            prompt_len: prompt.len(),
-            interval: usize::MAX,
-            next_checkpoint: usize::MAX,
-        };
-        let outcome = decoder.run(&mut state, logits, &mut sampler, &mut sink, limit);
-        usage.completion_tokens = sink.completion_tokens;
-        usage.draft_tokens = decoder.report.drafted;
-        usage.accepted_draft_tokens = decoder.report.accepted;
-        match outcome {
-            Ok(o) => {
-                usage.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
-                finish(o.reason, usage)
-            }
-            Err(e) => fail(e),
-        }
-    }
-}
-
-/// The decode loop's sink on the GPU: the same rules; no checkpoints (the state lives on the device).
-impl TokenSink<CudaState> for RequestSink<'_> {
-    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        <Self as TokenSink<SequenceState>>::mask(self, logits)
-    }
-
-    fn commit(&mut self, token: u32, logits: &[f32], room: bool) -> Result<Flow, String> {
-        <Self as TokenSink<SequenceState>>::commit(self, token, logits, room)
-    }
-
-    fn remaining(&self) -> usize {
-        <Self as TokenSink<SequenceState>>::remaining(self)
-    }
-
-    fn needs_logits(&self) -> bool {
-        <Self as TokenSink<SequenceState>>::needs_logits(self)
+impl<B: Backend> Drop for Worker<B> {
+    fn drop(&mut self) {
+        // Cached device states go before the backend they were allocated on.
+        self.cache.clear();
     }
 }
 

@@ -192,15 +192,19 @@ impl Default for GenerationDefaults {
 pub struct PrefixCacheConfig {
     /// Sequences kept (0: off).
     pub max_entries: usize,
-    /// Most MiB of state kept.
+    /// Most MiB of host memory kept (CPU states, and GPU states spilled from VRAM).
     pub max_mib: usize,
+    /// Most MiB of VRAM the cached GPU states and checkpoints may keep before the least recently used are
+    /// spilled to host memory. Unset: 1/16 of the profile's VRAM step (768 MiB at 12 GB), or 1024 MiB without a
+    /// profile.
+    pub device_mib: Option<usize>,
     /// A checkpoint every this many tokens inside long prompts and answers (besides turn boundaries).
     pub interval: usize,
 }
 
 impl Default for PrefixCacheConfig {
     fn default() -> Self {
-        Self { max_entries: 8, max_mib: 2048, interval: 1024 }
+        Self { max_entries: 8, max_mib: 2048, device_mib: None, interval: 1024 }
     }
 }
 

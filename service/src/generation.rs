@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use nebula_engine::sampling::TokenLogprobs;
 use nebula_engine::text::output::{OutputEvent, OutputParser, ParseOptions};
-use nebula_engine::worker::{self, GenerateRequest, GenerationEvent, SubmitError};
+use nebula_engine::worker::{self, GenerateRequest, GenerationError, GenerationEvent, SubmitError};
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
@@ -317,10 +317,13 @@ async fn drive(
                 drop((queue_span.take(), prefill_span.take(), decode_span.take()));
                 return send(with_timings(pieces, cached_tokens, Some(&usage))).await;
             }
-            Some(GenerationEvent::Failed(message)) => {
-                tracing::error!(%message, "generation failed");
-                metrics.error(if message.starts_with("constrained decoding") { "constraint" } else { "engine" });
-                vec![Piece::Failed(message)]
+            Some(GenerationEvent::Failed(error)) => {
+                tracing::error!(%error, "generation failed");
+                metrics.error(match error {
+                    GenerationError::Constraint(_) => "constraint",
+                    GenerationError::Backend(_) | GenerationError::Internal(_) => "engine",
+                });
+                vec![Piece::Failed(error.to_string())]
             }
             None => {
                 metrics.error("engine");

@@ -9,7 +9,8 @@
 //!
 //! Nebula's: `nebula:prompt_tokens_cached_total` and `nebula:prompt_tokens_prefilled_total` (prompt tokens taken
 //! from the prefix cache / run through the model), `nebula:prefix_cache_entries`, `nebula:prefix_cache_bytes`,
-//! `nebula:requests_rejected_total{reason}`, `nebula:request_errors_total{kind}`, `nebula:model_loaded`, and the
+//! `nebula:prefix_cache_device_bytes` (of those, in VRAM), `nebula:prefix_cache_spills_total` (entries moved from
+//! VRAM to host memory), `nebula:requests_rejected_total{reason}`, `nebula:request_errors_total{kind}`, `nebula:model_loaded`, and the
 //! placement families `nebula:expert_hits_total{tier}` (routed expert uses, token x expert, by the tier that held
 //! the expert: `gpu`, `ram`, `ssd`; without a placement every use counts as `ram`), `nebula:ssd_read_bytes_total`
 //! (expert and n-gram bytes read from SSD), `nebula:ssd_read_errors_total`, `nebula:expert_prefetch_total{outcome}`
@@ -62,6 +63,8 @@ pub struct Metrics {
     prefilled_tokens: IntCounter,
     cache_entries: IntGauge,
     cache_bytes: IntGauge,
+    cache_device_bytes: IntGauge,
+    cache_spills: IntCounter,
     rejected: IntCounterVec,
     errors: IntCounterVec,
     model_loaded: IntGauge,
@@ -176,7 +179,15 @@ impl Metrics {
             ),
             prefilled_tokens: plain("nebula:prompt_tokens_prefilled_total", "Prompt tokens run through the model."),
             cache_entries: gauge("nebula:prefix_cache_entries", "Sequences held by the prefix cache."),
-            cache_bytes: gauge("nebula:prefix_cache_bytes", "Bytes of state held by the prefix cache."),
+            cache_bytes: gauge("nebula:prefix_cache_bytes", "Bytes of state held by the prefix cache (VRAM and host)."),
+            cache_device_bytes: gauge(
+                "nebula:prefix_cache_device_bytes",
+                "Bytes of the prefix cache's GPU states and checkpoints held in VRAM.",
+            ),
+            cache_spills: plain(
+                "nebula:prefix_cache_spills_total",
+                "Prefix-cache entries moved from VRAM to host memory (resumed by copying back).",
+            ),
             rejected: counter(&r, "nebula:requests_rejected_total", "Requests refused before running.", &["reason"]),
             errors: counter(&r, "nebula:request_errors_total", "Requests that failed after they started.", &["kind"]),
             model_loaded: gauge("nebula:model_loaded", "1 once the model is loaded and served."),
@@ -327,6 +338,8 @@ impl Metrics {
             set(&self.prefilled_tokens, stats.prefilled_tokens.load(Ordering::Relaxed));
             self.cache_entries.set(stats.cache_entries.load(Ordering::Relaxed) as i64);
             self.cache_bytes.set(stats.cache_bytes.load(Ordering::Relaxed) as i64);
+            self.cache_device_bytes.set(stats.cache_device_bytes.load(Ordering::Relaxed) as i64);
+            set(&self.cache_spills, stats.cache_spills.load(Ordering::Relaxed));
             let p = engine.placement_stats().snapshot();
             let set64 = |c: &IntCounter, v: u64| {
                 if v > c.get() {

@@ -146,6 +146,12 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         prefix_cache: PrefixCacheOptions {
             max_entries: config.prefix_cache.max_entries,
             max_bytes: config.prefix_cache.max_mib.saturating_mul(1 << 20),
+            device_bytes: config
+                .prefix_cache
+                .device_mib
+                .or_else(|| state.profile_limit("vram_gb").filter(|&g| g > 0).map(|g| g * 1024 / 16))
+                .unwrap_or(1024)
+                .saturating_mul(1 << 20),
             interval: config.prefix_cache.interval.max(1),
         },
         placement,

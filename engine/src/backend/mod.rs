@@ -1,9 +1,24 @@
-//! Where the forward pass runs: the CPU model of [`crate::model`] or the CUDA model of [`cuda`] (all weights on
-//! one GPU). [`Runner`] hides the choice from the generation worker and the benchmarks.
+//! Where the forward pass runs, behind one trait: [`Backend`] is what the generation worker, the speculative
+//! decoder, `nebula bench` and `nebula generate` call, and the CPU model ([`crate::model::Qwen4Exp`], in
+//! [`cpu`]) and the CUDA model ([`cuda::CudaModel`], all-GPU or hybrid) implement it. Code above this module is
+//! generic over the backend; the choice between them is made once, by [`Loaded::new`], and crossed with
+//! [`Loaded::run`].
+//!
+//! A sequence lives in a backend's [`Backend::State`]. Its recurrent parts (Gated DeltaNet conv and recurrent
+//! state, the PLE n-gram context, the MTP block's pending hidden input) are overwritten by every token, while
+//! attention caches only grow, so a sequence can be cut back or copied only at a [`Backend::Snapshot`] taken
+//! earlier: [`Backend::restore`] truncates a state back to one of its snapshots, [`Backend::fork`] makes a new
+//! state holding a cached sequence's prefix. The prefix cache keeps finished sequences as [`Kept`] (live on the
+//! backend, or spilled to host memory as a [`SequenceState`] image) and resumes requests from them.
 
+pub mod cpu;
 pub mod cuda;
 
+use std::sync::Arc;
+
 use crate::model::{LogitsFor, ModelConfig, ModelError, Qwen4Exp, SequenceState};
+use crate::placement::PlacementStats;
+use crate::speculative::{Rollback, Verified};
 
 /// Which backend to run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -34,7 +49,7 @@ impl std::str::FromStr for BackendKind {
 /// Errors of either backend.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    /// From the CPU model (bad input, context overflow).
+    /// From the model (bad input, context overflow, a weight read that failed, a bad snapshot).
     #[error(transparent)]
     Model(#[from] ModelError),
     /// From the GPU.
@@ -42,109 +57,287 @@ pub enum BackendError {
     Cuda(#[from] cuda::CudaError),
 }
 
-/// A model ready to run on one backend.
-pub enum Runner {
-    /// The CPU model.
-    Cpu(Qwen4Exp),
-    /// The GPU model (the CPU copy of the weights is dropped after upload).
-    Cuda(Box<cuda::CudaModel>),
-}
-
-/// A sequence's state on the runner's backend.
-pub enum RunnerState {
-    /// On the CPU.
-    Cpu(SequenceState),
-    /// On the GPU.
-    Cuda(Box<cuda::CudaState>),
-}
-
-impl RunnerState {
-    /// Tokens consumed so far.
-    pub fn pos(&self) -> usize {
+impl BackendError {
+    /// The model error inside, when there is one (a CUDA error wrapping a model error included).
+    pub fn as_model(&self) -> Option<&ModelError> {
         match self {
-            RunnerState::Cpu(s) => s.pos,
-            RunnerState::Cuda(s) => s.pos,
+            BackendError::Model(m) | BackendError::Cuda(cuda::CudaError::Model(m)) => Some(m),
+            BackendError::Cuda(_) => None,
         }
     }
 }
 
-impl Runner {
+/// Bytes a state or snapshot holds, by where they are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HeldBytes {
+    /// In device memory (VRAM).
+    pub device: usize,
+    /// In host memory.
+    pub host: usize,
+}
+
+impl std::ops::Add for HeldBytes {
+    type Output = HeldBytes;
+    fn add(self, o: HeldBytes) -> HeldBytes {
+        HeldBytes { device: self.device + o.device, host: self.host + o.host }
+    }
+}
+
+impl std::iter::Sum for HeldBytes {
+    fn sum<I: Iterator<Item = HeldBytes>>(iter: I) -> HeldBytes {
+        iter.fold(HeldBytes::default(), |a, b| a + b)
+    }
+}
+
+/// A resumable point of a sequence on some backend: the recurrent and PLE parts at a position (attention
+/// caches are cut by length).
+pub trait BackendSnapshot {
+    /// Tokens the sequence had consumed when the snapshot was taken.
+    fn pos(&self) -> usize;
+    /// Bytes it holds, by where.
+    fn held(&self) -> HeldBytes;
+}
+
+impl BackendSnapshot for crate::model::Snapshot {
+    fn pos(&self) -> usize {
+        crate::model::Snapshot::pos(self)
+    }
+    fn held(&self) -> HeldBytes {
+        HeldBytes { device: 0, host: self.bytes() }
+    }
+}
+
+/// A finished sequence kept by the prefix cache: still on the backend, or spilled to host memory as an image
+/// ([`Backend::spill_state`]).
+pub enum Kept<S> {
+    /// The backend's own state (VRAM on the GPU).
+    Live(S),
+    /// An image in host memory, in the layout of [`SequenceState`] (the CPU model's own state; a GPU image holds
+    /// the device buffers' bytes in the same fields).
+    Host(SequenceState),
+}
+
+/// Per-kernel, per-phase and copy timings a backend collected since the last call (empty where it keeps none):
+/// `nebula bench model`'s breakdown.
+#[derive(Debug, Default)]
+pub struct Timings {
+    /// (kernel, total seconds, launches).
+    pub kernels: Vec<(String, f64, u64)>,
+    /// (forward-pass phase, total seconds, count).
+    pub phases: Vec<(&'static str, f64, u64)>,
+    /// A one-line report of host-device copies.
+    pub copies: Option<String>,
+    /// The split of hybrid decode steps between CPU and GPU.
+    pub hybrid: Option<cuda::hybrid::HybridTimes>,
+}
+
+/// One model on one backend: everything the generation worker, speculative decoding and the benchmarks run.
+///
+/// Contract: a state has consumed [`Backend::position`] tokens, at most its `max_len`. [`Backend::forward`] and
+/// [`Backend::step`] consume tokens; on a bad token or a context overflow the state is unchanged, on any other
+/// error it must be discarded (the backend stays usable). [`Backend::draft`] may use scratch space but leaves
+/// the target state as it was; [`Backend::verify`] consumes every token it is given and returns each row's
+/// logits; [`Backend::rollback`] then cuts the state back to the first `keep` rows exactly (bit for bit the
+/// state a forward of those rows alone leaves), without recomputing them.
+pub trait Backend {
+    /// A sequence's state on this backend.
+    type State;
+    /// A resumable point of a state ([`Backend::snapshot`]).
+    type Snapshot: BackendSnapshot;
+    /// What a verify pass keeps for its rollback.
+    type Record;
+
+    /// The model's shapes.
+    fn config(&self) -> &ModelConfig;
+
+    /// Vocabulary size (row width of the logits).
+    fn vocab(&self) -> usize {
+        self.config().vocab
+    }
+
+    /// One line for logs: backend and device.
+    fn describe(&self) -> String;
+
+    /// Whether the model has an MTP block loaded to draft with.
+    fn has_mtp(&self) -> bool;
+
+    /// A fresh state for at most `max_len` tokens; `drafting` keeps an MTP cache aligned (when the model has
+    /// the block) so the state can draft.
+    ///
+    /// Errors: the state cannot be allocated (device memory).
+    fn new_state(&self, max_len: usize, drafting: bool) -> Result<Self::State, BackendError>;
+
+    /// Tokens `state` has consumed.
+    fn position(&self, state: &Self::State) -> usize;
+
+    /// Runs `tokens` (one sequence) on `state` and returns the logits asked for (`[rows, vocab]`, masked ids at
+    /// `-inf`).
+    ///
+    /// Errors: [`ModelError::TokenOutOfRange`], [`ModelError::ContextOverflow`] (state unchanged); a weight
+    /// read or device failure (state to be discarded).
+    fn forward(&self, state: &mut Self::State, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError>;
+
+    /// Plain decode step with the full target (every expert, wherever it lives): consumes `token`, returns its
+    /// logits `[vocab]`.
+    ///
+    /// Errors: as [`Backend::forward`].
+    fn step(&self, state: &mut Self::State, token: u32) -> Result<Vec<f32>, BackendError> {
+        self.forward(state, &[token], LogitsFor::Last)
+    }
+
+    /// A plain decode step that returns the greedy choice instead of the logits: the argmax of the logits
+    /// [`Backend::step`] would return ([`crate::sampling::argmax`]: ties to the lower id, `-inf` and NaN never
+    /// chosen; `None` when no logit is finite). Backends that can choose on their device override it.
+    ///
+    /// Errors: as [`Backend::step`].
+    fn step_greedy(&self, state: &mut Self::State, token: u32) -> Result<Option<u32>, BackendError> {
+        Ok(crate::sampling::argmax(&self.step(state, token)?).map(|i| i as u32))
+    }
+
+    /// A snapshot of `state` now.
+    ///
+    /// Errors: a device copy failed.
+    fn snapshot(&self, state: &Self::State) -> Result<Self::Snapshot, BackendError>;
+
+    /// Truncates `state` back to `snap`, taken earlier from the same sequence (which may have grown since).
+    ///
+    /// Errors: [`ModelError::BadSnapshot`] when `snap` lies beyond the state or has another shape.
+    fn restore(&self, state: &mut Self::State, snap: &Self::Snapshot) -> Result<(), BackendError>;
+
+    /// A new state for at most `max_len` tokens holding the first `snap.pos()` tokens of the kept sequence
+    /// `source` (attention caches copied up to that length, recurrent parts from `snap`, which was taken from
+    /// `source` earlier); `source` is left as it is, so one cached sequence can seed many requests.
+    ///
+    /// Errors: [`ModelError::BadSnapshot`] when `snap` does not fit `source` or `max_len`; device memory.
+    fn fork(
+        &self,
+        source: &Kept<Self::State>,
+        snap: &Self::Snapshot,
+        max_len: usize,
+        drafting: bool,
+    ) -> Result<Self::State, BackendError>;
+
+    /// Bytes `state` holds, by where.
+    fn state_held(&self, state: &Self::State) -> HeldBytes;
+
+    /// A host image of `state` (its consumed prefix), from which [`Backend::fork`] resumes as from the state
+    /// itself: how the prefix cache moves a sequence out of device memory.
+    ///
+    /// Errors: a device copy failed.
+    fn spill_state(&self, state: &Self::State) -> Result<SequenceState, BackendError>;
+
+    /// A copy of `snap` that holds everything in host memory.
+    ///
+    /// Errors: a device copy failed.
+    fn spill_snapshot(&self, snap: &Self::Snapshot) -> Result<Self::Snapshot, BackendError>;
+
+    /// Whether the drafter can propose after this state now (MTP loaded and aligned, a token consumed).
+    fn can_draft(&self, state: &Self::State) -> bool;
+
+    /// Up to `n` drafts following `pending` (the next token the target will consume).
+    ///
+    /// Errors: drafting unavailable, bad token.
+    fn draft(&self, state: &mut Self::State, pending: u32, n: usize) -> Result<Vec<u32>, BackendError>;
+
+    /// Consumes `chain` in one batched pass; reports per row the resident experts' share of the router weight
+    /// (1 where every expert ran where it lives).
+    ///
+    /// Errors: bad token, context overflow (state unchanged).
+    fn verify(&self, state: &mut Self::State, chain: &[u32]) -> Result<Verified<Self::Record>, BackendError>;
+
+    /// Cuts the chain of `record` back to its first `keep` rows and realigns the drafter's cache to them.
+    /// Called after every verify, with `keep` = all rows when everything is kept.
+    ///
+    /// Errors: `record` is not the state's last chain, or `keep` exceeds it.
+    fn rollback(&self, state: &mut Self::State, record: &Self::Record, keep: usize) -> Result<Rollback, BackendError>;
+
+    /// The placement counters of a placed model (CPU tiers, or hybrid CUDA); `None` otherwise.
+    fn placement_stats(&self) -> Option<Arc<PlacementStats>>;
+
+    /// Timings collected since the last call (then cleared); empty by default.
+    ///
+    /// Errors: a device query failed.
+    fn take_timings(&self) -> Result<Timings, BackendError> {
+        Ok(Timings::default())
+    }
+}
+
+/// A model put on the backend [`BackendKind`] chose: the one place the choice forks.
+pub enum Loaded {
+    /// The CPU model.
+    Cpu(Arc<Qwen4Exp>),
+    /// The GPU model (all-GPU, or hybrid for a placed model).
+    Cuda(Box<cuda::CudaModel>),
+}
+
+/// Code to run with whichever backend was loaded ([`Loaded::run`]): a generic function in a struct, since
+/// closures cannot be generic.
+pub trait WithBackend {
+    /// What the code returns.
+    type Output;
+    /// Runs with `backend`.
+    fn run<B: Backend>(self, backend: &B) -> Self::Output;
+}
+
+impl Loaded {
     /// Puts `model` on `kind`. A placed model ([`Qwen4Exp::place`]) on CUDA runs hybrid: its GPU-tier experts on
     /// the GPU, the others on the CPU ([`cuda::hybrid`]); unplaced, every weight goes to the GPU.
-    pub fn new(model: Qwen4Exp, kind: BackendKind) -> Result<Self, BackendError> {
+    ///
+    /// Errors: no GPU, over the VRAM budget, no kernels for a weight type.
+    pub fn new(model: Arc<Qwen4Exp>, kind: BackendKind) -> Result<Self, cuda::CudaError> {
         Ok(match kind {
-            BackendKind::Cpu => Runner::Cpu(model),
+            BackendKind::Cpu => Loaded::Cpu(model),
             BackendKind::Cuda { device, vram_budget } => {
-                Runner::Cuda(Box::new(cuda::CudaModel::for_model(std::sync::Arc::new(model), device, vram_budget)?))
+                Loaded::Cuda(Box::new(cuda::CudaModel::for_model(model, device, vram_budget)?))
             }
         })
+    }
+
+    /// Runs `code` with the loaded backend.
+    pub fn run<W: WithBackend>(&self, code: W) -> W::Output {
+        match self {
+            Loaded::Cpu(m) => code.run(&**m),
+            Loaded::Cuda(m) => code.run(&**m),
+        }
+    }
+
+    /// The CUDA model, when that is the backend (its device-specific measurements: copy bandwidth, round trip).
+    pub fn cuda(&self) -> Option<&cuda::CudaModel> {
+        match self {
+            Loaded::Cuda(m) => Some(m),
+            Loaded::Cpu(_) => None,
+        }
     }
 
     /// The model's shapes.
     pub fn config(&self) -> &ModelConfig {
         match self {
-            Runner::Cpu(m) => &m.config,
-            Runner::Cuda(m) => &m.config,
-        }
-    }
-
-    /// The placement counters of a placed model (CPU, or hybrid CUDA); `None` otherwise.
-    pub fn placement_stats(&self) -> Option<std::sync::Arc<crate::placement::PlacementStats>> {
-        match self {
-            Runner::Cpu(m) => Some(m.placement_stats()),
-            Runner::Cuda(m) => m.host_model().map(|h| h.placement_stats()),
-        }
-    }
-
-    /// Read bandwidth of a placed model's SSD tier in bytes/s, measured for about `seconds` (see
-    /// [`Qwen4Exp::ssd_read_bandwidth`]); `None` without an SSD tier (an unplaced or all-GPU model).
-    ///
-    /// Errors: [`crate::model::ModelError::WeightRead`] when a read fails.
-    pub fn ssd_read_bandwidth(&self, seconds: f64) -> Option<Result<f64, crate::model::ModelError>> {
-        match self {
-            Runner::Cpu(m) => m.ssd_read_bandwidth(seconds),
-            Runner::Cuda(m) => m.host_model().and_then(|h| h.ssd_read_bandwidth(seconds)),
+            Loaded::Cpu(m) => &m.config,
+            Loaded::Cuda(m) => &m.config,
         }
     }
 
     /// One line for logs: backend and device.
     pub fn describe(&self) -> String {
         match self {
-            Runner::Cpu(_) => format!("CPU ({} threads)", rayon::current_num_threads()),
-            Runner::Cuda(m) => {
-                format!(
-                    "CUDA{} on {} ({:.1} GiB of weights on the GPU)",
-                    if m.is_hybrid() {
-                        format!(
-                            " hybrid (GPU-tier experts on the GPU, the rest on the CPU; {:.1} GiB of RAM tier pinned for \
-                             uploads)",
-                            m.registered_bytes() as f64 / (1u64 << 30) as f64
-                        )
-                    } else {
-                        String::new()
-                    },
-                    m.gpu_name(),
-                    m.weight_bytes as f64 / (1u64 << 30) as f64
-                )
-            }
+            Loaded::Cpu(m) => m.describe(),
+            Loaded::Cuda(m) => m.describe(),
         }
     }
 
-    /// A fresh state for at most `max_len` tokens, for plain decoding (on the GPU without an MTP cache).
-    pub fn new_state(&self, max_len: usize) -> Result<RunnerState, BackendError> {
-        Ok(match self {
-            Runner::Cpu(m) => RunnerState::Cpu(m.new_state(max_len)),
-            // Plain decoding: no MTP cache to keep aligned.
-            Runner::Cuda(m) => RunnerState::Cuda(Box::new(m.new_state_with(max_len, false)?)),
-        })
+    /// The host model: the CPU model, or the hybrid GPU model's host half (`None` for an all-GPU model).
+    pub fn host_model(&self) -> Option<&Qwen4Exp> {
+        match self {
+            Loaded::Cpu(m) => Some(m),
+            Loaded::Cuda(m) => m.host_model(),
+        }
     }
 
-    /// Runs `tokens` on `state` (see [`Qwen4Exp::forward`]).
-    pub fn forward(&self, state: &mut RunnerState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError> {
-        Ok(match (self, state) {
-            (Runner::Cpu(m), RunnerState::Cpu(s)) => m.forward(s, tokens, want)?,
-            (Runner::Cuda(m), RunnerState::Cuda(s)) => m.forward(s, tokens, want)?,
-            _ => unreachable!("a runner only makes states of its own backend"),
-        })
+    /// Read bandwidth of a placed model's SSD tier in bytes/s, measured for about `seconds` (see
+    /// [`Qwen4Exp::ssd_read_bandwidth`]); `None` without an SSD tier (an unplaced or all-GPU model).
+    ///
+    /// Errors: [`ModelError::WeightRead`] when a read fails.
+    pub fn ssd_read_bandwidth(&self, seconds: f64) -> Option<Result<f64, ModelError>> {
+        self.host_model().and_then(|h| h.ssd_read_bandwidth(seconds))
     }
 }

@@ -16,11 +16,11 @@
 
 use std::time::Instant;
 
-use crate::model::{LogitsFor, ModelError, Qwen4Exp, SequenceState};
+use crate::backend::{Backend, BackendError};
+use crate::model::{LogitsFor, ModelError};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::worker::FinishReason;
 
-use super::SpeculativeModel;
 use super::decoder::{Flow, SpeculativeDecoder, SpeculativeOptions, TokenSink};
 use super::scripted::{DraftPlan, ScriptedDrafter};
 use super::stats::DecodeReport;
@@ -106,7 +106,7 @@ struct Collect {
     max: usize,
 }
 
-impl<S> TokenSink<S> for Collect {
+impl<M: Backend> TokenSink<M> for Collect {
     fn mask(&mut self, _logits: &mut [f32]) -> Result<(), String> {
         Ok(())
     }
@@ -137,86 +137,52 @@ fn prompt(vocab: usize, n: usize, seed: u64) -> Vec<u32> {
 }
 
 /// Prefills `tokens` in chunks of 512; returns the state and the last logits.
-/// A model `nebula bench mtp` can measure: the CPU model or the GPU model (all-GPU or hybrid).
-pub trait BenchTarget: SpeculativeModel {
-    /// Whether the model has an MTP block to draft with.
-    fn has_mtp(&self) -> bool;
-    /// A fresh state for `cap` tokens.
-    ///
-    /// Errors: the state cannot be allocated.
-    fn fresh_state(&self, cap: usize) -> Result<Self::State, ModelError>;
-    /// Runs `tokens` on `state` (the model's forward pass).
-    ///
-    /// Errors: as the model's forward pass.
-    fn run(&self, state: &mut Self::State, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, ModelError>;
-    /// A fresh state for `cap` tokens after prefilling `tokens` (chunks of 512), with the last row's logits.
-    ///
-    /// Errors: as the model's forward pass.
-    fn prefill(&self, tokens: &[u32], cap: usize) -> Result<(Self::State, Vec<f32>), ModelError> {
-        let mut s = self.fresh_state(cap)?;
-        let mut logits = Vec::new();
-        let chunks: Vec<&[u32]> = tokens.chunks(512).collect();
-        for (i, c) in chunks.iter().enumerate() {
-            let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
-            logits = self.run(&mut s, c, want)?;
-        }
-        Ok((s, logits))
+/// A fresh state for `cap` tokens (drafting on) after prefilling `tokens` in chunks of 512, with the last row's
+/// logits.
+///
+/// Errors: as the backend's forward pass.
+fn prefill<B: Backend>(model: &B, tokens: &[u32], cap: usize) -> Result<(B::State, Vec<f32>), BackendError> {
+    let mut s = model.new_state(cap, true)?;
+    let mut logits = Vec::new();
+    let chunks: Vec<&[u32]> = tokens.chunks(512).collect();
+    for (i, c) in chunks.iter().enumerate() {
+        let want = if i + 1 == chunks.len() { LogitsFor::Last } else { LogitsFor::None };
+        logits = model.forward(&mut s, c, want)?;
     }
+    Ok((s, logits))
 }
 
-impl BenchTarget for Qwen4Exp {
-    fn has_mtp(&self) -> bool {
-        self.mtp().is_some()
-    }
-    fn fresh_state(&self, cap: usize) -> Result<SequenceState, ModelError> {
-        Ok(self.new_state(cap))
-    }
-    fn run(&self, state: &mut SequenceState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, ModelError> {
-        self.forward(state, tokens, want)
-    }
-}
-
-impl BenchTarget for crate::backend::cuda::CudaModel {
-    fn has_mtp(&self) -> bool {
-        crate::backend::cuda::CudaModel::has_mtp(self)
-    }
-    fn fresh_state(&self, cap: usize) -> Result<Self::State, ModelError> {
-        self.new_state(cap).map_err(|e| super::model_error(e, "CUDA state"))
-    }
-    fn run(&self, state: &mut Self::State, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, ModelError> {
-        self.forward(state, tokens, want).map_err(|e| super::model_error(e, "CUDA prefill"))
-    }
-}
-
-fn decode_run<T: BenchTarget, M: SpeculativeModel<State = T::State>>(
+fn decode_run<T: Backend, M: Backend<State = T::State>>(
     target: &T,
     model: &M,
     prompt: &[u32],
     n: usize,
     params: SamplingParams,
     opts: SpeculativeOptions,
-) -> Result<(Vec<u32>, f64, DecodeReport), ModelError> {
-    let (mut state, logits) = target.prefill(prompt, prompt.len() + n + 1)?;
+) -> Result<(Vec<u32>, f64, DecodeReport), BackendError> {
+    let (mut state, logits) = prefill(target, prompt, prompt.len() + n + 1)?;
     let mut sampler = Sampler::new(params);
     let mut sink = Collect { out: Vec::with_capacity(n), max: n };
     let mut dec = SpeculativeDecoder::new(model, opts, None);
     let limit = prompt.len() + n + 1;
     let t = Instant::now();
-    dec.run(&mut state, logits, &mut sampler, &mut sink, limit)
-        .map_err(|reason| ModelError::MtpUnavailable { reason })?;
+    dec.run(&mut state, logits, &mut sampler, &mut sink, limit).map_err(|e| match e {
+        super::DecodeError::Backend(b) => b,
+        super::DecodeError::Request(reason) => ModelError::MtpUnavailable { reason }.into(),
+    })?;
     Ok((sink.out, t.elapsed().as_secs_f64(), dec.report))
 }
 
 /// Runs the benchmark (see the module doc). `progress` is called with each row as it finishes.
 ///
 /// Errors: a model error (bad prompt length for the model's context, no MTP block loaded).
-pub fn run_mtp_bench<T: BenchTarget>(
+pub fn run_mtp_bench<T: Backend>(
     model: &T,
     opts: &MtpBenchOptions,
     mut progress: impl FnMut(&MtpBenchRow),
-) -> Result<Vec<MtpBenchRow>, ModelError> {
+) -> Result<Vec<MtpBenchRow>, BackendError> {
     if !model.has_mtp() {
-        return Err(ModelError::MtpUnavailable { reason: "the model has no MTP block loaded".into() });
+        return Err(ModelError::MtpUnavailable { reason: "the model has no MTP block loaded".into() }.into());
     }
     let n = opts.decode_tokens.max(1);
     let p = prompt(model.vocab(), opts.prompt_tokens.max(1), opts.seed);
@@ -243,7 +209,9 @@ pub fn run_mtp_bench<T: BenchTarget>(
         let o = SpeculativeOptions { level, ..Default::default() };
         let (out, secs, report) = decode_run(model, model, &p, n, greedy, o)?;
         if level == AccuracyLevel::Strict && out != reference_out {
-            return Err(ModelError::MtpUnavailable { reason: "level 3 output differs from plain decoding".into() });
+            return Err(
+                ModelError::MtpUnavailable { reason: "level 3 output differs from plain decoding".into() }.into()
+            );
         }
         push(format!("mtp L{}", level.number()), &out, secs, report, Some(base));
     }
@@ -258,7 +226,9 @@ pub fn run_mtp_bench<T: BenchTarget>(
             let drafter = ScriptedDrafter::new(model, reference.clone(), plan, run_inner);
             let (out, secs, report) = decode_run(model, &drafter, &p, n, greedy, SpeculativeOptions::default())?;
             if out != reference_out {
-                return Err(ModelError::MtpUnavailable { reason: "scripted run differs from plain decoding".into() });
+                return Err(
+                    ModelError::MtpUnavailable { reason: "scripted run differs from plain decoding".into() }.into()
+                );
             }
             let what = if run_inner { "+mtp" } else { "free" };
             push(format!("rate {rate:.2} {what}"), &out, secs, report, Some(base));

@@ -18,10 +18,11 @@ use std::time::Instant;
 use crate::sampling::Sampler;
 use crate::worker::FinishReason;
 
+use super::COVERAGE_THRESHOLD;
 use super::stats::{DecodeReport, SpecStats};
 use super::verify::{AccuracyLevel, RowVerdict, verify_greedy, verify_sampled};
 use super::window::{ChainCase, ChainSample, WindowController};
-use super::{COVERAGE_THRESHOLD, SpeculativeModel};
+use crate::backend::{Backend, BackendError};
 
 /// Whether generation goes on after a token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,8 +33,8 @@ pub enum Flow {
     Finish(FinishReason),
 }
 
-/// The request's side of decoding: its grammar, its events and its stop rules.
-pub trait TokenSink<S> {
+/// The request's side of decoding: its grammar, its events and its stop rules, for a sequence on backend `M`.
+pub trait TokenSink<M: Backend> {
     /// Sets the logits of tokens the request forbids next to `-inf` (grammar), in place. Called after the
     /// penalties, before the choice.
     ///
@@ -52,13 +53,37 @@ pub trait TokenSink<S> {
 
     /// Whether [`TokenSink::mask`] or [`TokenSink::commit`] reads the logits (a grammar, log-probabilities).
     /// When not, and the sampler is plain greedy, a plain step may choose its token on the device
-    /// ([`SpeculativeModel::step_greedy`]) and commit it with empty logits.
+    /// ([`Backend::step_greedy`]) and commit it with empty logits.
     fn needs_logits(&self) -> bool {
         true
     }
 
-    /// Called after the state consumed tokens (e.g. to take prefix-cache checkpoints).
-    fn consumed(&mut self, _state: &S) {}
+    /// Called after the state consumed tokens (e.g. to take prefix-cache checkpoints through `model`).
+    fn consumed(&mut self, _model: &M, _state: &M::State) {}
+}
+
+/// Why a request's decoding failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The backend failed (the state is to be discarded).
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The request's own rules cannot go on (its grammar refused every token, say), or decoding found no
+    /// token to choose.
+    #[error("{0}")]
+    Request(String),
+}
+
+impl From<String> for DecodeError {
+    fn from(message: String) -> Self {
+        DecodeError::Request(message)
+    }
+}
+
+impl From<&str> for DecodeError {
+    fn from(message: &str) -> Self {
+        DecodeError::Request(message.to_owned())
+    }
 }
 
 /// Deterministic costs that replace the measured ones (tests of the controller's behaviour).
@@ -105,7 +130,7 @@ pub struct DecodeOutcome {
 }
 
 /// One request's decoder.
-pub struct SpeculativeDecoder<'a, M: SpeculativeModel> {
+pub struct SpeculativeDecoder<'a, M: Backend> {
     model: &'a M,
     opts: SpeculativeOptions,
     /// The window controller (public for inspection by tests and benchmarks).
@@ -126,7 +151,7 @@ struct RowsResult {
     exact_row: Option<usize>,
 }
 
-impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
+impl<'a, M: Backend> SpeculativeDecoder<'a, M> {
     /// A decoder over `model`; `stats` receives server-wide counters.
     pub fn new(model: &'a M, opts: SpeculativeOptions, stats: Option<&'a SpecStats>) -> Self {
         Self { model, opts, controller: WindowController::new(), report: DecodeReport::default(), stats }
@@ -135,15 +160,15 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
     /// Decodes from `logits` (the prompt's last row) until the sink finishes: chooses and commits the first
     /// token, then runs plain steps or chains. `limit` is the most tokens the state may hold.
     ///
-    /// Errors: a model error or a sink error, as a message (the request fails; the engine stays up).
+    /// Errors: [`DecodeError`] (the request fails; the engine stays up).
     pub fn run(
         &mut self,
         state: &mut M::State,
         mut logits: Vec<f32>,
         sampler: &mut Sampler,
-        sink: &mut dyn TokenSink<M::State>,
+        sink: &mut dyn TokenSink<M>,
         limit: usize,
-    ) -> Result<DecodeOutcome, String> {
+    ) -> Result<DecodeOutcome, DecodeError> {
         if sink.remaining() == 0 {
             return Ok(DecodeOutcome { reason: FinishReason::Length });
         }
@@ -175,9 +200,9 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         &self,
         logits: &mut [f32],
         sampler: &mut Sampler,
-        sink: &mut dyn TokenSink<M::State>,
+        sink: &mut dyn TokenSink<M>,
         room: bool,
-    ) -> Result<(u32, Flow), String> {
+    ) -> Result<(u32, Flow), DecodeError> {
         sampler.apply_penalties(logits);
         sink.mask(logits)?;
         let token = sampler.sample(logits);
@@ -189,9 +214,9 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         token: Option<u32>,
         logits: &[f32],
         sampler: &mut Sampler,
-        sink: &mut dyn TokenSink<M::State>,
+        sink: &mut dyn TokenSink<M>,
         room: bool,
-    ) -> Result<(u32, Flow), String> {
+    ) -> Result<(u32, Flow), DecodeError> {
         let token = token.ok_or("every token has probability 0")?;
         let flow = sink.commit(token, logits, room)?;
         if flow == Flow::Continue {
@@ -206,17 +231,17 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         state: &mut M::State,
         pending: u32,
         sampler: &mut Sampler,
-        sink: &mut dyn TokenSink<M::State>,
+        sink: &mut dyn TokenSink<M>,
         limit: usize,
-    ) -> Result<(u32, Flow), String> {
+    ) -> Result<(u32, Flow), DecodeError> {
         let t = Instant::now();
         // Plain greedy decoding with nothing else reading the logits: the model chooses the token itself (on a
         // GPU, without copying the vocabulary-sized row back); the same token as sampling its logits.
         let greedy = sampler.is_plain_greedy() && !sink.needs_logits();
         let (mut logits, chosen) = if greedy {
-            (Vec::new(), Some(self.model.step_greedy(state, pending).map_err(|e| e.to_string())?))
+            (Vec::new(), Some(self.model.step_greedy(state, pending)?))
         } else {
-            (self.model.step(state, pending).map_err(|e| e.to_string())?, None)
+            (self.model.step(state, pending)?, None)
         };
         let measured = t.elapsed().as_secs_f64();
         let secs = self.opts.fixed_costs.map_or(measured, |c| c.verify_base + c.verify_per_row);
@@ -228,7 +253,7 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
                 s.recoveries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
-        sink.consumed(state);
+        sink.consumed(self.model, state);
         let room = self.model.position(state) < limit;
         match chosen {
             Some(token) => Self::commit_choice(token, &logits, sampler, sink, room),
@@ -243,9 +268,9 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         pending: u32,
         n: usize,
         sampler: &mut Sampler,
-        sink: &mut dyn TokenSink<M::State>,
+        sink: &mut dyn TokenSink<M>,
         limit: usize,
-    ) -> Result<(u32, Flow), String> {
+    ) -> Result<(u32, Flow), DecodeError> {
         let t = Instant::now();
         // A drafter that cannot propose (e.g. its cache is out of step) costs a plain step, not the request.
         let mut drafts = self.model.draft(state, pending, n).unwrap_or_default();
@@ -261,16 +286,20 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         let pos0 = self.model.position(state);
 
         let t = Instant::now();
-        let v = self.model.verify(state, &chain).map_err(|e| e.to_string())?;
+        let v = self.model.verify(state, &chain)?;
         let verify_total = t.elapsed().as_secs_f64();
         let vocab = self.model.vocab();
         if v.logits.len() != (n + 1) * vocab {
-            return Err(format!("the verify pass returned {} logits for {} rows of {vocab}", v.logits.len(), n + 1));
+            return Err(DecodeError::Request(format!(
+                "the verify pass returned {} logits for {} rows of {vocab}",
+                v.logits.len(),
+                n + 1
+            )));
         }
         let rows = self.judge_rows(&chain, &v.logits, &v.coverage, vocab, pos0, limit, sampler, sink)?;
 
         let t = Instant::now();
-        let rb = self.model.rollback(state, &v.record, rows.keep).map_err(|e| e.to_string())?;
+        let rb = self.model.rollback(state, &v.record, rows.keep)?;
         let rollback_s = (t.elapsed().as_secs_f64() - rb.realign_s).max(0.0);
         let restore_s = if rows.keep < n + 1 { rollback_s } else { 0.0 };
 
@@ -280,7 +309,7 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         if let Some(k) = rows.exact_row {
             // Case B: the full target produces this row's token.
             let t = Instant::now();
-            let mut logits = self.model.step(state, chain[k]).map_err(|e| e.to_string())?;
+            let mut logits = self.model.step(state, chain[k])?;
             exact_s = t.elapsed().as_secs_f64();
             let room = self.model.position(state) < limit;
             let (tok, flow) = self.choose_and_commit(&mut logits, sampler, sink, room)?;
@@ -289,7 +318,7 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
                 finish = Some(r);
             }
         }
-        sink.consumed(state);
+        sink.consumed(self.model, state);
 
         let mut sample = ChainSample {
             window: n,
@@ -339,8 +368,8 @@ impl<'a, M: SpeculativeModel> SpeculativeDecoder<'a, M> {
         pos0: usize,
         limit: usize,
         sampler: &mut Sampler,
-        sink: &mut dyn TokenSink<M::State>,
-    ) -> Result<RowsResult, String> {
+        sink: &mut dyn TokenSink<M>,
+    ) -> Result<RowsResult, DecodeError> {
         let n = chain.len() - 1;
         let greedy = sampler.params().is_greedy();
         let rule = self.opts.level.relaxed_rule();

@@ -5,9 +5,11 @@
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
-use crate::model::ModelError;
+use crate::backend::{Backend, BackendError, Kept, Timings};
+use crate::model::{LogitsFor, ModelConfig, ModelError, SequenceState};
+use crate::placement::PlacementStats;
 
-use super::{Rollback, SpeculativeModel, Verified};
+use super::{Rollback, Verified};
 
 /// Which drafts are right.
 #[derive(Debug, Clone)]
@@ -50,7 +52,7 @@ pub struct ScriptedDrafter<'a, M> {
     verifies: Mutex<usize>,
 }
 
-impl<'a, M: SpeculativeModel> ScriptedDrafter<'a, M> {
+impl<'a, M: Backend> ScriptedDrafter<'a, M> {
     /// Wraps `inner`. `reference[j]` is the right token at position `j` (prompt and expected output together).
     /// With `run_inner`, the model's own drafter also runs (its cost is measured, its tokens are discarded).
     pub fn new(inner: &'a M, reference: Vec<u32>, plan: DraftPlan, run_inner: bool) -> Self {
@@ -84,23 +86,79 @@ impl<'a, M: SpeculativeModel> ScriptedDrafter<'a, M> {
     }
 }
 
-impl<M: SpeculativeModel> SpeculativeModel for ScriptedDrafter<'_, M> {
+/// Everything but drafting and verify coverage is the wrapped model's.
+impl<M: Backend> Backend for ScriptedDrafter<'_, M> {
     type State = M::State;
+    type Snapshot = M::Snapshot;
     type Record = M::Record;
 
-    fn vocab(&self) -> usize {
-        self.inner.vocab()
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (scripted drafts)", self.inner.describe())
+    }
+
+    fn has_mtp(&self) -> bool {
+        true
+    }
+
+    fn new_state(&self, max_len: usize, drafting: bool) -> Result<M::State, BackendError> {
+        self.inner.new_state(max_len, drafting)
+    }
+
+    fn forward(&self, state: &mut M::State, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError> {
+        self.inner.forward(state, tokens, want)
+    }
+
+    fn snapshot(&self, state: &M::State) -> Result<M::Snapshot, BackendError> {
+        self.inner.snapshot(state)
+    }
+
+    fn restore(&self, state: &mut M::State, snap: &M::Snapshot) -> Result<(), BackendError> {
+        self.inner.restore(state, snap)
+    }
+
+    fn fork(
+        &self,
+        source: &Kept<M::State>,
+        snap: &M::Snapshot,
+        max_len: usize,
+        drafting: bool,
+    ) -> Result<M::State, BackendError> {
+        self.inner.fork(source, snap, max_len, drafting)
+    }
+
+    fn state_held(&self, state: &M::State) -> crate::backend::HeldBytes {
+        self.inner.state_held(state)
+    }
+
+    fn spill_state(&self, state: &M::State) -> Result<SequenceState, BackendError> {
+        self.inner.spill_state(state)
+    }
+
+    fn spill_snapshot(&self, snap: &M::Snapshot) -> Result<M::Snapshot, BackendError> {
+        self.inner.spill_snapshot(snap)
+    }
+
+    fn placement_stats(&self) -> Option<std::sync::Arc<PlacementStats>> {
+        self.inner.placement_stats()
+    }
+
+    fn take_timings(&self) -> Result<Timings, BackendError> {
+        self.inner.take_timings()
     }
 
     fn position(&self, state: &M::State) -> usize {
         self.inner.position(state)
     }
 
-    fn step_greedy(&self, state: &mut M::State, token: u32) -> Result<Option<u32>, ModelError> {
+    fn step_greedy(&self, state: &mut M::State, token: u32) -> Result<Option<u32>, BackendError> {
         self.inner.step_greedy(state, token)
     }
 
-    fn step(&self, state: &mut M::State, token: u32) -> Result<Vec<f32>, ModelError> {
+    fn step(&self, state: &mut M::State, token: u32) -> Result<Vec<f32>, BackendError> {
         self.inner.step(state, token)
     }
 
@@ -108,7 +166,7 @@ impl<M: SpeculativeModel> SpeculativeModel for ScriptedDrafter<'_, M> {
         !self.run_inner || self.inner.can_draft(state)
     }
 
-    fn draft(&self, state: &mut M::State, pending: u32, n: usize) -> Result<Vec<u32>, ModelError> {
+    fn draft(&self, state: &mut M::State, pending: u32, n: usize) -> Result<Vec<u32>, BackendError> {
         if self.run_inner {
             self.inner.draft(state, pending, n)?;
         }
@@ -142,7 +200,7 @@ impl<M: SpeculativeModel> SpeculativeModel for ScriptedDrafter<'_, M> {
         Ok(tokens)
     }
 
-    fn verify(&self, state: &mut M::State, chain: &[u32]) -> Result<Verified<M::Record>, ModelError> {
+    fn verify(&self, state: &mut M::State, chain: &[u32]) -> Result<Verified<M::Record>, BackendError> {
         let pos0 = self.inner.position(state);
         let mut v = self.inner.verify(state, chain)?;
         let k = self.verifies.lock().map(|mut n| {
@@ -157,7 +215,7 @@ impl<M: SpeculativeModel> SpeculativeModel for ScriptedDrafter<'_, M> {
         Ok(v)
     }
 
-    fn rollback(&self, state: &mut M::State, record: &M::Record, keep: usize) -> Result<Rollback, ModelError> {
+    fn rollback(&self, state: &mut M::State, record: &M::Record, keep: usize) -> Result<Rollback, BackendError> {
         self.inner.rollback(state, record, keep)
     }
 }

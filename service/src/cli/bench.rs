@@ -4,9 +4,10 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use nebula_engine::backend::{BackendKind, Runner};
+use nebula_engine::backend::{Backend, BackendError, BackendKind, Loaded, WithBackend};
 use nebula_engine::bench::{BenchOptions, BenchRow, decode_bytes, run};
 use nebula_engine::model::Qwen4Exp;
+use nebula_engine::speculative::bench::{MtpBenchOptions, MtpBenchRow, run_mtp_bench};
 
 /// Arguments of `nebula bench model`.
 #[derive(clap::Args, Debug)]
@@ -81,13 +82,10 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         println!("{}", model.placement_report().summary());
     }
     let stats = model.placement_stats();
-    let runner = Runner::new(model, bench_backend(args.backend, args.gpu, &placement))?;
+    let runner = Loaded::new(std::sync::Arc::new(model), bench_backend(args.backend, args.gpu, &placement))?;
     println!("model: {} layers, loaded on {} in {:.1} s", cfg.n_layer, runner.describe(), t.elapsed().as_secs_f64());
     let per_expert = experts / (cfg.n_layer * cfg.n_expert) as u64;
-    let bw = match &runner {
-        Runner::Cuda(m) => Some(m.copy_bandwidth(1 << 30)?),
-        Runner::Cpu(_) => None,
-    };
+    let bw = runner.cuda().map(|m| m.copy_bandwidth(1 << 30)).transpose()?;
     if let Some(bw) = bw {
         println!("device copy bandwidth (read + write): {:.0} GB/s", bw / 1e9);
     }
@@ -102,15 +100,12 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         },
         table as f64 / (1u64 << 30) as f64
     );
-    let rows = run(
-        &runner,
-        &BenchOptions {
-            contexts: args.contexts.clone(),
-            decode_tokens: args.decode,
-            prefill_chunk: args.prefill_chunk,
-            seed: 7,
-        },
-    )?;
+    let rows = runner.run(ModelBench(BenchOptions {
+        contexts: args.contexts.clone(),
+        decode_tokens: args.decode,
+        prefill_chunk: args.prefill_chunk,
+        seed: 7,
+    }))?;
     println!(
         "{:>8} {:>12} {:>10} {:>11} {:>9} {:>12} {:>9}",
         "context", "prefill t/s", "TTFT ms", "decode t/s", "ms/token", "bytes/token", "of floor"
@@ -134,7 +129,7 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             floor.unwrap_or_else(|| "-".into())
         );
     }
-    if let Runner::Cuda(m) = &runner
+    if let Some(m) = runner.cuda()
         && m.is_hybrid()
     {
         // The floor of hybrid decode (issue 5): CPU expert bytes / DRAM read bandwidth + the GPU's share + one
@@ -200,8 +195,18 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
     if let Some(t) = nebula_engine::quant::moe::trace::report() {
         println!("{t} (NEBULA_CPU_MOE_TRACE=1, every call of the run)");
     }
-    if let Runner::Cuda(m) = &runner {
-        let prof = m.take_profile();
+    {
+        // Every frontier's decode steps together.
+        let mut prof: Vec<(&str, f64, u64)> = Vec::new();
+        for (name, secs, count) in rows.iter().flat_map(|r| r.decode_phases.iter()) {
+            match prof.iter_mut().find(|p| p.0 == *name) {
+                Some(p) => {
+                    p.1 += secs;
+                    p.2 += count;
+                }
+                None => prof.push((name, *secs, *count)),
+            }
+        }
         if !prof.is_empty() {
             let total: f64 = prof.iter().map(|p| p.1).sum();
             println!("phase breakdown (NEBULA_CUDA_PROFILE=1, stream synchronised after each phase, all runs):");
@@ -240,8 +245,8 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             );
         }
     }
-    if let Runner::Cuda(m) = &runner {
-        let mut kt = m.take_kernel_times();
+    if let Some(last) = rows.last() {
+        let mut kt = last.decode_kernels.clone();
         if !kt.is_empty() {
             kt.sort_by(|a, b| b.1.total_cmp(&a.1));
             let total: f64 = kt.iter().map(|k| k.1).sum();
@@ -350,7 +355,6 @@ fn run_mtp_in(
     levels: Vec<nebula_engine::speculative::AccuracyLevel>,
     tmp: &std::path::Path,
 ) -> anyhow::Result<()> {
-    use nebula_engine::speculative::bench::{MtpBenchOptions, MtpBenchRow, run_mtp_bench};
     let source = match &args.model {
         Some(p) => p.clone(),
         None => {
@@ -381,7 +385,7 @@ fn run_mtp_in(
         println!("{}", model.placement_report().summary());
     }
     let cfg = model.config.clone();
-    let runner = Runner::new(model, bench_backend(args.backend, args.gpu, &placement))?;
+    let runner = Loaded::new(std::sync::Arc::new(model), bench_backend(args.backend, args.gpu, &placement))?;
     println!(
         "model: {} layers + MTP, vocab {}, loaded on {} in {:.1} s; {} CPU threads; prompt {} tokens, {} decoded per run",
         cfg.n_layer,
@@ -435,10 +439,7 @@ fn run_mtp_in(
             pct(p.plain_s)
         );
     };
-    let rows = match &runner {
-        Runner::Cpu(m) => run_mtp_bench(m, &opts, print)?,
-        Runner::Cuda(m) => run_mtp_bench(&**m, &opts, print)?,
-    };
+    let rows = runner.run(MtpBench { opts: &opts, print })?;
     if let Some(path) = &args.csv {
         let mut f = std::fs::File::create(path)?;
         writeln!(f, "{}", MtpBenchRow::CSV_HEADER)?;
@@ -454,4 +455,27 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("nebula-bench-mtp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
+}
+
+/// `nebula bench model` on whichever backend was loaded.
+struct ModelBench(BenchOptions);
+
+impl WithBackend for ModelBench {
+    type Output = Result<Vec<nebula_engine::bench::BenchRow>, BackendError>;
+    fn run<B: Backend>(self, backend: &B) -> Self::Output {
+        run(backend, &self.0)
+    }
+}
+
+/// `nebula bench mtp` on whichever backend was loaded, printing each row as it finishes.
+struct MtpBench<'a, F> {
+    opts: &'a MtpBenchOptions,
+    print: F,
+}
+
+impl<F: FnMut(&MtpBenchRow)> WithBackend for MtpBench<'_, F> {
+    type Output = Result<Vec<MtpBenchRow>, BackendError>;
+    fn run<B: Backend>(self, backend: &B) -> Self::Output {
+        run_mtp_bench(backend, self.opts, self.print)
+    }
 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use nebula_engine::backend::{BackendKind, Runner};
+use nebula_engine::backend::{Backend, BackendKind, Loaded, WithBackend};
 use nebula_engine::gguf::GgufFile;
 use nebula_engine::model::{LogitsFor, Qwen4Exp};
 use nebula_engine::sampling::argmax;
@@ -34,19 +34,33 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let vocab = GgufVocab::from_gguf(&file)?.context("the model has no tokenizer")?;
     let tok = TextTokenizer::from_gguf_vocab(&vocab)?;
     let model = Qwen4Exp::from_gguf(file)?;
-    let runner = Runner::new(model, args.backend)?;
+    let runner = Loaded::new(std::sync::Arc::new(model), args.backend)?;
     let prompt = tok.encode(&args.prompt)?;
-    let mut st = runner.new_state(prompt.len() + args.n + 1)?;
-    let mut logits = runner.forward(&mut st, &prompt, LogitsFor::Last)?;
-    let mut out = Vec::new();
-    for _ in 0..args.n {
-        let t = argmax(&logits).context("no token possible")? as u32;
-        out.push(t);
-        logits = runner.forward(&mut st, &[t], LogitsFor::Last)?;
-    }
+    let out = runner.run(Greedy { prompt: &prompt, n: args.n })?;
     println!("backend: {}", runner.describe());
     println!("prompt ids: {prompt:?}");
     println!("generated ids: {out:?}");
     println!("generated text: {:?}", tok.decode(&out, false)?);
     Ok(())
+}
+
+/// Greedy continuation of `prompt` by `n` tokens on whichever backend was loaded.
+struct Greedy<'a> {
+    prompt: &'a [u32],
+    n: usize,
+}
+
+impl WithBackend for Greedy<'_> {
+    type Output = anyhow::Result<Vec<u32>>;
+    fn run<B: Backend>(self, backend: &B) -> Self::Output {
+        let mut st = backend.new_state(self.prompt.len() + self.n + 1, false)?;
+        let mut logits = backend.forward(&mut st, self.prompt, LogitsFor::Last)?;
+        let mut out = Vec::new();
+        for _ in 0..self.n {
+            let t = argmax(&logits).context("no token possible")? as u32;
+            out.push(t);
+            logits = backend.forward(&mut st, &[t], LogitsFor::Last)?;
+        }
+        Ok(out)
+    }
 }

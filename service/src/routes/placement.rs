@@ -158,6 +158,25 @@ pub struct PlacementInfo {
     pub ssd: Option<SsdTierInfo>,
     /// Counters since the model loaded.
     pub counters: PlacementCounters,
+    /// The prefix cache's budgets and what it holds now.
+    pub prefix_cache: PrefixCacheMemory,
+}
+
+/// The prefix cache's memory: budgets from the config or the profile, use now.
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct PrefixCacheMemory {
+    /// VRAM the cached GPU states may keep before the least recently used are spilled to host memory, bytes.
+    pub device_budget_bytes: u64,
+    /// Host memory the cache may keep, bytes.
+    pub host_budget_bytes: u64,
+    /// Sequences held.
+    pub entries: u64,
+    /// Bytes held in VRAM.
+    pub device_bytes: u64,
+    /// Bytes held in all (VRAM and host memory).
+    pub bytes: u64,
+    /// Entries spilled from VRAM to host memory since the model loaded.
+    pub spills: u64,
 }
 
 impl PlacementInfo {
@@ -224,6 +243,7 @@ impl PlacementInfo {
                 ngram_rows_read: stats.ngram_rows_read,
                 ngram_bytes_read: stats.ngram_bytes_read,
             },
+            prefix_cache: PrefixCacheMemory::default(),
         }
     }
 }
@@ -255,5 +275,16 @@ pub async fn placement(
     }
     let model = state.model()?;
     let engine = &model.engine;
-    Ok(Json(PlacementInfo::new(engine.placement(), engine.placement_stats().snapshot(), experts)))
+    let mut info = PlacementInfo::new(engine.placement(), engine.placement_stats().snapshot(), experts);
+    let (opts, stats) = (engine.prefix_cache_options(), engine.stats());
+    let load = |a: &std::sync::atomic::AtomicUsize| a.load(std::sync::atomic::Ordering::Relaxed) as u64;
+    info.prefix_cache = PrefixCacheMemory {
+        device_budget_bytes: opts.device_bytes as u64,
+        host_budget_bytes: opts.max_bytes as u64,
+        entries: load(&stats.cache_entries),
+        device_bytes: load(&stats.cache_device_bytes),
+        bytes: load(&stats.cache_bytes),
+        spills: load(&stats.cache_spills),
+    };
+    Ok(Json(info))
 }

@@ -8,10 +8,13 @@
 //! routed experts for small batches run through a gather GEMV over the device-resident expert stack without a
 //! host round trip, larger batches group tokens by expert.
 
+mod backend;
+mod checkpoint;
 pub mod hybrid;
 mod mtp;
 mod ops;
 
+pub use checkpoint::CudaSnapshot;
 pub use mtp::{CudaChain, MAX_CHAIN_ROWS};
 
 use std::sync::Mutex;

@@ -41,7 +41,7 @@ pub(crate) struct DevMtp {
     enorm: CudaSlice<f32>,
     hnorm: CudaSlice<f32>,
     attn_hc: DevHc,
-    attn: DevAttn,
+    pub(super) attn: DevAttn,
     mlp_hc: DevHc,
     moe: DevMoe,
     mixer: DevHc,
@@ -68,13 +68,13 @@ impl DevMtp {
 /// The MTP block's part of a sequence's device state (mirrors `crate::model::MtpState`): after the target
 /// consumed `pos` tokens the cache holds rows `0..pos-1` (or `pos` when a draft already ran the next row).
 pub(crate) struct MtpDevState {
-    attn: DevLayerState,
-    rows: usize,
+    pub(super) attn: DevLayerState,
+    pub(super) rows: usize,
     /// The target's pre-mixer bank at `pos - 1`, `[S*d]`.
-    last_bank: CudaSlice<f32>,
-    has_bank: bool,
+    pub(super) last_bank: CudaSlice<f32>,
+    pub(super) has_bank: bool,
     /// The pending token a draft ran row `pos - 1` with.
-    drafted_with: Option<u32>,
+    pub(super) drafted_with: Option<u32>,
     /// A draft step's output bank (the next step's hidden input), `[S*d]`.
     draft_bank: CudaSlice<f32>,
     /// Draft token ids: the pending token, then each step's argmax.

@@ -1,0 +1,417 @@
+//! Snapshots, restore, fork and host images of a sequence on the GPU: what the prefix cache and the backend
+//! trait's state operations need.
+//!
+//! A [`CudaState`]'s attention caches (K, V, raw indexer keys, pooled blocks) are written by position and only
+//! grow, so a prefix of them is a copy of the first `pos` rows (`pos / ratio` complete pooled blocks). The Gated
+//! DeltaNet conv and recurrent state, the PLE conv history and n-gram context and the MTP block's pending bank
+//! are overwritten by every token, so a [`CudaSnapshot`] copies them: device to device while it is held in VRAM
+//! (no synchronisation, a few MiB per snapshot), or as host vectors once spilled. A host image of a whole state
+//! ([`CudaModel::state_image`]) uses the fields of the CPU [`SequenceState`] to carry the device buffers' bytes
+//! as they are (the device layouts, not converted): only this backend reads it back.
+//!
+//! The MTP cache after `pos` tokens holds rows `0..pos - 1` (row `pos - 1` needs the next token); a fork or
+//! restore keeps at most those rows and drops a draft's extra row, as the CPU model does.
+
+use nebula_kernels::cudarc::driver::CudaSlice;
+
+use super::{CudaError, CudaModel, CudaState, DevAttn, DevLayerState, DevMixer};
+use crate::model::linear_attn::GdnState;
+use crate::model::mtp::MtpState;
+use crate::model::ple::PleState;
+use crate::model::self_attn::AttnState;
+use crate::model::state::LayerState;
+use crate::model::{ModelError, SequenceState, Snapshot};
+
+/// A snapshot of a sequence on the GPU ([`CudaModel::snapshot_state`]).
+pub struct CudaSnapshot {
+    pos: usize,
+    held: SnapshotHeld,
+}
+
+enum SnapshotHeld {
+    /// Copies in VRAM.
+    Device(DeviceSnapshot),
+    /// Copies in host memory, in [`Snapshot`]'s fields (device layouts).
+    Host(Snapshot),
+}
+
+struct DeviceSnapshot {
+    /// Per layer, the Gated DeltaNet (conv, recurrent) state; `None` for attention layers.
+    gdn: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    ple_context: Vec<u32>,
+    ple_conv: Option<CudaSlice<f32>>,
+    /// The MTP block's pending bank and the rows its cache held (`None` without a usable MTP cache).
+    mtp: Option<(CudaSlice<f32>, usize)>,
+}
+
+impl CudaSnapshot {
+    /// Tokens consumed when it was taken.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+
+    /// Bytes held on the device and on the host.
+    pub fn held(&self) -> crate::backend::HeldBytes {
+        match &self.held {
+            SnapshotHeld::Device(d) => {
+                let gdn: usize = d.gdn.iter().flatten().map(|(c, s)| c.len() + s.len()).sum();
+                let device =
+                    4 * (gdn + d.ple_conv.as_ref().map_or(0, CudaSlice::len) + d.mtp.as_ref().map_or(0, |m| m.0.len()));
+                crate::backend::HeldBytes { device, host: 4 * d.ple_context.len() }
+            }
+            SnapshotHeld::Host(s) => crate::backend::HeldBytes { device: 0, host: s.bytes() },
+        }
+    }
+}
+
+/// Where a copy reads from: a device buffer or a host image's vector.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Device(&'a CudaSlice<f32>),
+    Host(&'a [f32]),
+}
+
+/// A sequence's attention caches, wherever they are.
+enum AttnSource<'a> {
+    Device { k: &'a CudaSlice<f32>, v: &'a CudaSlice<f32>, raw: &'a CudaSlice<f32>, pooled: &'a CudaSlice<f32> },
+    Host(&'a AttnState),
+}
+
+impl<'a> AttnSource<'a> {
+    fn of_device(ls: &'a DevLayerState) -> Option<Self> {
+        match ls {
+            DevLayerState::Attn { k, v, raw, pooled } => Some(AttnSource::Device { k, v, raw, pooled }),
+            DevLayerState::Gdn { .. } => None,
+        }
+    }
+    fn parts(&self) -> [Source<'a>; 4] {
+        match *self {
+            AttnSource::Device { k, v, raw, pooled } => {
+                [Source::Device(k), Source::Device(v), Source::Device(raw), Source::Device(pooled)]
+            }
+            AttnSource::Host(a) => {
+                [Source::Host(&a.k), Source::Host(&a.v), Source::Host(&a.index_k), Source::Host(&a.pooled)]
+            }
+        }
+    }
+}
+
+impl CudaModel {
+    /// Floats of `[K, V, raw indexer keys, pooled blocks]` that hold the first `len` tokens of attention layer
+    /// `attn`'s cache.
+    fn attn_prefix(&self, attn: &DevAttn, len: usize) -> [usize; 4] {
+        let kvw = self.config.n_head_kv * self.config.head_dim;
+        let (ihd, ratio) = attn.indexer.as_ref().map_or((0, 0), |i| (self.config.indexer.head_dim, i.ratio));
+        let blocks = len.checked_div(ratio).unwrap_or(0);
+        [len * kvw, len * kvw, len * ihd, blocks * ihd]
+    }
+
+    /// Copies `n` floats from `src` to the start of `dst` (stream-ordered).
+    fn fill(&self, dst: &mut CudaSlice<f32>, src: Source<'_>, n: usize) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let short = || CudaError::Model(ModelError::BadSnapshot { snapshot: n, current: dst.len() });
+        match src {
+            Source::Device(s) => {
+                if s.len() < n || dst.len() < n {
+                    return Err(short());
+                }
+                self.dtod(self.p(dst, 0), self.p(s, 0), n)
+            }
+            Source::Host(h) => {
+                if h.len() < n || dst.len() < n {
+                    return Err(short());
+                }
+                let mut view = dst.slice_mut(0..n);
+                Ok(self.dev.stream().memcpy_htod(&h[..n], &mut view)?)
+            }
+        }
+    }
+
+    /// A device copy of `src` (all of it).
+    fn duplicate(&self, src: &CudaSlice<f32>) -> Result<CudaSlice<f32>, CudaError> {
+        let mut out = super::zeros(&self.dev, src.len())?;
+        self.fill(&mut out, Source::Device(src), src.len())?;
+        Ok(out)
+    }
+
+    /// The first `n` floats of `src` in host memory (synchronises the stream).
+    fn download(&self, src: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>, CudaError> {
+        let mut out = vec![0f32; n];
+        if n > 0 {
+            self.dev.stream().memcpy_dtoh(&src.slice(0..n), &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// MTP cache rows a state at `pos` may keep, given `rows` held: at most `pos - 1`.
+    fn mtp_rows_kept(pos: usize, rows: usize) -> usize {
+        rows.min(pos.saturating_sub(1))
+    }
+
+    /// A snapshot of `st` held in VRAM (device-to-device copies, queued on the stream).
+    ///
+    /// Errors: device memory.
+    pub fn snapshot_state(&self, st: &CudaState) -> Result<CudaSnapshot, CudaError> {
+        let mut gdn = Vec::with_capacity(st.layers.len());
+        for ls in &st.layers {
+            gdn.push(match ls {
+                DevLayerState::Gdn { conv, s } => Some((self.duplicate(conv)?, self.duplicate(s)?)),
+                DevLayerState::Attn { .. } => None,
+            });
+        }
+        let ple_conv = st.ple_conv.as_ref().map(|c| self.duplicate(c)).transpose()?;
+        let mtp = match &st.mtp {
+            // Usable only when the cache is in step (rows up to pos - 1 present) and the bank is set.
+            Some(ms) if ms.has_bank && st.pos > 0 && ms.rows + 1 >= st.pos => {
+                Some((self.duplicate(&ms.last_bank)?, Self::mtp_rows_kept(st.pos, ms.rows)))
+            }
+            _ => None,
+        };
+        self.bump_writes();
+        Ok(CudaSnapshot {
+            pos: st.pos,
+            held: SnapshotHeld::Device(DeviceSnapshot { gdn, ple_context: st.ple_context.clone(), ple_conv, mtp }),
+        })
+    }
+
+    /// A copy of `snap` held in host memory (synchronises the stream).
+    ///
+    /// Errors: a device copy failed.
+    pub fn spill_snapshot_to_host(&self, snap: &CudaSnapshot) -> Result<CudaSnapshot, CudaError> {
+        let d = match &snap.held {
+            SnapshotHeld::Host(h) => return Ok(CudaSnapshot { pos: snap.pos, held: SnapshotHeld::Host(h.clone()) }),
+            SnapshotHeld::Device(d) => d,
+        };
+        let mut recurrent = Vec::with_capacity(d.gdn.len());
+        for g in &d.gdn {
+            recurrent.push(match g {
+                Some((c, s)) => {
+                    Some(GdnState { conv: self.download(c, c.len())?, recurrent: self.download(s, s.len())? })
+                }
+                None => None,
+            });
+        }
+        let ple = match &d.ple_conv {
+            Some(c) => Some(PleState { context: d.ple_context.clone(), conv: self.download(c, c.len())? }),
+            None => None,
+        };
+        let mtp_bank = d.mtp.as_ref().map(|(b, _)| self.download(b, b.len())).transpose()?;
+        Ok(CudaSnapshot {
+            pos: snap.pos,
+            held: SnapshotHeld::Host(Snapshot { pos: snap.pos, recurrent, ple, mtp_bank }),
+        })
+    }
+
+    /// Writes `snap`'s recurrent, PLE and MTP-bank parts into `st` (whose attention caches already hold the
+    /// first `snap.pos` tokens) and sets its position; `mtp_rows` is what the MTP cache holds now.
+    fn apply_snapshot(&self, st: &mut CudaState, snap: &CudaSnapshot, mtp_rows: usize) -> Result<(), CudaError> {
+        let pos = snap.pos;
+        let current = st.pos;
+        let bad = || CudaError::Model(ModelError::BadSnapshot { snapshot: pos, current });
+        let (gdn, ple_context, ple_conv, mtp): (Vec<Option<(Source, Source)>>, &[u32], Option<Source>, _) =
+            match &snap.held {
+                SnapshotHeld::Device(d) => (
+                    d.gdn.iter().map(|g| g.as_ref().map(|(c, s)| (Source::Device(c), Source::Device(s)))).collect(),
+                    &d.ple_context,
+                    d.ple_conv.as_ref().map(Source::Device),
+                    d.mtp.as_ref().map(|(b, rows)| (Source::Device(b), *rows)),
+                ),
+                SnapshotHeld::Host(h) => (
+                    h.recurrent
+                        .iter()
+                        .map(|g| g.as_ref().map(|g| (Source::Host(&g.conv), Source::Host(&g.recurrent))))
+                        .collect(),
+                    h.ple.as_ref().map_or(&[][..], |p| &p.context),
+                    h.ple.as_ref().map(|p| Source::Host(&p.conv)),
+                    // A host snapshot carries a bank only when its cache was in step: rows up to pos - 1.
+                    h.mtp_bank.as_ref().map(|b| (Source::Host(b), pos.saturating_sub(1))),
+                ),
+            };
+        if gdn.len() != st.layers.len() {
+            return Err(bad());
+        }
+        for (ls, saved) in st.layers.iter_mut().zip(&gdn) {
+            match (ls, saved) {
+                (DevLayerState::Gdn { conv, s }, Some((c, r))) => {
+                    let (nc, ns) = (conv.len(), s.len());
+                    self.fill(conv, *c, nc)?;
+                    self.fill(s, *r, ns)?;
+                }
+                (DevLayerState::Attn { .. }, None) => {}
+                _ => return Err(bad()),
+            }
+        }
+        match (&mut st.ple_conv, ple_conv) {
+            (Some(dst), Some(src)) if st.ple_context.len() == ple_context.len() => {
+                let n = dst.len();
+                self.fill(dst, src, n)?;
+                st.ple_context.copy_from_slice(ple_context);
+            }
+            (None, None) => {}
+            _ => return Err(bad()),
+        }
+        if let Some(ms) = st.mtp.as_mut() {
+            match mtp {
+                Some((bank, rows)) => {
+                    let n = ms.last_bank.len();
+                    self.fill(&mut ms.last_bank, bank, n)?;
+                    ms.rows = Self::mtp_rows_kept(pos, rows.min(mtp_rows));
+                    ms.has_bank = true;
+                }
+                None => {
+                    // Out of step: drafting refuses until a fresh state.
+                    ms.rows = 0;
+                    ms.has_bank = false;
+                }
+            }
+            ms.drafted_with = None;
+        }
+        st.pos = pos;
+        self.bump_writes();
+        Ok(())
+    }
+
+    /// Truncates `st` back to `snap`, taken earlier from the same sequence.
+    ///
+    /// Errors: [`ModelError::BadSnapshot`] when `snap` lies beyond `st` or has another shape.
+    pub fn restore_state(&self, st: &mut CudaState, snap: &CudaSnapshot) -> Result<(), CudaError> {
+        if snap.pos > st.pos {
+            return Err(ModelError::BadSnapshot { snapshot: snap.pos, current: st.pos }.into());
+        }
+        let rows = st.mtp.as_ref().map_or(0, |m| m.rows);
+        self.apply_snapshot(st, snap, rows)
+    }
+
+    /// A new state for at most `max_len` tokens holding the first `snap.pos()` tokens of `source` (a live state
+    /// or a host image made by [`CudaModel::state_image`]); `drafting` as [`CudaModel::new_state_with`].
+    ///
+    /// Errors: [`ModelError::BadSnapshot`] when `snap` does not fit `source` or `max_len`; device memory.
+    pub fn fork_state(
+        &self,
+        source: &crate::backend::Kept<CudaState>,
+        snap: &CudaSnapshot,
+        max_len: usize,
+        drafting: bool,
+    ) -> Result<CudaState, CudaError> {
+        use crate::backend::Kept;
+        let pos = snap.pos;
+        let source_pos = match source {
+            Kept::Live(s) => s.pos,
+            Kept::Host(h) => h.pos,
+        };
+        let bad = || CudaError::Model(ModelError::BadSnapshot { snapshot: pos, current: source_pos });
+        if pos > source_pos || pos > max_len {
+            return Err(bad());
+        }
+        let mut st = self.new_state_with(max_len, drafting && self.has_mtp())?;
+        // Attention caches: the first `pos` rows.
+        let attn_of = |li: usize| -> Option<AttnSource<'_>> {
+            match source {
+                Kept::Live(s) => s.layers.get(li).and_then(AttnSource::of_device),
+                Kept::Host(h) => match h.layers.get(li) {
+                    Some(LayerState::Attention(a)) => Some(AttnSource::Host(a)),
+                    _ => None,
+                },
+            }
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
+            if let (DevMixer::Attn(a), DevLayerState::Attn { k, v, raw, pooled }) = (&layer.mixer, &mut st.layers[li]) {
+                let src = attn_of(li).ok_or_else(bad)?;
+                let n = self.attn_prefix(a, pos);
+                for ((dst, part), n) in [k, v, raw, pooled].into_iter().zip(src.parts()).zip(n) {
+                    self.fill(dst, part, n)?;
+                }
+            }
+        }
+        // The MTP block's cache: rows up to pos - 1, as many as the source holds.
+        let mut mtp_rows = 0;
+        if let (Some(ms), Some(block)) = (st.mtp.as_mut(), self.mtp.as_ref()) {
+            let (src, held) = match source {
+                Kept::Live(s) => match &s.mtp {
+                    Some(m) => (AttnSource::of_device(&m.attn), m.rows),
+                    None => (None, 0),
+                },
+                Kept::Host(h) => match &h.mtp {
+                    Some(m) => {
+                        let kvw = self.config.n_head_kv * self.config.head_dim;
+                        (Some(AttnSource::Host(&m.attn)), m.attn.k.len() / kvw.max(1))
+                    }
+                    None => (None, 0),
+                },
+            };
+            if let (Some(src), DevLayerState::Attn { k, v, raw, pooled }) = (src, &mut ms.attn) {
+                mtp_rows = Self::mtp_rows_kept(pos, held);
+                let n = self.attn_prefix(&block.attn, mtp_rows);
+                for ((dst, part), n) in [k, v, raw, pooled].into_iter().zip(src.parts()).zip(n) {
+                    self.fill(dst, part, n)?;
+                }
+            }
+        }
+        self.apply_snapshot(&mut st, snap, mtp_rows)?;
+        Ok(st)
+    }
+
+    /// A host image of `st`'s first `st.pos` tokens (device layouts in [`SequenceState`]'s fields; synchronises
+    /// the stream), which [`CudaModel::fork_state`] resumes from as from `st`.
+    ///
+    /// Errors: a device copy failed.
+    pub fn state_image(&self, st: &CudaState) -> Result<SequenceState, CudaError> {
+        let pos = st.pos;
+        let attn_image = |a: &DevAttn, ls: &DevLayerState, len: usize| -> Result<AttnState, CudaError> {
+            let DevLayerState::Attn { k, v, raw, pooled } = ls else {
+                return Err(ModelError::BadSnapshot { snapshot: pos, current: pos }.into());
+            };
+            let [nk, nv, nr, np] = self.attn_prefix(a, len);
+            Ok(AttnState {
+                k: self.download(k, nk)?,
+                v: self.download(v, nv)?,
+                index_k: self.download(raw, nr)?,
+                pooled: self.download(pooled, np)?,
+            })
+        };
+        let mut layers = Vec::with_capacity(st.layers.len());
+        for (ls, layer) in st.layers.iter().zip(&self.layers) {
+            layers.push(match (ls, &layer.mixer) {
+                (DevLayerState::Gdn { conv, s }, _) => LayerState::LinearAttention(GdnState {
+                    conv: self.download(conv, conv.len())?,
+                    recurrent: self.download(s, s.len())?,
+                }),
+                (DevLayerState::Attn { .. }, DevMixer::Attn(a)) => LayerState::Attention(attn_image(a, ls, pos)?),
+                _ => return Err(ModelError::BadSnapshot { snapshot: pos, current: pos }.into()),
+            });
+        }
+        let ple = match &st.ple_conv {
+            Some(c) => Some(PleState { context: st.ple_context.clone(), conv: self.download(c, c.len())? }),
+            None => None,
+        };
+        let mtp = match (&st.mtp, &self.mtp) {
+            (Some(ms), Some(block)) => {
+                let rows = Self::mtp_rows_kept(pos, ms.rows);
+                let last_bank =
+                    if ms.has_bank { self.download(&ms.last_bank, ms.last_bank.len())? } else { Vec::new() };
+                Some(MtpState { attn: attn_image(&block.attn, &ms.attn, rows)?, last_bank, drafted_with: None })
+            }
+            _ => None,
+        };
+        Ok(SequenceState { pos, max_len: pos, layers, ple, mtp })
+    }
+
+    /// Bytes of device memory `st` holds (its caches are sized for `max_len` tokens up front).
+    pub fn state_device_bytes(&self, st: &CudaState) -> usize {
+        let layer = |ls: &DevLayerState| match ls {
+            DevLayerState::Gdn { conv, s } => conv.len() + s.len(),
+            DevLayerState::Attn { k, v, raw, pooled } => k.len() + v.len() + raw.len() + pooled.len(),
+        };
+        let layers: usize = st.layers.iter().map(layer).sum();
+        let ple = st.ple_conv.as_ref().map_or(0, CudaSlice::len);
+        let mtp = st.mtp.as_ref().map_or(0, |m| layer(&m.attn) + 2 * m.last_bank.len());
+        4 * (layers + ple + mtp + 2 * self.config.vocab)
+    }
+
+    /// Marks device buffers as rewritten outside the kernels, so no cached 8-bit activation is reused across it.
+    fn bump_writes(&self) {
+        self.dev.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
