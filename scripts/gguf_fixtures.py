@@ -145,7 +145,7 @@ def all_types(out: Path, rng: np.random.Generator) -> dict[str, Any]:
     f.add("test.arr_arr_i32", [[1, 2], [3]], V.ARRAY, sub_type=V.ARRAY)
     f.add("test.arr_arr_str", [["x"], ["y", "z"]], V.ARRAY, sub_type=V.ARRAY)
     f.add("test.arr_arr_arr_i32", [[[7]], [[8, 9]]], V.ARRAY, sub_type=V.ARRAY)
-    # Keys of the kind the qwen4exp loader reads (docs: /work/shared/design/qwen4exp-format.md section 3).
+    # Keys of the kind the qwen4exp loader reads (engine/src/model/config.rs).
     f.add("qwen4exp.block_count", 48, V.UINT32)
     f.add("qwen4exp.rope.dimension_sections", [11, 11, 10, 0], V.ARRAY, sub_type=V.INT32)
     f.add("qwen4exp.ple.layer_multipliers", [23703573157769, 20109073645365, 8052911324071], V.ARRAY,

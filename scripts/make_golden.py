@@ -12,7 +12,7 @@ The logits come from a prefill of the first `prefill` tokens through the model w
 per remaining token (the reference's own decode path). The script also runs the whole sequence in one forward
 and records the largest difference (the reference's internal consistency) and the smallest top-1 margin.
 
-Configurations (issue 2):
+Configurations:
   ple_eos     PLE on a Gated DeltaNet layer, EOS tokens inside the prompt (also at the start and twice in a
               row), SiLU output gate, hc_count 2
   qsa_budget  QSA with a token budget (16) far below the sequence, so block selection and tail tokens matter;
@@ -21,7 +21,7 @@ Configurations (issue 2):
               reorder), 32 experts top-8
   wide256     hidden size 256, so the k-quants (256-value super-blocks) apply to every projection that reads
               the hidden state, the expert/shared FFN width 64 and the HC low rank 32 take the 32-value block
-              types; for the quantized recipes of issue 3. Its weights are rounded to bfloat16 and stored so (the
+              types; for the quantized recipes (convert/recipe.rs). Its weights are rounded to bfloat16 and stored so (the
               reference ran on those exact values in float32), which halves the fixture.
 
 Usage: python3 scripts/make_golden.py [--out tests/fixtures/golden] [--only NAME ...]

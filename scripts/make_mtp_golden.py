@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference draft logits for Nebula's MTP block (issue 9), from an implementation outside Nebula.
+"""Reference draft logits for Nebula's MTP block, from an implementation outside Nebula.
 
 Transformers ignores the checkpoint's `mtp.*` tensors, so there is no transformers MTP model. This script builds
 the Qwen3.8-Flash-Next MTP head in PyTorch following SGLang's `Qwen4ExpForCausalLMMTP`

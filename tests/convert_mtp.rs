@@ -1,6 +1,6 @@
 //! `nebula convert` on a checkpoint that carries an MTP block (`mtp.*`, ignored by transformers, so the golden
 //! checkpoints have none): the block is written as `blk.{n_layer}.nextn.*` plus a trunk-style attention block,
-//! with the transforms of `shared/design/qwen4exp-format.md` §2.2 (eh_proj = [fc_embedding | fc_hidden] along the
+//! with llama.cpp's `qwen4exp` transforms (eh_proj = [fc_embedding | fc_hidden] along the
 //! input axis, norms stored as 1 + w, the MTP mixer as `nextn.hc_head_*`, fused experts split gate-first), and
 //! the trunk still loads unchanged.
 

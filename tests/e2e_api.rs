@@ -1,4 +1,4 @@
-//! The rest of the API end to end over real HTTP (issue 6): `n`, logprobs, constrained JSON and tool calls,
+//! The rest of the API end to end over real HTTP: `n`, logprobs, constrained JSON and tool calls,
 //! `/v1/completions`, metrics and the prefix cache, the API key, the concurrency limit, the OpenAPI document
 //! and its committed copy, and user-typed special tokens. Each test starts its own in-process server on an
 //! ephemeral loopback port with the embedded demo model, so metrics are per test.

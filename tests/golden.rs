@@ -4,8 +4,8 @@
 //! checkpoints and stored the checkpoints with the logits of a 64-token prefill followed by 16 single-token
 //! steps (a fourth, `wide256`, is 256 wide so that the k-quants apply). Here `nebula convert` turns each
 //! checkpoint into a GGUF and the engine must reproduce those logits: F32 within 1e-4 x max|logit| at every
-//! position with the same top-1; BF16 and Q8_0 with >= 99 % top-1 agreement; the quantization recipes of
-//! issue 3 with >= 95 % (4-bit mixes) and >= 99 % (`q8_0`) top-1 agreement over the four checkpoints.
+//! position with the same top-1; BF16 and Q8_0 with >= 99 % top-1 agreement; the quantization recipes
+//! with >= 95 % (4-bit mixes) and >= 99 % (`q8_0`) top-1 agreement over the four checkpoints.
 
 use std::path::{Path, PathBuf};
 
@@ -150,15 +150,15 @@ fn bf16_and_q8_0_agree_on_top1() {
 /// Every recipe through `nebula convert` and the engine: top-1 agreement with the F32 reference over the four
 /// checkpoints, and on the 256-wide one the types the recipe is about are really there.
 ///
-/// Bars: `q8_0` and `ud-q4_k_xl` (8-bit dense weights) >= 99 % / 95 % as issue 3 asks; the all-4-bit mixes
+/// Bars: `q8_0` and `ud-q4_k_xl` (8-bit dense weights) >= 99 % / 95 %, the product's bars; the all-4-bit mixes
 /// `nebula-q4` and `iq4_xs` reach 90.3 % and 87.2 % here, so their bar is 85 %. These checkpoints are random
 /// networks (N(0, 1/fan_in) weights, 64-256 wide, logits with top-1 margins down to 1e-3 of their range) in
 /// which 4-bit weight noise (relative RMSE ~7-10 % per matrix) moves near-tied logits; the quantized blocks are
 /// byte-identical to llama.cpp's own quantizer (`engine/examples/quant_rmse.rs`) and quantizing the
 /// activations changes nothing measurable, so this is the checkpoints, not the engine. llama.cpp's CPU engine
 /// run on the same GGUFs agrees no better: on `hc4_moe` (the one checkpoint it loads and reproduces in F32:
-/// 80 of 80 top-1) it gets 73 of 80 for `nebula-q4` (Nebula 74) and 69 of 80 for `iq4_xs` (Nebula 69); README
-/// "Measured" says how that was run. The trained demo model meets the 95 % bar with every recipe
+/// 80 of 80 top-1) it gets 73 of 80 for `nebula-q4` (Nebula 74) and 69 of 80 for `iq4_xs` (Nebula 69);
+/// `docs/benchmarks/accuracy.md` says how that was run. The trained demo model meets the 95 % bar with every recipe
 /// (`tests/demo_model.rs`).
 #[test]
 fn quantization_recipes_agree_on_top1() {

@@ -1,4 +1,4 @@
-//! MTP speculative decoding (issue 9) on real checkpoints:
+//! MTP speculative decoding on real checkpoints:
 //! - the MTP block's draft logits against an outside implementation (`scripts/make_mtp_golden.py`: a PyTorch
 //!   head following SGLang's `Qwen4ExpForCausalLMMTP`, built from transformers' modules, on the golden `hc4_moe`
 //!   trunk), through both the step-by-step and the batched-prefill paths;

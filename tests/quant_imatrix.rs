@@ -1,4 +1,4 @@
-//! `nebula convert --imatrix` against llama.cpp (issue 3: the quantizers "with an optional importance matrix").
+//! `nebula convert --imatrix` against llama.cpp (the quantizers with an optional importance matrix).
 //!
 //! The wide256 golden checkpoint converted to F32, then every weight quantized with the committed importance
 //! matrix, byte for byte as llama.cpp's `llama-quantize --pure --imatrix` wrote it for Q4_K, Q5_K, Q6_K, IQ4_NL

@@ -1,5 +1,5 @@
 //! Bad quantized weights at load: a NaN or infinite block scale, an unknown tensor type id, a truncated file.
-//! Each is a clear error naming the tensor, never a crash or silent garbage (issue 3, "Bad input").
+//! Each is a clear error naming the tensor, never a crash or silent garbage.
 
 use std::path::{Path, PathBuf};
 

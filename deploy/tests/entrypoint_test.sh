@@ -106,7 +106,7 @@ placement() {
 }
 done_case() { if [ "$CASE_OK" = 1 ]; then PASSED=$((PASSED + 1)); echo "ok   $CASE"; fi; }
 
-# ---- every row of SPEC §6, typed in again here ------------------------------------------------------------------
+# ---- every row of the product's table, typed in again here -------------------------------------------------------
 # VRAM step: nvidia-smi MiB of a real card of that size, GPU experts, max prefill, max context.
 declare -A VRAM_MIB=([8]=8188 [12]=12282 [16]=16376 [24]=24564)
 declare -A GPU_EXPERTS=([8]=11 [12]=27 [16]=34 [24]=54)

@@ -95,7 +95,7 @@ pub struct SynthReport {
     pub fitted_shares: [f64; 4],
 }
 
-/// Real widths (`shared/design/qwen4exp-format.md` §1).
+/// Real widths (the published checkpoint's `config.json`).
 const D: usize = 2560;
 const HC: usize = 4;
 const RANK: usize = 320;

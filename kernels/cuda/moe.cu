@@ -137,7 +137,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float
     }
 }
 
-// Hybrid decode (SPEC 3.2-3.3): splits each token's routed experts between the GPU expert cache and the CPU.
+// Hybrid decode: splits each token's routed experts between the GPU expert cache and the CPU.
 // slot_of[e] is expert e's slot in the layer's GPU cache or -1. Per token t (threads t < n): coverage = the
 // token's router weight on resident experts; below `handoff` the whole routed MoE goes to the CPU (expert
 // handoff), else the resident experts run on the GPU (gpu_slot = their slot, w_gpu = their weight) and the

@@ -111,7 +111,7 @@ extern "C" __global__ void copy_rows_at(const float* __restrict__ src, float* ds
     dst[(long long)pos * width + idx] = src[idx];
 }
 
-// The MTP block's eh_proj input (engine/src/model/mtp.rs, shared/design/mtp.md 3.2): row (t, s) of [n*S][2d] is
+// The MTP block's eh_proj input (engine/src/model/mtp.rs, steps 1-3): row (t, s) of [n*S][2d] is
 // [en[t] ; hn[t][s]], the normalised next-token embedding beside stream s of the normalised hidden bank.
 extern "C" __global__ void mtp_eh_input(const float* __restrict__ en, const float* __restrict__ hn, float* out, int n,
                                         int S, int d) {

@@ -134,7 +134,7 @@ pub struct SamplingDefaults {
     pub repetition_penalty: f32,
 }
 
-/// Server-wide generation defaults (design note `tokenizer-and-template.md` §3: Qwen's published values).
+/// Server-wide generation defaults (Qwen's published sampling values for the model).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GenerationDefaults {

@@ -18,7 +18,7 @@
 //! `nebula:expert_handoffs_total` (token-layers whose routed MoE went to the CPU), `nebula:experts_omitted_total`
 //! (marginal experts dropped), and MTP speculative decoding:
 //! `nebula:draft_tokens_total` and `nebula:draft_accepted_tokens_total` (drafts proposed / accepted),
-//! `nebula:draft_chains_total{case}` (verified chains by SPEC §4 case `A` all accepted, `B` handed to the full
+//! `nebula:draft_chains_total{case}` (verified chains by case: `A` all accepted, `B` handed to the full
 //! target for low resident-expert coverage, `C` a draft rejected), `nebula:draft_window_chains_total{window}`
 //! (chains per draft window size: 4..16, fewer near the end of an answer), `nebula:draft_collapses_total` and
 //! `nebula:draft_recoveries_total` (drafting turned off for a request because it lost time, and back on after the

@@ -51,7 +51,7 @@ pub struct PlacementConfig {
     /// mlock the RAM tier (falls back to unlocked memory, with a warning, when not permitted).
     pub lock_memory: bool,
     /// CUDA backend with a placement (hybrid decode): a token whose GPU-resident experts cover less than this
-    /// fraction of its router weight has the layer's routed MoE computed on the CPU (SPEC 3.3).
+    /// fraction of its router weight has the layer's routed MoE computed on the CPU.
     pub handoff: f32,
     /// Hybrid decode: drop a token's lightest CPU-side experts while their summed weight stays within this
     /// fraction of its mass (0 = strict, the default; e.g. 0.1).

@@ -1,6 +1,6 @@
 //! Hardware profiles: `nebula profile detect`.
 //!
-//! The profile table (`deploy/profiles.toml`, embedded in the binary) holds the 16 configurations of SPEC §6: VRAM
+//! The profile table (`deploy/profiles.toml`, embedded in the binary) holds the product's 16 configurations: VRAM
 //! 8/12/16/24 GB x RAM 32/64/96/128 GB, each with the GPU expert cache size, prefill and context limits and the
 //! number of experts per layer in RAM and on SSD. Detection reads the GPUs from `nvidia-smi`, the memory from
 //! `/proc/meminfo` (and the cgroup limit, in a container) and the physical cores from `/proc/cpuinfo`, rounds VRAM

@@ -1,6 +1,6 @@
 //! Rendering and encoding a conversation so that text from the client can never become a control token.
 //!
-//! The chat template escapes nothing (design note `tokenizer-and-template.md` §1.5): a literal `<|im_end|>` in a
+//! The chat template escapes nothing: a literal `<|im_end|>` in a
 //! user message would end the turn on the HF path, and a user could forge a system or assistant turn. Nebula
 //! keeps the template's own markers as control tokens and encodes every client string as plain text:
 //!

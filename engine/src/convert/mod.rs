@@ -1,8 +1,8 @@
 //! `nebula convert`: a Hugging Face `qwen4_exp` safetensors checkpoint to a GGUF file with llama.cpp's
-//! `qwen4exp` names, metadata and transforms (`shared/design/qwen4exp-format.md` §2-3).
+//! `qwen4exp` names, metadata and transforms (llama.cpp's `convert_hf_to_gguf.py`).
 //!
 //! Transforms: RMSNorm weights stored as `1 + w` (except the Gated DeltaNet gated norm); `A_log` stored as
-//! `-exp(A_log)`; Gated DeltaNet value heads reordered from HF's grouped order to GGUF's tiled order (§2.3);
+//! `-exp(A_log)`; Gated DeltaNet value heads reordered from HF's grouped order to GGUF's tiled order;
 //! the indexer's fused `index_qk_proj` split into `q_proj` and `k_proj`; fused or per-expert expert weights
 //! split into `ffn_{gate,up,down}_exps`; the sharded n-gram table concatenated into `per_layer_token_embd`; the
 //! PLE hash buffers written as metadata; the MTP block written as `blk.{n_layer}.nextn.*` plus a trunk-style

@@ -6,13 +6,13 @@
 //! Q5_1, Q6_K to Q8_0, the other 256-blocks of the i-quants to IQ4_NL, Q2_K/Q3_K to Q4_0; when the 32-block
 //! type does not fit either, F16. That is how the 160-wide n-gram table rows, the 320-wide hyper-connection
 //! projections and the 640-wide expert down projections of qwen4exp get 32-block types
-//! (`shared/design/qwen4exp-format.md` §5).
+//! (as llama.cpp's `llama-quantize` falls back for rows that are not whole 256-value blocks).
 //!
 //! | recipe | what it reproduces, and the basis |
 //! |---|---|
-//! | `nebula-q4` | the original product description's component tables (`shared/seeds/000_*`, "Components held on the GPU/CPU"): Q4_K token embedding, head, expert gate/up, dense projections; IQ4_NL expert and shared-expert down; F32 routers, norms and GDN alpha/beta; BF16 indexer; IQ4_NL/Q4_K target hyper-connections; Q6_K MTP `attn_v` and MTP mixer down, Q5_0 MTP 320-wide HC; IQ4_NL n-gram table |
+//! | `nebula-q4` | the product's original component tables ("Components held on the GPU/CPU"): Q4_K token embedding, head, expert gate/up, dense projections; IQ4_NL expert and shared-expert down; F32 routers, norms and GDN alpha/beta; BF16 indexer; IQ4_NL/Q4_K target hyper-connections; Q6_K MTP `attn_v` and MTP mixer down, Q5_0 MTP 320-wide HC; IQ4_NL n-gram table |
 //! | `q8_0` | ggml-org's Q8_0 GGUFs (`convert_hf_to_gguf.py --outtype q8_0`): every weight Q8_0 except the never-quantized indexer (BF16) |
-//! | `ud-q4_k_xl` | Unsloth's UD-Q4_K_XL: expert gate/up Q4_K, expert down Q5_K (stored Q5_1 at 640 wide), n-gram table IQ4_NL and attention Q8_0, as measured from the published file by third parties (format doc §5; code-index id 60851218156); the other dense weights Q8_0, an assumption that matches the published size to within 1.5 GiB of 103.7 GiB |
+//! | `ud-q4_k_xl` | Unsloth's UD-Q4_K_XL: expert gate/up Q4_K, expert down Q5_K (stored Q5_1 at 640 wide), n-gram table IQ4_NL and attention Q8_0, as measured from the published file by third parties; the other dense weights Q8_0, an assumption that matches the published size to within 1.5 GiB of 103.7 GiB |
 //! | `iq4_xs` | llama.cpp's `llama-quantize ... IQ4_XS` type selection (`llama_tensor_get_type` in `llama-quant.cpp`): IQ4_XS by default, Q6_K head, Q5_K `attn_v`/`attn_qkv` (grouped-query factor 12 >= 4), Q5_K `ffn_down` in the first eighth of the layers without an importance matrix |
 //!
 //! `--recipe-from FILE.gguf` copies the type of every same-named tensor of a published GGUF instead (a like for

@@ -1,6 +1,6 @@
 //! Hyper-parameters of a `qwen4exp` model, read from GGUF metadata.
 //!
-//! Keys and meanings: `shared/design/qwen4exp-format.md` §3; the HF equivalents are in
+//! Keys: llama.cpp's `qwen4exp.*` metadata, as `engine/src/convert/` writes it; the HF equivalents are in
 //! `transformers/models/qwen4_exp/configuration_qwen4_exp.py`.
 
 use crate::gguf::{GgufFile, MetadataValue};

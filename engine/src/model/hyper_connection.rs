@@ -1,5 +1,5 @@
 //! Hyper-connections: the 4-stream residual bundle and its gated mixer (`Qwen4ExpTextGatedResidual`,
-//! format doc §4.2).
+//! transformers' `modeling_qwen4_exp.py`).
 //!
 //! For a bundle `X` of `S` streams of width `d`: `Xn = G(X)` (grouped RMS norm), `l = silu(W_down Xn / S)`,
 //! `g = sigmoid(W_up l)`, block input `m = (1/S) sum_s g_s * Xn_s`, injection `a = 2 sigmoid(W_inj Xn / S)`;

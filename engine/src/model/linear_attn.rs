@@ -1,5 +1,5 @@
 //! Gated DeltaNet (`Qwen4ExpTextGatedDeltaNet`, `torch_chunk_gated_delta_rule`,
-//! `torch_recurrent_gated_delta_rule`; format doc §4.6).
+//! `torch_recurrent_gated_delta_rule` in transformers' `modeling_qwen4_exp.py`).
 //!
 //! Per token: `[q; k; v] = silu(causal depthwise conv(W_qkv x))`, `beta = sigmoid(W_b x)`,
 //! `g = A * softplus(W_a x + dt_bias)` with `A = -exp(A_log)` (stored already negated in GGUF), q and k

@@ -113,7 +113,8 @@ pub struct ChainOutput {
     /// Logits of every row, `[n, vocab]` (masked ids at `-inf`).
     pub logits: Vec<f32>,
     /// Per row, the smallest share of the normalised router weight that resident experts covered in any layer
-    /// (SPEC §3.3, §4 case B). On the CPU every expert is resident, so every value is 1.
+    /// (a verify row under `speculative::COVERAGE_THRESHOLD` ends its chain as case B). On the CPU every expert is
+    /// resident, so every value is 1.
     pub coverage: Vec<f32>,
     /// What [`Qwen4Exp::rollback_chain`] needs to cut the chain back to any prefix.
     pub record: ChainRecord,
@@ -285,7 +286,7 @@ impl Qwen4Exp {
 
     /// The routed experts of `layer` on the CPU for `n` tokens `x` (`[n, d]`), each token with its own
     /// `(expert, weight)` list (`routing`; empty lists are fine): `sum_e w_e y_e`, `[n, d]`, without the shared
-    /// expert. The CPU half of hybrid decode (SPEC 3.2): experts come from the RAM tier or the SSD tier (with the
+    /// expert. The CPU half of hybrid decode: experts come from the RAM tier or the SSD tier (with the
     /// next layers' SSD experts prefetched from `x`), summed in ascending expert id order.
     ///
     /// Errors: [`ModelError::WeightRead`] when an SSD read fails.

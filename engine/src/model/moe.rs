@@ -1,5 +1,5 @@
 //! Sparse MoE with a gated shared expert (`Qwen4ExpTextSparseMoeBlock`, `Qwen4ExpTextTopKRouter`,
-//! `Qwen4ExpTextExperts`; format doc §4.9).
+//! `Qwen4ExpTextExperts` in transformers' `modeling_qwen4_exp.py`).
 //!
 //! Router: `p = softmax(W_router x)` in f32, the top `k` experts, weights renormalised to sum to 1 (no clamp, as
 //! HF; llama.cpp clamps the sum at 6.1e-5). Expert `e`: `W_down[e] (silu(W_gate[e] x) * W_up[e] x)`. Output:

@@ -1,7 +1,7 @@
 //! The MTP (multi-token prediction) draft block of Qwen3.8-Flash-Next, read from the GGUF's `blk.{n_layer}.*`
 //! tensors (`nextn.*` plus a trunk-style attention layer). Transformers drops `mtp.*`, so the math follows
 //! SGLang's `Qwen4ExpForCausalLMMTP` (`python/sglang/srt/models/qwen4_exp_mtp.py`, `_fuse_residual_linear_shared`,
-//! and `Qwen4ExpModel(is_nextn=True)` in `qwen4_exp.py`), summarised in `shared/design/mtp.md` §3.2:
+//! and `Qwen4ExpModel(is_nextn=True)` in `qwen4_exp.py`):
 //!
 //! For MTP row `j` (rope position `j`), given the target's pre-mixer bank `H_j` (`[S*d]`, the output of the last
 //! decoder layer before `hyper_connection_mixer`) and the next token `x_{j+1}`:

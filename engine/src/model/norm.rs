@@ -27,7 +27,7 @@ pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
 }
 
 /// Grouped RMS norm over a hyper-connection bundle: one RMS per `group`-wide stream, then `* w` over the whole
-/// bundle (`Qwen4ExpTextRMSNorm(group_size=hidden)`, format doc §4.1 item 2).
+/// bundle (`Qwen4ExpTextRMSNorm(group_size=hidden)` in transformers).
 pub fn grouped_rms_norm_into(x: &[f32], w: &[f32], group: usize, eps: f32, out: &mut [f32]) {
     for ((xs, ws), os) in x.chunks_exact(group).zip(w.chunks_exact(group)).zip(out.chunks_exact_mut(group)) {
         rms_norm_into(xs, ws, eps, os);

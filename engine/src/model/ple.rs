@@ -1,5 +1,5 @@
 //! PLE: hashed n-gram embeddings injected into every residual stream (`Qwen4ExpTextNGramEmbedding` and
-//! `Qwen4ExpTextPLELayer`, format doc §4.4-4.5).
+//! `Qwen4ExpTextPLELayer` in transformers' `modeling_qwen4_exp.py`).
 //!
 //! Each token's `ngram_size - 1` previous tokens (cut at the last EOS, which starts a new segment) are hashed by
 //! 16 heads into rows of one big table; the concatenated rows `E` give a value `V = W_val E` and one key per

@@ -1,5 +1,5 @@
 //! Partial, interleaved multi-axis rotary position embedding (M-RoPE) as `Qwen4ExpTextRotaryEmbedding` and
-//! `apply_rotary_pos_emb` compute it (format doc §4.7 item 3).
+//! `apply_rotary_pos_emb` compute it (transformers' `modeling_qwen4_exp.py`).
 //!
 //! Only the first `rope_dim` dims of a head rotate, in `rotate_half` pairs `(i, i + rope_dim/2)`. Frequency slot
 //! `i` takes the height position when `i % 3 == 1 && i < 3 * sections[1]`, the width position when

@@ -1,5 +1,5 @@
-//! Gated softmax attention with the QSA indexer (`Qwen4ExpTextAttention`, `Qwen4ExpTextQSAIndexer`; format
-//! doc §4.7-4.8).
+//! Gated softmax attention with the QSA indexer (`Qwen4ExpTextAttention`, `Qwen4ExpTextQSAIndexer` in
+//! transformers' `modeling_qwen4_exp.py`).
 //!
 //! `q_proj` gives per head a query and an output gate; q and k get a per-head RMS norm and partial M-RoPE; the
 //! output is `o_proj(softmax(q k^T / sqrt(hd)) v * sigmoid(gate))` with grouped KV heads. The QSA indexer decides

@@ -2,7 +2,7 @@
 //!
 //! Every tensor is checked against the shape and types the model expects before any math runs; a wrong or
 //! missing tensor is reported with its expected and actual shape and type (names and shapes:
-//! `shared/design/qwen4exp-format.md` §2.2, shapes in ggml order `[ne0, ne1, ...]`).
+//! llama.cpp's `qwen4exp` tensor names as `nebula convert` writes them, shapes in ggml order `[ne0, ne1, ...]`).
 
 use std::sync::Arc;
 

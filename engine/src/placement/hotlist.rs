@@ -1,5 +1,5 @@
 //! The hotlist: per layer and routed expert, how often a routing campaign chose the expert and the router weight
-//! it got (SPEC §5). Experts are ranked by count, ties by summed weight, then by id; the top X of a layer go to
+//! it got. Experts are ranked by count, ties by summed weight, then by id; the top X of a layer go to
 //! the GPU, the top H to RAM, the rest to SSD ([`super::PlacementPlan`]).
 //!
 //! # File format (version 1)

@@ -1,7 +1,7 @@
 //! Memory for the RAM tier and the SSD buffer pool: page-aligned anonymous allocations, locked with `mlock` when
 //! the process may (RLIMIT_MEMLOCK, CAP_IPC_LOCK), and the headroom check against `/proc/meminfo`.
 //!
-//! Locked anonymous memory is what SPEC §3.1 asks of the RAM tier: unlike the page cache of a memory-mapped
+//! The RAM tier is locked anonymous memory: unlike the page cache of a memory-mapped
 //! file, the kernel never evicts it, so a RAM-tier expert never turns into an SSD read under memory pressure.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};

@@ -1,4 +1,4 @@
-//! Expert placement (SPEC §3.1, §5, §6): which routed experts of each layer live on the GPU, in RAM or on SSD,
+//! Expert placement: which routed experts of each layer live on the GPU, in RAM or on SSD,
 //! and where the n-gram table lives.
 //!
 //! A [`PlacementPlan`] ranks each layer's experts by the [`Hotlist`] (or by id when there is none) and gives the
@@ -122,11 +122,11 @@ pub struct PlacementOptions {
     /// The experts per layer the counts were written for (a profile's `experts_per_layer`, 512): a model with
     /// another number gets the counts scaled to its own (the 28 MB demo model has 32). `None`: counts as given.
     pub counts_for_experts: Option<usize>,
-    /// Hybrid GPU backend (SPEC 3.3): a token whose GPU-resident experts cover less than this fraction of its
+    /// Hybrid GPU backend: a token whose GPU-resident experts cover less than this fraction of its
     /// router weight has the layer's whole routed MoE computed on the CPU. Default 0.9.
     pub handoff: f32,
     /// Hybrid GPU backend: the lightest CPU-side experts of a token are dropped while their summed weight stays
-    /// within this fraction of the token's mass (SPEC 3.3's marginal-expert omission; 0 = strict, the default).
+    /// within this fraction of the token's mass (marginal-expert omission; 0 = strict, the default).
     pub omit_marginal: f32,
 }
 

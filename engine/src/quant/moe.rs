@@ -2,7 +2,7 @@
 //! 17 tokens (any count works) in one parallel region.
 //!
 //! For each expert `e` and each of its tokens `t` with router weight `w`:
-//! `out[t] += w * W_down[e] (silu(W_gate[e] x_t) * W_up[e] x_t)` (`Qwen4ExpTextExperts`, format doc §4.9).
+//! `out[t] += w * W_down[e] (silu(W_gate[e] x_t) * W_up[e] x_t)` (transformers' `Qwen4ExpTextExperts`).
 //!
 //! One parallel region ([`rayon::broadcast`], or for a single token the spinning pool of [`super::spin_pool`] on a
 //! thread that opted in, with as many participants as the rayon pool has threads) runs the first three phases separated by spin barriers, each phase taking work items

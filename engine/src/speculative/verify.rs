@@ -1,4 +1,4 @@
-//! Acceptance rules of a draft against the target's logits for one row (SPEC §4 "Verification levels").
+//! Acceptance rules of a draft against the target's logits for one row, by verification level.
 //!
 //! Greedy requests (temperature 0) follow the request's accuracy level:
 //! - level 3, strict: a draft is accepted only when it is the target's greedy token (argmax, lowest id on ties),

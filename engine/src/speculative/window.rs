@@ -1,4 +1,4 @@
-//! The draft-window controller (SPEC §4 "Window controller"): how many tokens the next chain drafts, and whether
+//! The draft-window controller: how many tokens the next chain drafts, and whether
 //! drafting is worth it at all for this request.
 //!
 //! **Basic rule.** Every response starts at `N = 4`, kept within `[4, 16]`. Consecutive fully accepted chains
@@ -40,7 +40,7 @@ pub const MAX_COOLDOWN: usize = 1024;
 /// Chains without a collapse after which the cooldown goes back to [`BASE_COOLDOWN`].
 pub const STABLE_CHAINS: usize = 64;
 
-/// How a verified chain ended (SPEC §4).
+/// How a verified chain ended: A all accepted, B handed to the full target, C a draft rejected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChainCase {
     /// Every draft accepted; the target's bonus token starts the next chain.

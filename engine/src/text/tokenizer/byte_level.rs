@@ -1,5 +1,5 @@
 //! GPT-2's reversible byte ↔ character map, in which byte-level BPE vocabularies (tokenizer.json `model.vocab`,
-//! GGUF `tokenizer.ggml.tokens`) spell their tokens (design/tokenizer-and-template.md §1.4).
+//! GGUF `tokenizer.ggml.tokens`) spell their tokens (GPT-2's `bytes_to_unicode`).
 //!
 //! The 188 printable bytes `!`..=`~`, `¡`..=`¬` and `®`..=`ÿ` stand for themselves (as the Latin-1 character of the
 //! same value); the other 68 bytes map, in increasing byte order, to U+0100, U+0101, … (space 0x20 is `Ġ` U+0120).

@@ -1,5 +1,5 @@
 //! [`GgufVocab`]: the tokenizer as GGUF's `tokenizer.ggml.*` keys hold it, and its derivation from a HF
-//! `tokenizer.json` (what our HF → GGUF converter writes). design/tokenizer-and-template.md §1.1, §1.6.
+//! `tokenizer.json` (what our HF → GGUF converter writes), in llama.cpp's conventions.
 
 use std::collections::HashMap;
 
@@ -50,7 +50,7 @@ pub const GGUF_MODEL_GPT2: &str = "gpt2";
 /// llama.cpp's pre-tokenizer name for the Qwen3.5 regex (`tokenizer.ggml.pre`, `LLAMA_VOCAB_PRE_TYPE_QWEN35`).
 pub const GGUF_PRE_QWEN35: &str = "qwen35";
 
-/// The tokenizer as stored in GGUF metadata, llama.cpp conventions (design/tokenizer-and-template.md §1.6).
+/// The tokenizer as stored in GGUF metadata, llama.cpp conventions (`llama-vocab.cpp`).
 ///
 /// `tokens[i]` is token `i` spelled in GPT-2 byte-level characters (added tokens as their text), `token_types[i]` its
 /// [`TokenType`] value, `merges` the BPE merges as `"a b"` strings in priority order. Ids without a token are rows
@@ -131,7 +131,7 @@ pub fn looks_like_control_token(content: &str) -> bool {
 }
 
 /// The GGUF type of an added token: CONTROL when tokenizer.json marks it special or its name looks special,
-/// USER_DEFINED otherwise (design/tokenizer-and-template.md §1.6).
+/// USER_DEFINED otherwise (as llama.cpp's `convert_hf_to_gguf.py` types them).
 pub fn added_token_type(content: &str, special: bool) -> TokenType {
     if special || looks_like_control_token(content) { TokenType::Control } else { TokenType::UserDefined }
 }
@@ -166,7 +166,7 @@ fn gguf_pre_of(pre_tokenizer: &Option<serde_json::Value>) -> Option<&'static str
 
 impl GgufVocab {
     /// The GGUF vocabulary of a HF `tokenizer.json`, padded to `vocab_size` ids (the model's embedding rows,
-    /// 248,320 for Qwen3.8), as llama.cpp's `convert_hf_to_gguf.py` lays it out (design doc §1.6):
+    /// 248,320 for Qwen3.8), as llama.cpp's `convert_hf_to_gguf.py` lays it out:
     ///
     /// * id `i` of `model.vocab` → its byte-level spelling, NORMAL;
     /// * an added token → its text, CONTROL if `special` or named like `<|…|>` ([`looks_like_control_token`]),
@@ -275,7 +275,7 @@ impl GgufVocab {
 
     /// Sets eos/bos/pad ids and `add_bos_token` from a HF `tokenizer_config.json` (`eos_token`, `bos_token`,
     /// `pad_token` as a string or `{"content": …}`, null for none; `add_bos_token`, default false). For
-    /// Qwen3.8: eos `<|im_end|>` 248046, pad `<|endoftext|>` 248044, no bos (design doc §1.1).
+    /// Qwen3.8: eos `<|im_end|>` 248046, pad `<|endoftext|>` 248044, no bos (the released `tokenizer_config.json`).
     ///
     /// Errors: malformed JSON, or a named token that is not in `tokens`.
     pub fn apply_tokenizer_config(&mut self, config_json: &[u8]) -> Result<(), TokenizerError> {
@@ -345,7 +345,7 @@ mod tests {
 }
 
 impl GgufVocab {
-    /// Reads the `tokenizer.ggml.*` keys of a GGUF file (llama.cpp's layout, design doc §1.6). `Ok(None)` when
+    /// Reads the `tokenizer.ggml.*` keys of a GGUF file (llama.cpp's layout). `Ok(None)` when
     /// the file carries no tokenizer (`tokenizer.ggml.tokens` absent).
     ///
     /// Errors: a present key of the wrong type, as [`TokenizerError::Gguf`] naming the key.
