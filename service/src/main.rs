@@ -91,6 +91,9 @@ enum BenchCommand {
     /// MTP speculative decoding: tok/s off and on per accuracy level, acceptance, time split, and the machinery's
     /// cost at fixed acceptance rates (CPU, or the GPU with `--backend cuda`).
     Mtp(nebula_service::cli::bench::BenchMtpArgs),
+    /// Prefix cache: time to first token of a follow-up turn resumed from the cache against a cold prefill of
+    /// the same prompt, at conversation sizes (CPU, or the GPU with `--backend cuda`).
+    Prefix(nebula_service::cli::bench_prefix::BenchPrefixArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -112,6 +115,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Model(args)) => nebula_service::cli::bench::run_model(args),
         Command::Bench(BenchCommand::Kernels(args)) => bench::run_kernels(&args),
         Command::Bench(BenchCommand::Mtp(args)) => nebula_service::cli::bench::run_mtp(args),
+        Command::Bench(BenchCommand::Prefix(args)) => nebula_service::cli::bench_prefix::run_prefix(args),
         Command::Convert { input, output, outtype, no_mtp, split_max_gib, name, recipe, recipe_from, imatrix } => {
             let imatrix = imatrix
                 .map(|p| ImportanceMatrix::load(&p).with_context(|| format!("reading {}", p.display())))

@@ -44,7 +44,11 @@ pub struct BenchModelArgs {
 }
 
 /// The backend of a benchmark: `kind` on GPU `gpu`, its VRAM budget from the flag or else the emulated profile's.
-fn bench_backend(kind: BackendKind, gpu: usize, placement: &crate::placement::PlacementConfig) -> BackendKind {
+pub(crate) fn bench_backend(
+    kind: BackendKind,
+    gpu: usize,
+    placement: &crate::placement::PlacementConfig,
+) -> BackendKind {
     match kind {
         BackendKind::Cuda { vram_budget, .. } => BackendKind::Cuda {
             device: gpu,
