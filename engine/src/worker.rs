@@ -255,6 +255,8 @@ pub struct EngineOptions {
     /// index and an optional VRAM budget checked before anything is allocated). On the GPU the prefix cache and
     /// MTP drafting are not used yet (their state snapshots are CPU-side).
     pub backend: BackendKind,
+    /// The CUDA backend's tuning ([`crate::tuning::CudaTuning`]; the service parses it once at start).
+    pub cuda_tuning: crate::tuning::CudaTuning,
 }
 
 impl Default for EngineOptions {
@@ -266,6 +268,7 @@ impl Default for EngineOptions {
             placement: None,
             mtp: true,
             backend: BackendKind::Cpu,
+            cuda_tuning: Default::default(),
         }
     }
 }
@@ -373,7 +376,7 @@ impl Engine {
             BackendKind::Cpu => None,
             // A placed model runs hybrid: GPU-tier experts on the GPU, the rest on the CPU.
             BackendKind::Cuda { device, vram_budget } => Some(Box::new(
-                CudaModel::for_model(model.clone(), device, vram_budget)
+                CudaModel::for_model(model.clone(), device, vram_budget, &opts.cuda_tuning)
                     .map_err(|source| LoadError::Backend { path: shown.clone(), source })?,
             )),
         };

@@ -276,6 +276,9 @@ pub struct ServerConfig {
     pub backend: String,
     /// GPU index for the cuda backend.
     pub gpu: usize,
+    /// Tuning of the backends (`[tuning.cuda]`, `[tuning.cuda.hybrid]`, `[tuning.cpu]`); the `NEBULA_CUDA_*`,
+    /// `NEBULA_HYBRID_*`, `NEBULA_CPU_*` ... variables of `docs/config.md` override it.
+    pub tuning: nebula_engine::tuning::Tuning,
 }
 
 impl Default for ServerConfig {
@@ -307,6 +310,7 @@ impl Default for ServerConfig {
             mtp: MtpConfig::default(),
             backend: "cpu".into(),
             gpu: 0,
+            tuning: nebula_engine::tuning::Tuning::default(),
         }
     }
 }
@@ -389,13 +393,16 @@ impl ServerConfig {
         );
         let flags = FlagOverrides::from(args);
         figment = figment.merge(Serialized::defaults(flags));
-        let config: ServerConfig = figment.extract().map_err(|e| ConfigError(describe_figment_error(e)))?;
+        let mut config: ServerConfig = figment.extract().map_err(|e| ConfigError(describe_figment_error(e)))?;
+        // The tuning variables keep their own names (NEBULA_CUDA_GRAPHS, ...), applied over the table.
+        config.tuning = config.tuning.with_env(|k| std::env::var(k).ok()).map_err(|e| ConfigError(e.to_string()))?;
         config.validate()?;
         Ok(config)
     }
 
     /// Checks values figment cannot (ranges, effort names).
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.tuning.validate().map_err(|e| ConfigError(e.to_string()))?;
         let effort = self.defaults.reasoning_effort.as_str();
         if !["", "low", "medium", "xhigh"].contains(&effort) {
             return Err(ConfigError(format!("defaults.reasoning_effort must be low, medium or xhigh, got {effort:?}")));

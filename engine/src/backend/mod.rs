@@ -70,13 +70,17 @@ impl RunnerState {
 
 impl Runner {
     /// Puts `model` on `kind`. A placed model ([`Qwen4Exp::place`]) on CUDA runs hybrid: its GPU-tier experts on
-    /// the GPU, the others on the CPU ([`cuda::hybrid`]); unplaced, every weight goes to the GPU.
-    pub fn new(model: Qwen4Exp, kind: BackendKind) -> Result<Self, BackendError> {
+    /// the GPU, the others on the CPU ([`cuda::hybrid`]); unplaced, every weight goes to the GPU. `tuning` steers
+    /// the CUDA backend.
+    pub fn new(model: Qwen4Exp, kind: BackendKind, tuning: &crate::tuning::CudaTuning) -> Result<Self, BackendError> {
         Ok(match kind {
             BackendKind::Cpu => Runner::Cpu(model),
-            BackendKind::Cuda { device, vram_budget } => {
-                Runner::Cuda(Box::new(cuda::CudaModel::for_model(std::sync::Arc::new(model), device, vram_budget)?))
-            }
+            BackendKind::Cuda { device, vram_budget } => Runner::Cuda(Box::new(cuda::CudaModel::for_model(
+                std::sync::Arc::new(model),
+                device,
+                vram_budget,
+                tuning,
+            )?)),
         })
     }
 
