@@ -278,7 +278,7 @@ fn placed_tiers(path: &std::path::Path, gpu: usize, ram: usize) -> std::sync::Ar
     std::sync::Arc::new(m)
 }
 
-/// Hybrid decode (issue 5, SPEC 3.2-3.4): the GPU holds a few experts per layer, the CPU computes the rest, long
+/// Hybrid decode: the GPU holds a few experts per layer, the CPU computes the rest, long
 /// batches stream the missing experts over PCIe. On the golden F32 checkpoints every path (handoff to the CPU,
 /// resident experts on the GPU, streamed prefill with odd group sizes) must match the reference as tightly as
 /// the all-GPU model does (1e-3, same top-1).
@@ -435,7 +435,7 @@ fn tensor_core_prefill_matches_the_cpu() {
     assert!(rel_h <= 1e-3 && differ_h.len() <= 2, "streamed vs all-GPU: {rel_h:.3e}, {differ_h:?}");
 }
 
-/// Deterministic mode (issue 5): for a fixed placement the hybrid model gives the same logits bit for bit run
+/// Deterministic mode: for a fixed placement the hybrid model gives the same logits bit for bit run
 /// after run, and its greedy tokens equal the CPU-only and all-GPU runs on the F32 golden checkpoints (same f32
 /// math everywhere). On the quantized demo model the backends differ by activation rounding order (a near tie
 /// flips the all-GPU run's greedy path at step 11 against the CPU's, with or without hybrid), so there the bar is
@@ -594,11 +594,11 @@ fn catch_up_and_step(gpu: &CudaModel, st: &mut nebula_engine::backend::cuda::Cud
     gpu.forward(st, &[tokens[st.pos]], LogitsFor::Last).unwrap()
 }
 
-/// MTP speculative decoding on the GPU (issue 9, SPEC §4), all-GPU and hybrid:
+/// MTP speculative decoding on the GPU, all-GPU and hybrid:
 /// - the GPU MTP block's chained drafts equal the outside reference's (`scripts/make_mtp_golden.py`, a PyTorch
 ///   MTP head after SGLang's module) after a prefill;
-/// - level 3 with MTP drafting produces exactly plain greedy decoding's tokens (all-GPU; hybrid with the SPEC's
-///   resident-expert verify and case B; hybrid with the verify handoff), on the reference MTP checkpoint and on
+/// - level 3 with MTP drafting produces exactly plain greedy decoding's tokens (all-GPU; hybrid with the
+///   resident-expert verify and case B (`backend::cuda::hybrid::policy`); hybrid with the verify handoff), on the reference MTP checkpoint and on
 ///   golden checkpoints with random MTP blocks (QSA, PLE);
 /// - after a run of the scripted drafter (rate 0.6: many case-C rollbacks), the state is bit for bit the state of
 ///   plain single-step decoding: the next step's logits are identical.

@@ -280,10 +280,14 @@ impl Gpu {
                 ctx.load_module(nvrtc_compile(stem, src, arch)?)?
             };
             for name in expand_names(src) {
-                let f = module.load_function(&name).map_err(|e| GpuError::Driver(format!("loading {name}: {e}")))?;
+                let f = module
+                    .load_function(&name)
+                    .map_err(|e| GpuError::Driver(format!("loading {name}: {}", driver_result_words(e.0))))?;
                 let max = f
                     .get_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
-                    .map_err(|e| GpuError::Driver(format!("querying {name}'s block size limit: {e}")))?;
+                    .map_err(|e| {
+                        GpuError::Driver(format!("querying {name}'s block size limit: {}", driver_result_words(e.0)))
+                    })?;
                 functions.insert(name, (f, max.max(0) as u32));
             }
             modules.push(module);
@@ -295,7 +299,9 @@ impl Gpu {
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                     carveout,
                 )
-                .map_err(|e| GpuError::Driver(format!("setting {name}'s shared-memory carve-out: {e}")))?;
+                .map_err(|e| {
+                    GpuError::Driver(format!("setting {name}'s shared-memory carve-out: {}", driver_result_words(e.0)))
+                })?;
             }
         }
         Ok(Self {

@@ -134,7 +134,7 @@ pub struct SamplingDefaults {
     pub repetition_penalty: f32,
 }
 
-/// Server-wide generation defaults (design note `tokenizer-and-template.md` §3: Qwen's published values).
+/// Server-wide generation defaults (Qwen's published sampling values for the model).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GenerationDefaults {
@@ -568,6 +568,44 @@ mod tests {
             jail.create_file("nebula.toml", "[placement]\nram_experts = 5\n")?;
             let err = ServerConfig::resolve(&args).unwrap_err().to_string();
             assert!(err.contains("placement.ram_experts"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail closure returns figment::Error.
+    fn the_tuning_table_is_read_and_the_engine_variables_override_it() {
+        use nebula_engine::tuning::{CudaFusions, CudaProfile};
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "nebula.toml",
+                "[tuning.cuda]\ngraphs = false\ngemv_depth = 4\nprofile = \"kernels\"\n[tuning.cuda.fuse]\nqkvz = false\n\
+                 [tuning.cuda.hybrid]\nstages = 3\n[tuning.cpu]\nisa = \"avx2\"\nmoe_rows = [16, 48]\n",
+            )?;
+            let c = ServerConfig::resolve(&ServeArgs::default()).unwrap();
+            let t = &c.tuning;
+            assert!(!t.cuda.graphs && t.cuda.gemv_depth == 4 && t.cuda.profile == CudaProfile::Kernels);
+            assert_eq!(t.cuda.fuse, CudaFusions { shared: true, qkvz: false, gates: true });
+            assert_eq!((t.cuda.hybrid.stages, t.cuda.hybrid.stage_experts), (3, 32));
+            assert_eq!((t.cpu.isa, t.cpu.moe_rows), (Some(nebula_engine::quant::Isa::Avx2), (16, 48)));
+            // The engine's own variables win over the table; the nested form works as for every key.
+            jail.set_env("NEBULA_CUDA_GRAPHS", "1");
+            jail.set_env("NEBULA_CUDA_GEMV_DEPTH", "2");
+            jail.set_env("NEBULA_TUNING__CUDA__HYBRID__STAGES", "5");
+            let c = ServerConfig::resolve(&ServeArgs::default()).unwrap();
+            assert!(c.tuning.cuda.graphs && c.tuning.cuda.gemv_depth == 2 && c.tuning.cuda.hybrid.stages == 5);
+            // Bad values are refused naming the key or the variable.
+            jail.set_env("NEBULA_CUDA_FUSE", "shared,router");
+            let e = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
+            assert!(e.contains("NEBULA_CUDA_FUSE") && e.contains("router"), "{e}");
+            jail.set_env("NEBULA_CUDA_FUSE", "0");
+            jail.create_file("nebula.toml", "[tuning.cuda.hybrid]\nstages = 1\n")?;
+            jail.set_env("NEBULA_TUNING__CUDA__HYBRID__STAGES", "1");
+            let e = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
+            assert!(e.contains("tuning.cuda.hybrid.stages"), "{e}");
+            jail.create_file("nebula.toml", "[tuning.cuda]\nfast = true\n")?;
+            let e = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
+            assert!(e.contains("fast"), "{e}");
             Ok(())
         });
     }

@@ -1,8 +1,8 @@
 //! Loading and validating the model's tensors by their llama.cpp `qwen4exp` names.
 //!
 //! Every tensor is checked against the shape and types the model expects before any math runs; a wrong or
-//! missing tensor is reported with its expected and actual shape and type (names and shapes:
-//! `shared/design/qwen4exp-format.md` §2.2, shapes in ggml order `[ne0, ne1, ...]`).
+//! missing tensor is reported with its expected and actual shape and type (names and shapes as llama.cpp's
+//! `qwen4exp` writes them, the loaders below list them; shapes in ggml order `[ne0, ne1, ...]`).
 
 use std::sync::Arc;
 

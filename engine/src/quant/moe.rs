@@ -2,7 +2,8 @@
 //! 17 tokens (any count works) in one parallel region.
 //!
 //! For each expert `e` and each of its tokens `t` with router weight `w`:
-//! `out[t] += w * W_down[e] (silu(W_gate[e] x_t) * W_up[e] x_t)` (`Qwen4ExpTextExperts`, format doc §4.9).
+//! `out[t] += w * W_down[e] (silu(W_gate[e] x_t) * W_up[e] x_t)` (`Qwen4ExpTextExperts`
+//! in the reference `modeling_qwen4_exp.py`).
 //!
 //! One parallel region ([`rayon::broadcast`], or for a single token the spinning pool of [`super::spin_pool`] on a
 //! thread that opted in, with as many participants as the rayon pool has threads) runs the first three phases separated by spin barriers, each phase taking work items
@@ -162,7 +163,7 @@ pub mod trace {
     }
 
     /// Hybrid decode's hand-offs (count, nanoseconds): from the host thread sending a layer's CPU experts to the
-    /// CPU thread starting them (engine/src/backend/cuda/hybrid.rs; recorded only while tracing).
+    /// CPU thread starting them (engine/src/backend/cuda/hybrid/cpu.rs; recorded only while tracing).
     static HANDOFF: [AtomicU64; 2] = [const { AtomicU64::new(0) }; 2];
 
     /// Records one hand-off latency (see [`HANDOFF`]).

@@ -146,7 +146,7 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
     if let Runner::Cuda(m) = &runner
         && m.is_hybrid()
     {
-        // The floor of hybrid decode (issue 5): CPU expert bytes / DRAM read bandwidth + the GPU's share + one
+        // The floor of hybrid decode: CPU expert bytes / DRAM read bandwidth + the GPU's share + one
         // round trip per layer, each measured here.
         let threads = rayon::current_num_threads();
         let dram = nebula_engine::bench::dram_read_bandwidth(threads, 1 << 30, 1.0)?;

@@ -133,7 +133,9 @@ impl Dev {
                 };
             }
             let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
-            unsafe { b.launch(cfg) }.map_err(|e| GpuError::Driver(format!("launching {name}: {e}")))?;
+            unsafe { b.launch(cfg) }.map_err(|e| {
+                GpuError::Driver(format!("launching {name}: {}", nebula_kernels::driver_result_words(e.0)))
+            })?;
         }
         if let (Some(times), Some(t0)) = (&self.kernel_times, t0) {
             self.gpu.stream.synchronize().map_err(GpuError::from)?;

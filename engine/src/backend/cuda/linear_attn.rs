@@ -121,8 +121,8 @@ impl DevGatedDeltaNet {
     }
 
     /// The Gated DeltaNet input projections of `n` tokens `m`: (`qkv` `[n, C]`, `z` `[n, vd]`). One token with
-    /// the two stacked ([`DevGatedDeltaNet`]) and the same threads per row for each alone is one GEMV launch (each row's
-    /// sum is the one its matrix's own launch computes, so batch invariance holds); otherwise two.
+    /// the two stacked ([`DevGatedDeltaNet`]) and the same threads per row for each alone is one GEMV launch (each
+    /// row's sum is the one its matrix's own launch computes, so batch invariance holds); otherwise two.
     pub(crate) fn in_proj(&self, ctx: &Launch, m: u64, n: usize) -> Result<(u64, u64), CudaError> {
         let dev = &ctx.dev;
         let g = self;

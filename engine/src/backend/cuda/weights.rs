@@ -257,3 +257,24 @@ pub(crate) fn estimate_weight_bytes(model: &Qwen4Exp, resident: Option<&[Vec<usi
     let mtp_experts = if resident.is_some() { model.mtp_routed_expert_bytes() as usize } else { 0 };
     (dense as usize + model.embed_tokens.bytes().len() + table + held).saturating_sub(mtp_experts)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Uploader;
+    use crate::gguf::GgmlType;
+    use crate::quant::{Matrix, WeightBytes};
+
+    /// A tensor of a type the kernels do not cover is refused at upload with the type and the tensor named (no
+    /// GPU needed: the check runs before anything is copied).
+    #[test]
+    fn a_weight_type_without_kernels_is_named_with_its_tensor() {
+        let q5_1 = Matrix::new(GgmlType::Q5_1, 1, 32, WeightBytes::from_vec(vec![0; 24])).unwrap();
+        let e = Uploader::check_shape(&q5_1, "blk.3.ffn_down_exps").unwrap_err().to_string();
+        assert_eq!(e, "the CUDA backend has no kernels for weight type Q5_1 (tensor blk.3.ffn_down_exps)");
+        let f32_odd = Matrix::new(GgmlType::F32, 1, 6, WeightBytes::from_vec(vec![0; 24])).unwrap();
+        let e = Uploader::check_shape(&f32_odd, "output").unwrap_err().to_string();
+        assert!(e.contains("output") && e.contains("rows of 6 values"), "{e}");
+        let q8 = Matrix::new(GgmlType::Q8_0, 1, 32, WeightBytes::from_vec(vec![0; 34])).unwrap();
+        assert!(Uploader::check_shape(&q8, "token_embd").is_ok());
+    }
+}

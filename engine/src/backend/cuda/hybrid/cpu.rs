@@ -73,11 +73,11 @@ impl Drop for Pinned {
 }
 
 /// How long the hybrid CPU thread and its MoE workers keep polling for the next layer's job before they sleep
-/// (microseconds; [`crate::tuning::CpuTuning::spin_us`] overrides, 0 = block at once and use rayon's pool). Decode hands the CPU
-/// one job per layer (~0.7-0.9 ms apart on a 12-layer model, ~0.2 ms of GPU work between one job's end and the
-/// next one's start), so the threads never sleep during a request and start a job within microseconds; waking
-/// sleeping threads cost 30 us for the hand-off and up to 150 us until the 14th MoE worker ran, a layer (H200
-/// machine, NEBULA_CPU_MOE_TRACE). Between requests they sleep after this long.
+/// (microseconds; [`crate::tuning::CpuTuning::spin_us`] overrides, 0 = block at once and use rayon's pool). Decode
+/// hands the CPU one job per layer (~0.7-0.9 ms apart on a 12-layer model, ~0.2 ms of GPU work between one job's
+/// end and the next one's start), so the threads never sleep during a request and start a job within microseconds;
+/// waking sleeping threads cost 30 us for the hand-off and up to 150 us until the 14th MoE worker ran, a layer
+/// (H200 machine, NEBULA_CPU_MOE_TRACE). Between requests they sleep after this long.
 const CPU_SPIN_US: u64 = 2000;
 
 /// One layer's CPU experts, handed to the CPU thread.
