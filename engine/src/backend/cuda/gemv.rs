@@ -75,7 +75,7 @@ impl Launch {
             GgmlType::Q4_K => 256,
             _ => return None,
         };
-        (self.flags.q8_acts && cols % blk == 0).then_some(blk)
+        (self.flags.q8_acts && cols.is_multiple_of(blk)).then_some(blk)
     }
 
     /// Tasks (the unit one thread decodes at a time: a 32-value chunk, 64 values for Q4_K on 8-bit activations)
@@ -263,7 +263,7 @@ impl Launch {
         }
         let scratch = guard.as_ref().expect("allocated above");
         let sp = ptr(scratch, dev.stream(), 0);
-        let elem = matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) && w.cols % 32 != 0;
+        let elem = matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) && !w.cols.is_multiple_of(32);
         let mut r0 = 0;
         while r0 < w.rows {
             let rows = rows_per.min(w.rows - r0);
@@ -563,7 +563,7 @@ impl Launch {
             Arg::I64(out_stride as i64),
             Arg::I32(copies as i32),
         ];
-        if w.cols % 32 == 0 {
+        if w.cols.is_multiple_of(32) {
             self.dev.launch_1d(&format!("get_rows_{sfx}"), n * (w.cols / 32), &args)?;
         } else {
             self.dev.launch_1d(&format!("get_rows_elem_{sfx}"), n * w.cols, &args)?;

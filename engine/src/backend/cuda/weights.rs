@@ -132,8 +132,8 @@ impl Uploader<'_> {
         Self::check_type(m, tensor)?;
         let cols = m.cols();
         let ok = match m.ggml_type() {
-            GgmlType::F32 => cols % 4 == 0,
-            GgmlType::F16 | GgmlType::BF16 => cols % 4 == 0 && (cols < 32 || cols % 8 == 0),
+            GgmlType::F32 => cols.is_multiple_of(4),
+            GgmlType::F16 | GgmlType::BF16 => cols.is_multiple_of(4) && (cols < 32 || cols.is_multiple_of(8)),
             _ => true,
         };
         if !ok {
