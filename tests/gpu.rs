@@ -13,6 +13,13 @@
 use nebula_engine::backend::cuda::CudaModel;
 use nebula_engine::convert::{ConvertOptions, OutType, convert};
 use nebula_engine::model::{LogitsFor, Qwen4Exp};
+use nebula_engine::tuning::{CudaTuning, Tuning};
+
+/// The CUDA tuning of these tests: the defaults with the `NEBULA_*` variables, parsed once for the process.
+fn tuning() -> &'static CudaTuning {
+    static TUNING: std::sync::OnceLock<CudaTuning> = std::sync::OnceLock::new();
+    TUNING.get_or_init(|| Tuning::from_env().expect("the NEBULA_* tuning variables parse").cuda)
+}
 
 const CASES: [&str; 3] = ["ple_eos", "qsa_budget", "hc4_moe"];
 
@@ -107,7 +114,7 @@ fn golden_checkpoints_match_the_reference_on_the_gpu() {
             )
             .unwrap();
             let cpu = Qwen4Exp::load(&path).unwrap();
-            let gpu = CudaModel::from_cpu(&cpu, 0, None).expect("the GPU model loads");
+            let gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).expect("the GPU model loads");
             let ours = gpu_run(&gpu, &ids, prefill);
             // The same file on the CPU, for the GPU-vs-CPU figure.
             let mut st = cpu.new_state(ids.len());
@@ -175,7 +182,7 @@ fn quantized_decode_matches_the_cpu_on_the_gpu() {
             .collect();
         requantize(&f32_path, &path, &QuantRecipe::FromFile { path: "test".into(), types }).unwrap();
         let cpu = Qwen4Exp::load(&path).unwrap();
-        let gpu = CudaModel::from_cpu(&cpu, 0, None).expect("the GPU model loads");
+        let gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).expect("the GPU model loads");
         let (mut cs, mut gs) = (cpu.new_state(ids.len()), gpu.new_state(ids.len()).unwrap());
         let (mut c_all, mut g_all) = (Vec::new(), Vec::new());
         for &t in &ids {
@@ -195,7 +202,7 @@ fn quantized_decode_matches_the_cpu_on_the_gpu() {
 #[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
 fn demo_model_greedy_matches_the_cpu_on_the_gpu() {
     let cpu = Qwen4Exp::load(&nebula_tests::repo_root().join("models/nebula-demo.gguf")).unwrap();
-    let gpu = CudaModel::from_cpu(&cpu, 0, None).unwrap();
+    let gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).unwrap();
     // In-distribution text (a chat the demo model was trained on, repeated so the prompt is long enough that its
     // QSA layer selects blocks: budget 64 tokens).
     let prompt = demo_chat_prompt(&cpu);
@@ -221,7 +228,7 @@ fn demo_model_greedy_matches_the_cpu_on_the_gpu() {
 #[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
 fn cuda_graph_replays_equal_eager_decode() {
     let cpu = Qwen4Exp::load(&nebula_tests::repo_root().join("models/nebula-demo.gguf")).unwrap();
-    let mut gpu = CudaModel::from_cpu(&cpu, 0, None).unwrap();
+    let mut gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).unwrap();
     let prompt: Vec<u32> = (0..40u32).map(|i| 2000 + (i * 104729) % 90000).collect();
     let mut run = |graphs: bool| {
         gpu.set_graphs(graphs);
@@ -350,7 +357,7 @@ fn hybrid_matches_the_reference_on_the_golden_checkpoints() {
         ] {
             let model = placed_tiers(&path, gpu_experts, ram_experts);
             let stats = model.placement_stats();
-            let gpu = CudaModel::hybrid_with(model, 0, None, params).expect("the hybrid model loads");
+            let gpu = CudaModel::hybrid_with(model, 0, None, params, tuning()).expect("the hybrid model loads");
             let ours = gpu_run(&gpu, &ids, prefill);
             let (vs_ref, differ) = compare(&ours, &reference, vocab);
             let s = stats.snapshot();
@@ -400,7 +407,7 @@ fn tensor_core_prefill_matches_the_cpu() {
     let mut cs = cpu.new_state(ids.len());
     let reference = cpu.forward(&mut cs, &ids, LogitsFor::All).unwrap();
     let run = |tensor_cores: bool| {
-        let mut gpu = CudaModel::from_cpu(&cpu, 0, None).expect("the GPU model loads");
+        let mut gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).expect("the GPU model loads");
         gpu.set_tensor_cores(tensor_cores);
         let mut st = gpu.new_state(ids.len()).unwrap();
         gpu.forward(&mut st, &ids, LogitsFor::All).unwrap()
@@ -420,7 +427,7 @@ fn tensor_core_prefill_matches_the_cpu() {
         stages: 2,
         verify_handoff: false,
     };
-    let hybrid = CudaModel::hybrid_with(placed(&path, 8), 0, None, params).expect("the hybrid model loads");
+    let hybrid = CudaModel::hybrid_with(placed(&path, 8), 0, None, params, tuning()).expect("the hybrid model loads");
     let mut hs = hybrid.new_state(ids.len()).unwrap();
     let streamed = hybrid.forward(&mut hs, &ids, LogitsFor::All).unwrap();
     let (rel_h, differ_h) = compare(&streamed, &mma, vocab);
@@ -474,13 +481,13 @@ fn hybrid_greedy_tokens_equal_the_cpu_and_all_gpu_runs() {
         let cpu = Qwen4Exp::load(&path).unwrap();
         let mut cs = cpu.new_state(prompt.len() + 40);
         let (cpu_tokens, _) = greedy(&mut |t| cpu.forward(&mut cs, t, LogitsFor::Last).unwrap(), prompt, 32);
-        let all_gpu = CudaModel::from_cpu(&cpu, 0, None).unwrap();
+        let all_gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).unwrap();
         let mut gs = all_gpu.new_state(prompt.len() + 40).unwrap();
         let (gpu_tokens, _) = greedy(&mut |t| all_gpu.forward(&mut gs, t, LogitsFor::Last).unwrap(), prompt, 32);
         assert_eq!(gpu_tokens, cpu_tokens, "{name}: all-GPU greedy tokens differ from the CPU's");
         let n_expert = cpu.config.n_expert;
         for (label, params) in [("default", default), ("split", split)] {
-            let hybrid = CudaModel::hybrid_with(placed(&path, n_expert / 2), 0, None, params).unwrap();
+            let hybrid = CudaModel::hybrid_with(placed(&path, n_expert / 2), 0, None, params, tuning()).unwrap();
             let mut runs = Vec::new();
             for _ in 0..2 {
                 let mut hs = hybrid.new_state(prompt.len() + 40).unwrap();
@@ -500,7 +507,7 @@ fn hybrid_greedy_tokens_equal_the_cpu_and_all_gpu_runs() {
     let prompt = demo_chat_prompt(&cpu);
     assert!(prompt.len() > default.cpu_max_tokens, "the prompt must take the streamed prefill path");
     for (label, params) in [("default", default), ("split", split)] {
-        let hybrid = CudaModel::hybrid_with(placed(&path, 8), 0, None, params).unwrap();
+        let hybrid = CudaModel::hybrid_with(placed(&path, 8), 0, None, params, tuning()).unwrap();
         let mut cs = cpu.new_state(400);
         let mut hs = hybrid.new_state(400).unwrap();
         let steps = 128;
@@ -524,7 +531,7 @@ fn hybrid_greedy_tokens_equal_the_cpu_and_all_gpu_runs() {
         stages: 2,
         verify_handoff: false,
     };
-    let hybrid = CudaModel::hybrid_with(model, 0, None, params).unwrap();
+    let hybrid = CudaModel::hybrid_with(model, 0, None, params, tuning()).unwrap();
     let mut hs = hybrid.new_state(400).unwrap();
     hybrid.forward(&mut hs, &prompt, LogitsFor::Last).unwrap();
     let omitted = stats.snapshot().omitted;
@@ -591,7 +598,7 @@ fn catch_up_and_step(gpu: &CudaModel, st: &mut nebula_engine::backend::cuda::Cud
 /// - the GPU MTP block's chained drafts equal the outside reference's (`scripts/make_mtp_golden.py`, a PyTorch
 ///   MTP head after SGLang's module) after a prefill;
 /// - level 3 with MTP drafting produces exactly plain greedy decoding's tokens (all-GPU; hybrid with the
-///   resident-expert verify and case B; hybrid with the verify handoff), on the reference MTP checkpoint and on
+///   resident-expert verify and case B (`backend::cuda::hybrid::policy`); hybrid with the verify handoff), on the reference MTP checkpoint and on
 ///   golden checkpoints with random MTP blocks (QSA, PLE);
 /// - after a run of the scripted drafter (rate 0.6: many case-C rollbacks), the state is bit for bit the state of
 ///   plain single-step decoding: the next step's logits are identical.
@@ -615,12 +622,18 @@ fn mtp_on_the_gpu_drafts_verifies_and_rolls_back_exactly() {
     let backends = |path: &std::path::Path, cpu: &Qwen4Exp| -> Vec<(&'static str, CudaModel)> {
         let half = cpu.config.n_expert / 2;
         vec![
-            ("all-GPU", CudaModel::from_cpu(cpu, 0, None).unwrap()),
-            ("hybrid", CudaModel::hybrid_with(placed(path, half), 0, None, base).unwrap()),
+            ("all-GPU", CudaModel::from_cpu(cpu, 0, None, tuning()).unwrap()),
+            ("hybrid", CudaModel::hybrid_with(placed(path, half), 0, None, base, tuning()).unwrap()),
             (
                 "hybrid verify-handoff",
-                CudaModel::hybrid_with(placed(path, half), 0, None, HybridParams { verify_handoff: true, ..base })
-                    .unwrap(),
+                CudaModel::hybrid_with(
+                    placed(path, half),
+                    0,
+                    None,
+                    HybridParams { verify_handoff: true, ..base },
+                    tuning(),
+                )
+                .unwrap(),
             ),
         ]
     };
@@ -694,7 +707,7 @@ fn opening_the_gpu_without_one_is_a_clean_error() {
         return; // a GPU machine: the ignored tests above cover it
     }
     let cpu = Qwen4Exp::load(&nebula_tests::repo_root().join("models/nebula-demo.gguf")).unwrap();
-    let err = CudaModel::from_cpu(&cpu, 0, None).unwrap_err();
+    let err = CudaModel::from_cpu(&cpu, 0, None, tuning()).unwrap_err();
     assert!(err.to_string().contains("no NVIDIA driver"), "{err}");
 }
 
@@ -733,8 +746,8 @@ fn gpu_states_resume_from_snapshots_live_and_spilled() {
         let k = n / 2;
         let half = cpu.config.n_expert / 2;
         let backends = [
-            ("all-GPU", CudaModel::from_cpu(&cpu, 0, None).unwrap()),
-            ("hybrid", CudaModel::for_model(placed(path, half), 0, None).unwrap()),
+            ("all-GPU", CudaModel::from_cpu(&cpu, 0, None, tuning()).unwrap()),
+            ("hybrid", CudaModel::for_model(placed(path, half), 0, None, tuning()).unwrap()),
         ];
         for (label, gpu) in &backends {
             let mut cold = Backend::new_state(gpu, n, true).unwrap();

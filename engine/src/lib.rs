@@ -20,4 +20,5 @@ pub mod sampling;
 pub mod speculative;
 pub mod synth;
 pub mod text;
+pub mod tuning;
 pub mod worker;

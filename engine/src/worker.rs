@@ -269,6 +269,8 @@ pub struct EngineOptions {
     /// optional VRAM budget checked before anything is allocated; all-GPU, or hybrid with a placement). The
     /// prefix cache and MTP drafting work on every backend.
     pub backend: BackendKind,
+    /// The CUDA backend's tuning ([`crate::tuning::CudaTuning`]; the service parses it once at start).
+    pub cuda_tuning: crate::tuning::CudaTuning,
 }
 
 impl Default for EngineOptions {
@@ -280,6 +282,7 @@ impl Default for EngineOptions {
             placement: None,
             mtp: true,
             backend: BackendKind::Cpu,
+            cuda_tuning: Default::default(),
         }
     }
 }
@@ -390,7 +393,7 @@ impl Engine {
         let config = model.config.clone();
         let mtp = model.mtp().is_some();
         // The one place the backend is chosen; a placed model on CUDA runs hybrid.
-        let backend = Loaded::new(Arc::new(model), opts.backend)
+        let backend = Loaded::new(Arc::new(model), opts.backend, &opts.cuda_tuning)
             .map_err(|source| LoadError::Backend { path: shown.clone(), source })?;
         // End of turn: <|im_end|> and <|endoftext|> by name, plus the file's EOS id.
         let mut stop_tokens: Vec<u32> =

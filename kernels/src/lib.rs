@@ -62,18 +62,76 @@ pub enum GpuError {
     /// Compiling the kernels at run time failed.
     #[error("compiling CUDA kernel file {file}.cu with NVRTC: {message}")]
     Compile { file: String, message: String },
+    /// A driver call failed: its result code and what it means, in words ([`driver_result_words`]).
+    #[error("CUDA driver: {}", driver_result_words(*.0))]
+    DriverCall(cudarc::driver::sys::CUresult),
     /// A kernel the caller asked for does not exist.
     #[error("no CUDA kernel named {0}")]
     MissingKernel(String),
+    /// The kernels cover no weights of this GGML type (`type_name`, e.g. `Q5_1`); `tensor` names the tensor
+    /// that has it, when known.
+    #[error("the CUDA backend has no kernels for weight type {type_name}{}", tensor_suffix(.tensor))]
+    UnsupportedType { type_name: String, tensor: Option<String> },
     /// Not enough device memory for what was asked.
     #[error("{what} needs {needed_mib} MiB of GPU memory but {free_mib} MiB are free (budget {budget_mib} MiB)")]
     OutOfMemory { what: String, needed_mib: u64, free_mib: u64, budget_mib: u64 },
 }
 
 impl From<cudarc::driver::DriverError> for GpuError {
+    /// Keeps the result code only: cudarc's own formatting asks the driver for the message
+    /// (`cuGetErrorString`), which the toolkit's stub library and a missing driver cannot answer.
     fn from(e: cudarc::driver::DriverError) -> Self {
-        GpuError::Driver(e.to_string())
+        GpuError::DriverCall(e.0)
     }
+}
+
+fn tensor_suffix(tensor: &Option<String>) -> String {
+    tensor.as_ref().map_or_else(String::new, |t| format!(" (tensor {t})"))
+}
+
+/// A driver result code and its meaning in words, e.g. `CUDA_ERROR_NO_DEVICE: no CUDA-capable GPU is visible
+/// ...`. The words are ours (what the code means for running Nebula and what to check), written from the
+/// CUDA driver API's documentation of `CUresult`; codes without words of their own give the code's name only.
+/// Never calls the driver, so it works where the driver is missing or is the toolkit's stub.
+pub fn driver_result_words(r: cudarc::driver::sys::CUresult) -> String {
+    use cudarc::driver::sys::CUresult as R;
+    let words = match r {
+        R::CUDA_ERROR_STUB_LIBRARY => {
+            "the CUDA library that was loaded is the toolkit's stub (a `stubs/libcuda.so` ahead of the real driver \
+             on the library path), not the NVIDIA driver: remove the toolkit's stubs directory from LD_LIBRARY_PATH"
+        }
+        R::CUDA_ERROR_NO_DEVICE => {
+            "no CUDA-capable GPU is visible to this process (check `nvidia-smi` and CUDA_VISIBLE_DEVICES)"
+        }
+        R::CUDA_ERROR_INVALID_DEVICE => {
+            "there is no GPU with that index (`nvidia-smi -L` lists the GPUs; CUDA_VISIBLE_DEVICES renumbers them)"
+        }
+        R::CUDA_ERROR_OUT_OF_MEMORY => "the GPU is out of memory (other processes may hold it: see `nvidia-smi`)",
+        R::CUDA_ERROR_NOT_INITIALIZED => {
+            "the CUDA driver is not initialised: the NVIDIA driver is missing or failed to load"
+        }
+        R::CUDA_ERROR_DEINITIALIZED => "the CUDA driver is shutting down",
+        R::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE => {
+            "the installed NVIDIA driver is older than this CUDA version needs (insufficient driver), and this GPU \
+             cannot use the forward-compatibility package: update the driver"
+        }
+        R::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH => {
+            "the NVIDIA kernel module and the user-space driver library have different versions (reboot, or \
+             reinstall the driver)"
+        }
+        R::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
+            "the kernels' PTX comes from a newer CUDA toolkit than the installed driver supports: update the \
+             NVIDIA driver, or compile the kernels with a toolkit (NVRTC) no newer than the driver"
+        }
+        R::CUDA_ERROR_NO_BINARY_FOR_GPU => "the kernels were not compiled for this GPU's architecture",
+        R::CUDA_ERROR_INVALID_PTX => "the driver could not compile the kernels' PTX for this GPU",
+        R::CUDA_ERROR_ILLEGAL_ADDRESS => "a kernel accessed memory outside its buffers (an internal error)",
+        R::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES => "a kernel launch asked for more registers or threads than allowed",
+        R::CUDA_ERROR_INVALID_VALUE => "a driver call got an invalid argument (an internal error)",
+        R::CUDA_ERROR_OPERATING_SYSTEM => "the operating system refused a driver request",
+        _ => return format!("{r:?}"),
+    };
+    format!("{r:?}: {words}")
 }
 
 /// How the kernels were obtained.
@@ -196,8 +254,13 @@ impl Gpu {
         if find_cuda_driver().is_none() {
             return Err(GpuError::NoDriver);
         }
-        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
-            .map_err(|_| GpuError::Driver("the CUDA driver library could not be loaded".into()))??;
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal)).map_err(|_| {
+            GpuError::Driver(
+                "the CUDA driver library could not be loaded, or lacks a function this build calls (an NVIDIA \
+                     driver older than CUDA 13 is insufficient: update the driver)"
+                    .into(),
+            )
+        })??;
         // A stream of our own: CUDA Graph capture is not allowed on the legacy default stream.
         let stream = ctx.new_stream()?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
@@ -217,10 +280,14 @@ impl Gpu {
                 ctx.load_module(nvrtc_compile(stem, src, arch)?)?
             };
             for name in expand_names(src) {
-                let f = module.load_function(&name).map_err(|e| GpuError::Driver(format!("loading {name}: {e}")))?;
+                let f = module
+                    .load_function(&name)
+                    .map_err(|e| GpuError::Driver(format!("loading {name}: {}", driver_result_words(e.0))))?;
                 let max = f
                     .get_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
-                    .map_err(|e| GpuError::Driver(format!("querying {name}'s block size limit: {e}")))?;
+                    .map_err(|e| {
+                        GpuError::Driver(format!("querying {name}'s block size limit: {}", driver_result_words(e.0)))
+                    })?;
                 functions.insert(name, (f, max.max(0) as u32));
             }
             modules.push(module);
@@ -232,7 +299,9 @@ impl Gpu {
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                     carveout,
                 )
-                .map_err(|e| GpuError::Driver(format!("setting {name}'s shared-memory carve-out: {e}")))?;
+                .map_err(|e| {
+                    GpuError::Driver(format!("setting {name}'s shared-memory carve-out: {}", driver_result_words(e.0)))
+                })?;
             }
         }
         Ok(Self {
@@ -387,6 +456,39 @@ mod tests {
             let e = parse_carveout(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("NEBULA_CUDA_CARVEOUT") && e.contains(bad), "{e}");
         }
+    }
+
+    /// The driver codes a start-up can stop with read as their cause in words; the conversion never asks the
+    /// driver (none is loaded here).
+    #[test]
+    fn driver_errors_say_their_cause_in_words() {
+        use cudarc::driver::sys::CUresult as R;
+        let cases = [
+            (R::CUDA_ERROR_STUB_LIBRARY, "stub"),
+            (R::CUDA_ERROR_NO_DEVICE, "no CUDA-capable GPU"),
+            (R::CUDA_ERROR_INVALID_DEVICE, "no GPU with that index"),
+            (R::CUDA_ERROR_OUT_OF_MEMORY, "out of memory"),
+            (R::CUDA_ERROR_NOT_INITIALIZED, "driver is missing"),
+            (R::CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "newer CUDA toolkit"),
+            (R::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE, "insufficient driver"),
+        ];
+        for (code, words) in cases {
+            let e = GpuError::from(cudarc::driver::DriverError(code)).to_string();
+            assert!(e.contains(&format!("{code:?}")) && e.contains(words), "{e}");
+            assert!(!e.contains("cuGetErrorString"), "{e}");
+        }
+        let e = GpuError::from(cudarc::driver::DriverError(R::CUDA_ERROR_STUB_LIBRARY)).to_string();
+        assert!(e.contains("LD_LIBRARY_PATH"), "{e}");
+        // A code without words of its own is still named.
+        assert_eq!(driver_result_words(R::CUDA_ERROR_NOT_FOUND), "CUDA_ERROR_NOT_FOUND");
+    }
+
+    #[test]
+    fn a_missing_weight_type_names_the_type_and_the_tensor() {
+        let e = GpuError::UnsupportedType { type_name: "Q5_1".into(), tensor: Some("blk.3.ffn_down_exps".into()) };
+        assert_eq!(e.to_string(), "the CUDA backend has no kernels for weight type Q5_1 (tensor blk.3.ffn_down_exps)");
+        let e = GpuError::UnsupportedType { type_name: "Q5_1".into(), tensor: None };
+        assert_eq!(e.to_string(), "the CUDA backend has no kernels for weight type Q5_1");
     }
 
     #[test]

@@ -280,6 +280,9 @@ pub struct ServerConfig {
     pub backend: String,
     /// GPU index for the cuda backend.
     pub gpu: usize,
+    /// Tuning of the backends (`[tuning.cuda]`, `[tuning.cuda.hybrid]`, `[tuning.cpu]`); the `NEBULA_CUDA_*`,
+    /// `NEBULA_HYBRID_*`, `NEBULA_CPU_*` ... variables of `docs/config.md` override it.
+    pub tuning: nebula_engine::tuning::Tuning,
 }
 
 impl Default for ServerConfig {
@@ -311,6 +314,7 @@ impl Default for ServerConfig {
             mtp: MtpConfig::default(),
             backend: "cpu".into(),
             gpu: 0,
+            tuning: nebula_engine::tuning::Tuning::default(),
         }
     }
 }
@@ -393,13 +397,16 @@ impl ServerConfig {
         );
         let flags = FlagOverrides::from(args);
         figment = figment.merge(Serialized::defaults(flags));
-        let config: ServerConfig = figment.extract().map_err(|e| ConfigError(describe_figment_error(e)))?;
+        let mut config: ServerConfig = figment.extract().map_err(|e| ConfigError(describe_figment_error(e)))?;
+        // The tuning variables keep their own names (NEBULA_CUDA_GRAPHS, ...), applied over the table.
+        config.tuning = config.tuning.with_env(|k| std::env::var(k).ok()).map_err(|e| ConfigError(e.to_string()))?;
         config.validate()?;
         Ok(config)
     }
 
     /// Checks values figment cannot (ranges, effort names).
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.tuning.validate().map_err(|e| ConfigError(e.to_string()))?;
         let effort = self.defaults.reasoning_effort.as_str();
         if !["", "low", "medium", "xhigh"].contains(&effort) {
             return Err(ConfigError(format!("defaults.reasoning_effort must be low, medium or xhigh, got {effort:?}")));
@@ -565,6 +572,44 @@ mod tests {
             jail.create_file("nebula.toml", "[placement]\nram_experts = 5\n")?;
             let err = ServerConfig::resolve(&args).unwrap_err().to_string();
             assert!(err.contains("placement.ram_experts"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail closure returns figment::Error.
+    fn the_tuning_table_is_read_and_the_engine_variables_override_it() {
+        use nebula_engine::tuning::{CudaFusions, CudaProfile};
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "nebula.toml",
+                "[tuning.cuda]\ngraphs = false\ngemv_depth = 4\nprofile = \"kernels\"\n[tuning.cuda.fuse]\nqkvz = false\n\
+                 [tuning.cuda.hybrid]\nstages = 3\n[tuning.cpu]\nisa = \"avx2\"\nmoe_rows = [16, 48]\n",
+            )?;
+            let c = ServerConfig::resolve(&ServeArgs::default()).unwrap();
+            let t = &c.tuning;
+            assert!(!t.cuda.graphs && t.cuda.gemv_depth == 4 && t.cuda.profile == CudaProfile::Kernels);
+            assert_eq!(t.cuda.fuse, CudaFusions { shared: true, qkvz: false, gates: true });
+            assert_eq!((t.cuda.hybrid.stages, t.cuda.hybrid.stage_experts), (3, 32));
+            assert_eq!((t.cpu.isa, t.cpu.moe_rows), (Some(nebula_engine::quant::Isa::Avx2), (16, 48)));
+            // The engine's own variables win over the table; the nested form works as for every key.
+            jail.set_env("NEBULA_CUDA_GRAPHS", "1");
+            jail.set_env("NEBULA_CUDA_GEMV_DEPTH", "2");
+            jail.set_env("NEBULA_TUNING__CUDA__HYBRID__STAGES", "5");
+            let c = ServerConfig::resolve(&ServeArgs::default()).unwrap();
+            assert!(c.tuning.cuda.graphs && c.tuning.cuda.gemv_depth == 2 && c.tuning.cuda.hybrid.stages == 5);
+            // Bad values are refused naming the key or the variable.
+            jail.set_env("NEBULA_CUDA_FUSE", "shared,router");
+            let e = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
+            assert!(e.contains("NEBULA_CUDA_FUSE") && e.contains("router"), "{e}");
+            jail.set_env("NEBULA_CUDA_FUSE", "0");
+            jail.create_file("nebula.toml", "[tuning.cuda.hybrid]\nstages = 1\n")?;
+            jail.set_env("NEBULA_TUNING__CUDA__HYBRID__STAGES", "1");
+            let e = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
+            assert!(e.contains("tuning.cuda.hybrid.stages"), "{e}");
+            jail.create_file("nebula.toml", "[tuning.cuda]\nfast = true\n")?;
+            let e = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
+            assert!(e.contains("fast"), "{e}");
             Ok(())
         });
     }

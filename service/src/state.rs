@@ -163,7 +163,16 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
                 vram_budget: config.placement.vram_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64),
             },
         },
+        cuda_tuning: config.tuning.cuda.clone(),
     };
+    // The CPU kernels' options are process-wide: in effect from here, before the model loads.
+    if !nebula_engine::tuning::install_cpu(config.tuning.cpu.clone())
+        && nebula_engine::tuning::cpu() != &config.tuning.cpu
+    {
+        tracing::warn!(
+            "the CPU tuning was already in effect in this process; the config's [tuning.cpu] is not applied"
+        );
+    }
     state.load.send_replace(LoadState::Loading(if opts.placement.is_some() {
         "reading and validating the weights, placing the experts"
     } else {

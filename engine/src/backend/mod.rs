@@ -281,14 +281,19 @@ pub trait WithBackend {
 
 impl Loaded {
     /// Puts `model` on `kind`. A placed model ([`Qwen4Exp::place`]) on CUDA runs hybrid: its GPU-tier experts on
-    /// the GPU, the others on the CPU ([`cuda::hybrid`]); unplaced, every weight goes to the GPU.
+    /// the GPU, the others on the CPU ([`cuda::hybrid`]); unplaced, every weight goes to the GPU. `tuning` steers
+    /// the CUDA backend.
     ///
     /// Errors: no GPU, over the VRAM budget, no kernels for a weight type.
-    pub fn new(model: Arc<Qwen4Exp>, kind: BackendKind) -> Result<Self, cuda::CudaError> {
+    pub fn new(
+        model: Arc<Qwen4Exp>,
+        kind: BackendKind,
+        tuning: &crate::tuning::CudaTuning,
+    ) -> Result<Self, cuda::CudaError> {
         Ok(match kind {
             BackendKind::Cpu => Loaded::Cpu(model),
             BackendKind::Cuda { device, vram_budget } => {
-                Loaded::Cuda(Box::new(cuda::CudaModel::for_model(model, device, vram_budget)?))
+                Loaded::Cuda(Box::new(cuda::CudaModel::for_model(model, device, vram_budget, tuning)?))
             }
         })
     }

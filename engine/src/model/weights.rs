@@ -40,7 +40,7 @@ const FLOAT_TYPES: &str = "F32, F16 or BF16";
 impl TensorLoader {
     /// A loader over `file`.
     pub fn new(file: Arc<GgufFile>) -> Self {
-        let scan_scales = std::env::var("NEBULA_SKIP_SCALE_SCAN").map_or(true, |v| v.is_empty() || v == "0");
+        let scan_scales = crate::tuning::cpu().scan_scales;
         Self { file, scan_scales }
     }
 

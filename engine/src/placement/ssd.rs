@@ -280,7 +280,7 @@ impl SsdTier {
         stats: Arc<PlacementStats>,
     ) -> Self {
         let capacity = buffers.len();
-        let gated = std::env::var("NEBULA_SSD_PREFETCH_GATE").map_or(true, |v| v != "0");
+        let gated = crate::tuning::cpu().ssd_prefetch_gate;
         Self {
             gate: gated.then(|| Mutex::new(PrefetchGate::new())),
             shared: Arc::new(Shared {

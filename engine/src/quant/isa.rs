@@ -8,7 +8,8 @@
 use std::sync::OnceLock;
 
 /// An instruction-set level of the CPU kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Isa {
     /// Portable Rust (any CPU).
     Scalar,
@@ -45,12 +46,13 @@ impl Isa {
         }
     }
 
-    /// The level the kernels use: the best the CPU has, capped by `NEBULA_CPU_ISA` when set.
+    /// The level the kernels use: the best the CPU has, capped by [`crate::tuning::CpuTuning::isa`]
+    /// (`NEBULA_CPU_ISA`) when set.
     pub fn detect() -> Isa {
         static CHOSEN: OnceLock<Isa> = OnceLock::new();
         *CHOSEN.get_or_init(|| {
             let best = *Isa::available().last().expect("scalar is always available");
-            match std::env::var("NEBULA_CPU_ISA").ok().and_then(|s| s.parse::<Isa>().ok()) {
+            match crate::tuning::cpu().isa {
                 Some(cap) => cap.min(best),
                 None => best,
             }

@@ -57,14 +57,7 @@ pub struct ExpertWork<'a> {
 /// expert time 9.3 ms a token with (16, 32), 8.4 ms with (32, 64). Longer runs restart the prefetch streams less;
 /// much longer ones leave threads idle at the end of a phase.
 fn item_rows() -> (usize, usize) {
-    static ROWS: OnceLock<(usize, usize)> = OnceLock::new();
-    *ROWS.get_or_init(|| {
-        let parsed = std::env::var("NEBULA_CPU_MOE_ROWS").ok().and_then(|v| {
-            let (g, d) = v.split_once(',')?;
-            Some((g.trim().parse::<usize>().ok()?.max(1), d.trim().parse::<usize>().ok()?.max(1)))
-        });
-        parsed.unwrap_or((32, 64))
-    })
+    crate::tuning::cpu().moe_rows
 }
 /// Largest batch the MoE kernel runs on the spinning pool (when the calling thread opted in, see
 /// [`super::spin_pool::set_spin`]).
@@ -80,8 +73,7 @@ const COMBINE_ROWS: usize = 64;
 /// core. Measured on the H200 machine's 16-core host (`nebula bench kernels`, the MoE kernel on the `nebula-q4`
 /// types, one token, 14 threads): 43.6 % of the read bandwidth without, 53.3 % at 4 rows, 59.6 % at 8.
 fn prefetch_rows() -> usize {
-    static ROWS_AHEAD: OnceLock<usize> = OnceLock::new();
-    *ROWS_AHEAD.get_or_init(|| std::env::var("NEBULA_CPU_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(8))
+    crate::tuning::cpu().prefetch_rows
 }
 
 /// Asks the cache hierarchy for every 64-byte line of `bytes` (no effect on the result; a no-op off x86-64).
@@ -111,7 +103,6 @@ fn prefetch(bytes: &[u8]) {
 /// second barrier released), when the first and the last finished the down projections, and when the call
 /// returned; plus the weight bytes of each phase. [`trace::report`] prints the means.
 pub mod trace {
-    use std::sync::OnceLock;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     /// The events of one call, in order (see the module docs).
@@ -127,10 +118,9 @@ pub mod trace {
         "return",
     ];
 
-    /// Whether tracing is on (`NEBULA_CPU_MOE_TRACE=1`, read once).
+    /// Whether tracing is on ([`crate::tuning::CpuTuning::moe_trace`], `NEBULA_CPU_MOE_TRACE=1`).
     pub fn enabled() -> bool {
-        static ON: OnceLock<bool> = OnceLock::new();
-        *ON.get_or_init(|| std::env::var("NEBULA_CPU_MOE_TRACE").is_ok_and(|v| v == "1"))
+        crate::tuning::cpu().moe_trace
     }
 
     /// Sums over calls: calls, the 9 event times, gate/up bytes, down bytes.
@@ -172,7 +162,7 @@ pub mod trace {
     }
 
     /// Hybrid decode's hand-offs (count, nanoseconds): from the host thread sending a layer's CPU experts to the
-    /// CPU thread starting them (engine/src/backend/cuda/hybrid.rs; recorded only while tracing).
+    /// CPU thread starting them (engine/src/backend/cuda/hybrid/cpu.rs; recorded only while tracing).
     static HANDOFF: [AtomicU64; 2] = [const { AtomicU64::new(0) }; 2];
 
     /// Records one hand-off latency (see [`HANDOFF`]).

@@ -168,19 +168,19 @@ thread_local! {
 
 /// Makes the MoE kernel calls of the calling thread run on a spinning pool whose idle workers spin `us`
 /// microseconds after each job before parking (0: rayon, the default). The hybrid backend's CPU thread opts in;
-/// `NEBULA_CPU_SPIN_US` overrides the value of every thread that opted in (0 turns the pool off there).
+/// [`crate::tuning::CpuTuning::spin_us`] (`NEBULA_CPU_SPIN_US`) overrides the value of every thread that opted
+/// in (0 turns the pool off there).
 pub fn set_spin(us: u64) {
     SPIN_US.with(|c| c.set(us));
 }
 
 /// The spin time in effect on this thread (see [`set_spin`]).
 pub fn spin_us() -> u64 {
-    static ENV: OnceLock<Option<u64>> = OnceLock::new();
     let mine = SPIN_US.with(|c| c.get());
     if mine == 0 {
         return 0;
     }
-    ENV.get_or_init(|| std::env::var("NEBULA_CPU_SPIN_US").ok().and_then(|v| v.trim().parse().ok())).unwrap_or(mine)
+    crate::tuning::cpu().spin_us.unwrap_or(mine)
 }
 
 /// The process's pool of `participants` (created on first use with this thread's spin time, kept for the life

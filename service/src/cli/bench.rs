@@ -58,8 +58,17 @@ pub(crate) fn bench_backend(
     }
 }
 
+/// The tuning of a benchmark run: the defaults with the `NEBULA_*` variables (docs/config.md), read once here;
+/// the CPU part is put in effect for the process before any model loads.
+fn tuning_from_env() -> anyhow::Result<nebula_engine::tuning::Tuning> {
+    let tuning = nebula_engine::tuning::Tuning::from_env()?;
+    nebula_engine::tuning::install_cpu(tuning.cpu.clone());
+    Ok(tuning)
+}
+
 /// Runs `nebula bench model`.
 pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
+    let tuning = tuning_from_env()?;
     let placement = crate::placement::resolve(args.profile.as_deref(), &args.placement).map_err(anyhow::Error::msg)?;
     if let Some(threads) = placement.threads {
         rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().context("setting the compute threads")?;
@@ -86,7 +95,8 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         println!("{}", model.placement_report().summary());
     }
     let stats = model.placement_stats();
-    let runner = Loaded::new(std::sync::Arc::new(model), bench_backend(args.backend, args.gpu, &placement))?;
+    let runner =
+        Loaded::new(std::sync::Arc::new(model), bench_backend(args.backend, args.gpu, &placement), &tuning.cuda)?;
     println!("model: {} layers, loaded on {} in {:.1} s", cfg.n_layer, runner.describe(), t.elapsed().as_secs_f64());
     let per_expert = experts / (cfg.n_layer * cfg.n_expert) as u64;
     let bw = runner.cuda().map(|m| m.copy_bandwidth(1 << 30)).transpose()?;
@@ -346,9 +356,10 @@ pub fn run_mtp(args: BenchMtpArgs) -> anyhow::Result<()> {
     if args.tokens == 0 {
         anyhow::bail!("--tokens must be at least 1 (tokens decoded per run)");
     }
+    let tuning = tuning_from_env()?;
     let tmp = tempfile_dir()?;
     // The temporary models go whatever happens below (a failed GPU load included).
-    let out = run_mtp_in(&args, levels, &tmp);
+    let out = run_mtp_in(&args, levels, &tmp, &tuning.cuda);
     let _ = std::fs::remove_dir_all(&tmp);
     out
 }
@@ -358,6 +369,7 @@ fn run_mtp_in(
     args: &BenchMtpArgs,
     levels: Vec<nebula_engine::speculative::AccuracyLevel>,
     tmp: &std::path::Path,
+    cuda_tuning: &nebula_engine::tuning::CudaTuning,
 ) -> anyhow::Result<()> {
     let source = match &args.model {
         Some(p) => p.clone(),
@@ -389,7 +401,8 @@ fn run_mtp_in(
         println!("{}", model.placement_report().summary());
     }
     let cfg = model.config.clone();
-    let runner = Loaded::new(std::sync::Arc::new(model), bench_backend(args.backend, args.gpu, &placement))?;
+    let runner =
+        Loaded::new(std::sync::Arc::new(model), bench_backend(args.backend, args.gpu, &placement), cuda_tuning)?;
     println!(
         "model: {} layers + MTP, vocab {}, loaded on {} in {:.1} s; {} CPU threads; prompt {} tokens, {} decoded per run",
         cfg.n_layer,

@@ -81,6 +81,9 @@ fn spread(v: &mut [f64]) -> (f64, f64, f64) {
 
 /// Runs `nebula bench prefix`.
 pub fn run_prefix(args: BenchPrefixArgs) -> anyhow::Result<()> {
+    // Tuning from the NEBULA_* variables (docs/config.md), read once before the model loads.
+    let tuning = nebula_engine::tuning::Tuning::from_env()?;
+    nebula_engine::tuning::install_cpu(tuning.cpu.clone());
     let placement = crate::placement::resolve(args.profile.as_deref(), &args.placement).map_err(anyhow::Error::msg)?;
     if let Some(threads) = placement.threads {
         rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().context("setting the compute threads")?;
@@ -99,6 +102,7 @@ pub fn run_prefix(args: BenchPrefixArgs) -> anyhow::Result<()> {
         placement: placement.to_options(&source).map_err(anyhow::Error::msg)?,
         mtp: false,
         backend: super::bench::bench_backend(args.backend, args.gpu, &placement),
+        cuda_tuning: tuning.cuda,
     };
     let t = Instant::now();
     let engine = match &args.model {

@@ -29,12 +29,15 @@ pub struct GenerateArgs {
 
 /// Runs `nebula generate`: prints the prompt ids, the generated ids and the generated text.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    // Tuning from the NEBULA_* variables (docs/config.md), read once before the model loads.
+    let tuning = nebula_engine::tuning::Tuning::from_env()?;
+    nebula_engine::tuning::install_cpu(tuning.cpu.clone());
     let file =
         std::sync::Arc::new(GgufFile::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?);
     let vocab = GgufVocab::from_gguf(&file)?.context("the model has no tokenizer")?;
     let tok = TextTokenizer::from_gguf_vocab(&vocab)?;
     let model = Qwen4Exp::from_gguf(file)?;
-    let runner = Loaded::new(std::sync::Arc::new(model), args.backend)?;
+    let runner = Loaded::new(std::sync::Arc::new(model), args.backend, &tuning.cuda)?;
     let prompt = tok.encode(&args.prompt)?;
     let out = runner.run(Greedy { prompt: &prompt, n: args.n })?;
     println!("backend: {}", runner.describe());

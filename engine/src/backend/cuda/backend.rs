@@ -82,7 +82,10 @@ impl Backend for CudaModel {
     }
 
     fn state_held(&self, state: &CudaState) -> HeldBytes {
-        HeldBytes { device: self.state_device_bytes(state), host: 4 * state.ple_context.len() }
+        HeldBytes {
+            device: self.state_device_bytes(state),
+            host: state.ple.as_ref().map_or(0, |p| 4 * p.context.len()),
+        }
     }
 
     fn spill_state(&self, state: &CudaState) -> Result<SequenceState, BackendError> {

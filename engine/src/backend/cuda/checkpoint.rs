@@ -14,7 +14,10 @@
 
 use nebula_kernels::cudarc::driver::CudaSlice;
 
-use super::{CudaError, CudaModel, CudaState, DevAttn, DevLayerState, DevMixer};
+use super::memory::zeros;
+use super::self_attn::{AttnState as DevAttnState, DevAttention};
+use super::state::LayerState as DevLayerState;
+use super::{CudaError, CudaModel, CudaState, DevTokenMixer};
 use crate::model::linear_attn::GdnState;
 use crate::model::mtp::MtpState;
 use crate::model::ple::PleState;
@@ -78,11 +81,14 @@ enum AttnSource<'a> {
 }
 
 impl<'a> AttnSource<'a> {
-    fn of_device(ls: &'a DevLayerState) -> Option<Self> {
+    fn of_layer(ls: &'a DevLayerState) -> Option<Self> {
         match ls {
-            DevLayerState::Attn { k, v, raw, pooled } => Some(AttnSource::Device { k, v, raw, pooled }),
-            DevLayerState::Gdn { .. } => None,
+            DevLayerState::Attention(a) => Some(Self::of_device(a)),
+            DevLayerState::LinearAttention(_) => None,
         }
+    }
+    fn of_device(a: &'a DevAttnState) -> Self {
+        AttnSource::Device { k: &a.k, v: &a.v, raw: &a.index_k, pooled: &a.pooled }
     }
     fn parts(&self) -> [Source<'a>; 4] {
         match *self {
@@ -99,9 +105,9 @@ impl<'a> AttnSource<'a> {
 impl CudaModel {
     /// Floats of `[K, V, raw indexer keys, pooled blocks]` that hold the first `len` tokens of attention layer
     /// `attn`'s cache.
-    fn attn_prefix(&self, attn: &DevAttn, len: usize) -> [usize; 4] {
+    fn attn_prefix(&self, attn: &DevAttention, len: usize) -> [usize; 4] {
         let kvw = self.config.n_head_kv * self.config.head_dim;
-        let (ihd, ratio) = attn.indexer.as_ref().map_or((0, 0), |i| (self.config.indexer.head_dim, i.ratio));
+        let (ihd, ratio) = attn.indexer.as_ref().map_or((0, 0), |i| (self.config.indexer.head_dim, i.compress_ratio));
         let blocks = len.checked_div(ratio).unwrap_or(0);
         [len * kvw, len * kvw, len * ihd, blocks * ihd]
     }
@@ -117,21 +123,21 @@ impl CudaModel {
                 if s.len() < n || dst.len() < n {
                     return Err(short());
                 }
-                self.dtod(self.p(dst, 0), self.p(s, 0), n)
+                self.launch.dtod(self.launch.addr(dst, 0), self.launch.addr(s, 0), n)
             }
             Source::Host(h) => {
                 if h.len() < n || dst.len() < n {
                     return Err(short());
                 }
                 let mut view = dst.slice_mut(0..n);
-                Ok(self.dev.stream().memcpy_htod(&h[..n], &mut view)?)
+                Ok(self.launch.dev.stream().memcpy_htod(&h[..n], &mut view)?)
             }
         }
     }
 
     /// A device copy of `src` (all of it).
     fn duplicate(&self, src: &CudaSlice<f32>) -> Result<CudaSlice<f32>, CudaError> {
-        let mut out = super::zeros(&self.dev, src.len())?;
+        let mut out = zeros(&self.launch.dev, src.len())?;
         self.fill(&mut out, Source::Device(src), src.len())?;
         Ok(out)
     }
@@ -140,7 +146,7 @@ impl CudaModel {
     fn download(&self, src: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>, CudaError> {
         let mut out = vec![0f32; n];
         if n > 0 {
-            self.dev.stream().memcpy_dtoh(&src.slice(0..n), &mut out)?;
+            self.launch.dev.stream().memcpy_dtoh(&src.slice(0..n), &mut out)?;
         }
         Ok(out)
     }
@@ -157,11 +163,12 @@ impl CudaModel {
         let mut gdn = Vec::with_capacity(st.layers.len());
         for ls in &st.layers {
             gdn.push(match ls {
-                DevLayerState::Gdn { conv, s } => Some((self.duplicate(conv)?, self.duplicate(s)?)),
-                DevLayerState::Attn { .. } => None,
+                DevLayerState::LinearAttention(g) => Some((self.duplicate(&g.conv)?, self.duplicate(&g.recurrent)?)),
+                DevLayerState::Attention(_) => None,
             });
         }
-        let ple_conv = st.ple_conv.as_ref().map(|c| self.duplicate(c)).transpose()?;
+        let ple_conv = st.ple.as_ref().map(|p| self.duplicate(&p.conv)).transpose()?;
+        let ple_context = st.ple.as_ref().map_or_else(Vec::new, |p| p.context.clone());
         let mtp = match &st.mtp {
             // Usable only when the cache is in step (rows up to pos - 1 present) and the bank is set.
             Some(ms) if ms.has_bank && st.pos > 0 && ms.rows + 1 >= st.pos => {
@@ -170,10 +177,7 @@ impl CudaModel {
             _ => None,
         };
         self.bump_writes();
-        Ok(CudaSnapshot {
-            pos: st.pos,
-            held: SnapshotHeld::Device(DeviceSnapshot { gdn, ple_context: st.ple_context.clone(), ple_conv, mtp }),
-        })
+        Ok(CudaSnapshot { pos: st.pos, held: SnapshotHeld::Device(DeviceSnapshot { gdn, ple_context, ple_conv, mtp }) })
     }
 
     /// A copy of `snap` held in host memory (synchronises the stream).
@@ -234,20 +238,20 @@ impl CudaModel {
         }
         for (ls, saved) in st.layers.iter_mut().zip(&gdn) {
             match (ls, saved) {
-                (DevLayerState::Gdn { conv, s }, Some((c, r))) => {
-                    let (nc, ns) = (conv.len(), s.len());
-                    self.fill(conv, *c, nc)?;
-                    self.fill(s, *r, ns)?;
+                (DevLayerState::LinearAttention(g), Some((c, r))) => {
+                    let (nc, ns) = (g.conv.len(), g.recurrent.len());
+                    self.fill(&mut g.conv, *c, nc)?;
+                    self.fill(&mut g.recurrent, *r, ns)?;
                 }
-                (DevLayerState::Attn { .. }, None) => {}
+                (DevLayerState::Attention(_), None) => {}
                 _ => return Err(bad()),
             }
         }
-        match (&mut st.ple_conv, ple_conv) {
-            (Some(dst), Some(src)) if st.ple_context.len() == ple_context.len() => {
-                let n = dst.len();
-                self.fill(dst, src, n)?;
-                st.ple_context.copy_from_slice(ple_context);
+        match (&mut st.ple, ple_conv) {
+            (Some(dst), Some(src)) if dst.context.len() == ple_context.len() => {
+                let n = dst.conv.len();
+                self.fill(&mut dst.conv, src, n)?;
+                dst.context.copy_from_slice(ple_context);
             }
             (None, None) => {}
             _ => return Err(bad()),
@@ -309,7 +313,7 @@ impl CudaModel {
         // Attention caches: the first `pos` rows.
         let attn_of = |li: usize| -> Option<AttnSource<'_>> {
             match source {
-                Kept::Live(s) => s.layers.get(li).and_then(AttnSource::of_device),
+                Kept::Live(s) => s.layers.get(li).and_then(AttnSource::of_layer),
                 Kept::Host(h) => match h.layers.get(li) {
                     Some(LayerState::Attention(a)) => Some(AttnSource::Host(a)),
                     _ => None,
@@ -317,10 +321,13 @@ impl CudaModel {
             }
         };
         for (li, layer) in self.layers.iter().enumerate() {
-            if let (DevMixer::Attn(a), DevLayerState::Attn { k, v, raw, pooled }) = (&layer.mixer, &mut st.layers[li]) {
+            if let (DevTokenMixer::SelfAttention(a), DevLayerState::Attention(cache)) =
+                (&layer.mixer, &mut st.layers[li])
+            {
                 let src = attn_of(li).ok_or_else(bad)?;
                 let n = self.attn_prefix(a, pos);
-                for ((dst, part), n) in [k, v, raw, pooled].into_iter().zip(src.parts()).zip(n) {
+                let parts = [&mut cache.k, &mut cache.v, &mut cache.index_k, &mut cache.pooled];
+                for ((dst, part), n) in parts.into_iter().zip(src.parts()).zip(n) {
                     self.fill(dst, part, n)?;
                 }
             }
@@ -330,7 +337,7 @@ impl CudaModel {
         if let (Some(ms), Some(block)) = (st.mtp.as_mut(), self.mtp.as_ref()) {
             let (src, held) = match source {
                 Kept::Live(s) => match &s.mtp {
-                    Some(m) => (AttnSource::of_device(&m.attn), m.rows),
+                    Some(m) => (Some(AttnSource::of_device(&m.attn)), m.rows),
                     None => (None, 0),
                 },
                 Kept::Host(h) => match &h.mtp {
@@ -341,10 +348,12 @@ impl CudaModel {
                     None => (None, 0),
                 },
             };
-            if let (Some(src), DevLayerState::Attn { k, v, raw, pooled }) = (src, &mut ms.attn) {
+            if let Some(src) = src {
                 mtp_rows = Self::mtp_rows_kept(pos, held);
-                let n = self.attn_prefix(&block.attn, mtp_rows);
-                for ((dst, part), n) in [k, v, raw, pooled].into_iter().zip(src.parts()).zip(n) {
+                let n = self.attn_prefix(&block.self_attn, mtp_rows);
+                let cache = &mut ms.attn;
+                let parts = [&mut cache.k, &mut cache.v, &mut cache.index_k, &mut cache.pooled];
+                for ((dst, part), n) in parts.into_iter().zip(src.parts()).zip(n) {
                     self.fill(dst, part, n)?;
                 }
             }
@@ -359,31 +368,30 @@ impl CudaModel {
     /// Errors: a device copy failed.
     pub fn state_image(&self, st: &CudaState) -> Result<SequenceState, CudaError> {
         let pos = st.pos;
-        let attn_image = |a: &DevAttn, ls: &DevLayerState, len: usize| -> Result<AttnState, CudaError> {
-            let DevLayerState::Attn { k, v, raw, pooled } = ls else {
-                return Err(ModelError::BadSnapshot { snapshot: pos, current: pos }.into());
-            };
+        let attn_image = |a: &DevAttention, cache: &DevAttnState, len: usize| -> Result<AttnState, CudaError> {
             let [nk, nv, nr, np] = self.attn_prefix(a, len);
             Ok(AttnState {
-                k: self.download(k, nk)?,
-                v: self.download(v, nv)?,
-                index_k: self.download(raw, nr)?,
-                pooled: self.download(pooled, np)?,
+                k: self.download(&cache.k, nk)?,
+                v: self.download(&cache.v, nv)?,
+                index_k: self.download(&cache.index_k, nr)?,
+                pooled: self.download(&cache.pooled, np)?,
             })
         };
         let mut layers = Vec::with_capacity(st.layers.len());
         for (ls, layer) in st.layers.iter().zip(&self.layers) {
             layers.push(match (ls, &layer.mixer) {
-                (DevLayerState::Gdn { conv, s }, _) => LayerState::LinearAttention(GdnState {
-                    conv: self.download(conv, conv.len())?,
-                    recurrent: self.download(s, s.len())?,
+                (DevLayerState::LinearAttention(g), _) => LayerState::LinearAttention(GdnState {
+                    conv: self.download(&g.conv, g.conv.len())?,
+                    recurrent: self.download(&g.recurrent, g.recurrent.len())?,
                 }),
-                (DevLayerState::Attn { .. }, DevMixer::Attn(a)) => LayerState::Attention(attn_image(a, ls, pos)?),
+                (DevLayerState::Attention(cache), DevTokenMixer::SelfAttention(a)) => {
+                    LayerState::Attention(attn_image(a, cache, pos)?)
+                }
                 _ => return Err(ModelError::BadSnapshot { snapshot: pos, current: pos }.into()),
             });
         }
-        let ple = match &st.ple_conv {
-            Some(c) => Some(PleState { context: st.ple_context.clone(), conv: self.download(c, c.len())? }),
+        let ple = match &st.ple {
+            Some(p) => Some(PleState { context: p.context.clone(), conv: self.download(&p.conv, p.conv.len())? }),
             None => None,
         };
         let mtp = match (&st.mtp, &self.mtp) {
@@ -391,7 +399,7 @@ impl CudaModel {
                 let rows = Self::mtp_rows_kept(pos, ms.rows);
                 let last_bank =
                     if ms.has_bank { self.download(&ms.last_bank, ms.last_bank.len())? } else { Vec::new() };
-                Some(MtpState { attn: attn_image(&block.attn, &ms.attn, rows)?, last_bank, drafted_with: None })
+                Some(MtpState { attn: attn_image(&block.self_attn, &ms.attn, rows)?, last_bank, drafted_with: None })
             }
             _ => None,
         };
@@ -400,18 +408,19 @@ impl CudaModel {
 
     /// Bytes of device memory `st` holds (its caches are sized for `max_len` tokens up front).
     pub fn state_device_bytes(&self, st: &CudaState) -> usize {
+        let attn = |a: &DevAttnState| a.k.len() + a.v.len() + a.index_k.len() + a.pooled.len();
         let layer = |ls: &DevLayerState| match ls {
-            DevLayerState::Gdn { conv, s } => conv.len() + s.len(),
-            DevLayerState::Attn { k, v, raw, pooled } => k.len() + v.len() + raw.len() + pooled.len(),
+            DevLayerState::LinearAttention(g) => g.conv.len() + g.recurrent.len(),
+            DevLayerState::Attention(a) => attn(a),
         };
         let layers: usize = st.layers.iter().map(layer).sum();
-        let ple = st.ple_conv.as_ref().map_or(0, CudaSlice::len);
-        let mtp = st.mtp.as_ref().map_or(0, |m| layer(&m.attn) + 2 * m.last_bank.len());
+        let ple = st.ple.as_ref().map_or(0, |p| p.conv.len());
+        let mtp = st.mtp.as_ref().map_or(0, |m| attn(&m.attn) + 2 * m.last_bank.len());
         4 * (layers + ple + mtp + 2 * self.config.vocab)
     }
 
     /// Marks device buffers as rewritten outside the kernels, so no cached 8-bit activation is reused across it.
     fn bump_writes(&self) {
-        self.dev.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.launch.dev.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }

@@ -1,4 +1,5 @@
-//! Thin launch wrappers around the kernels of `kernels/cuda`, one per kernel family, on raw device pointers.
+//! The device floor: the GPU with its stream and cuBLAS handle ([`Dev`]), kernel launches by name on raw device
+//! addresses ([`Arg`]), and the stream-ordered copies every layer above uses. It knows nothing of the model.
 //!
 //! Buffers are `CudaSlice`s owned by the model or the state; kernels take their raw addresses so one buffer can
 //! be read and written by the same launch (in-place norms) without fighting the borrow checker. All work goes
@@ -10,7 +11,11 @@ use nebula_kernels::cudarc::cublas::{CudaBlas, sys as cublas_sys};
 use nebula_kernels::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use nebula_kernels::{Gpu, GpuError};
 
+use nebula_kernels::cudarc::driver::sys as driver_sys;
+
+use super::CudaError;
 use crate::gguf::GgmlType;
+use crate::tuning::{CudaProfile, CudaTuning};
 
 /// A kernel argument.
 #[derive(Clone, Copy, Debug)]
@@ -28,6 +33,9 @@ pub(crate) fn ptr<T: DeviceRepr>(buf: &CudaSlice<T>, stream: &CudaStream, offset
 }
 
 /// Kernel-name suffix of a weight type.
+///
+/// Errors: [`GpuError::UnsupportedType`] for a type the kernels do not cover (the upload checks every tensor
+/// first, naming it, so a launch never meets one).
 pub(crate) fn type_suffix(ty: GgmlType) -> Result<&'static str, GpuError> {
     Ok(match ty {
         GgmlType::F32 => "f32",
@@ -41,7 +49,7 @@ pub(crate) fn type_suffix(ty: GgmlType) -> Result<&'static str, GpuError> {
         GgmlType::Q5_K => "q5_k",
         GgmlType::Q6_K => "q6_k",
         GgmlType::IQ4_XS => "iq4_xs",
-        other => return Err(GpuError::MissingKernel(format!("CUDA kernels for weight type {}", other.name()))),
+        other => return Err(GpuError::UnsupportedType { type_name: other.name().to_string(), tensor: None }),
     })
 }
 
@@ -49,13 +57,14 @@ pub(crate) fn type_suffix(ty: GgmlType) -> Result<&'static str, GpuError> {
 pub(crate) struct Dev {
     pub(crate) gpu: Gpu,
     pub(crate) blas: CudaBlas,
-    /// Per-kernel wall time when `NEBULA_CUDA_PROFILE=kernels` (the stream is synchronised around each launch).
+    /// Per-kernel wall time when profiling kernels ([`CudaProfile::Kernels`]; the stream is synchronised around
+    /// each launch).
     pub(crate) kernel_times: Option<std::sync::Mutex<Vec<(String, f64, u64)>>>,
     /// Launches of kernels other than the GEMVs and `quantize_act` (which write only fresh outputs); the 8-bit
     /// activation cache of the CUDA model is valid while this count is unchanged.
     pub(crate) writes: std::sync::atomic::AtomicU64,
     /// Kernels are launched with programmatic dependent launch (compute capability 9.0 and newer, unless
-    /// `NEBULA_CUDA_PDL=0`): each may be scheduled while the one before it finishes and waits in `pdl_entry`
+    /// [`CudaTuning::pdl`] is off): each may be scheduled while the one before it finishes and waits in `pdl_entry`
     /// (kernels/cuda/common.cuh) for its inputs.
     pub(crate) pdl: bool,
     /// Whether the current pass uses `pdl` ([`Dev::set_pass_tokens`]): short passes only.
@@ -69,12 +78,12 @@ pub(crate) struct Dev {
 const PDL_MAX_TOKENS: usize = 64;
 
 impl Dev {
-    pub(crate) fn new(gpu: Gpu) -> Result<Self, GpuError> {
+    pub(crate) fn new(gpu: Gpu, tuning: &CudaTuning) -> Result<Self, GpuError> {
         // One stream: ordering is the program order, so cudarc's per-buffer event tracking is not needed.
         unsafe { gpu.ctx.disable_event_tracking() };
         let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| GpuError::Driver(format!("cuBLAS: {e:?}")))?;
-        let kernel_times = std::env::var("NEBULA_CUDA_PROFILE").is_ok_and(|v| v == "kernels").then(Default::default);
-        let pdl = gpu.capability.0 >= 9 && !std::env::var("NEBULA_CUDA_PDL").is_ok_and(|v| v == "0");
+        let kernel_times = (tuning.profile == CudaProfile::Kernels).then(Default::default);
+        let pdl = gpu.capability.0 >= 9 && tuning.pdl;
         Ok(Self { gpu, blas, kernel_times, writes: Default::default(), pdl, pdl_pass: pdl.into() })
     }
 
@@ -124,7 +133,9 @@ impl Dev {
                 };
             }
             let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
-            unsafe { b.launch(cfg) }.map_err(|e| GpuError::Driver(format!("launching {name}: {e}")))?;
+            unsafe { b.launch(cfg) }.map_err(|e| {
+                GpuError::Driver(format!("launching {name}: {}", nebula_kernels::driver_result_words(e.0)))
+            })?;
         }
         if let (Some(times), Some(t0)) = (&self.kernel_times, t0) {
             self.gpu.stream.synchronize().map_err(GpuError::from)?;
@@ -193,7 +204,7 @@ impl Dev {
         // contract as the cudarc builder path), and the context is current on this thread.
         let r = unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) };
         if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(GpuError::Driver(format!("launching {name}: {r:?}")));
+            return Err(GpuError::Driver(format!("launching {name}: {}", nebula_kernels::driver_result_words(r))));
         }
         Ok(())
     }
@@ -230,4 +241,40 @@ impl Dev {
         }
         Ok(())
     }
+}
+
+/// `Ok` for a successful driver result, else the result in words with `what` the call was doing.
+pub(crate) fn check(r: driver_sys::CUresult, what: &str) -> Result<(), CudaError> {
+    if r == driver_sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(CudaError::Gpu(GpuError::Driver(format!("{what}: {}", nebula_kernels::driver_result_words(r)))))
+    }
+}
+
+/// Copies `bytes` host bytes at `src` to device address `dst` on `stream` (asynchronous for registered memory).
+pub(crate) fn htod(stream: &CudaStream, dst: u64, src: *const u8, bytes: usize) -> Result<(), CudaError> {
+    // SAFETY: `src` points at `bytes` readable host bytes that outlive the copy (the RAM tier, or pageable memory
+    // the driver stages before returning); `dst` is a device allocation of at least `bytes`.
+    let r = unsafe { driver_sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, bytes, stream.cu_stream()) };
+    check(r, "copying to the GPU")
+}
+
+/// Copies `bytes` from device address `src` to pinned host memory `dst` on `stream`.
+pub(crate) fn dtoh(stream: &CudaStream, dst: *mut std::ffi::c_void, src: u64, bytes: usize) -> Result<(), CudaError> {
+    // SAFETY: `dst` is pinned host memory of at least `bytes` that is not read until the stream passes an event
+    // recorded after this copy.
+    let r = unsafe { driver_sys::cuMemcpyDtoHAsync_v2(dst, src, bytes, stream.cu_stream()) };
+    check(r, "copying from the GPU")
+}
+
+/// Copies `n` floats from device address `src` to `dst`, stream-ordered (nothing for `n = 0`).
+pub(crate) fn dtod(stream: &CudaStream, dst: u64, src: u64, n: usize) -> Result<(), CudaError> {
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: both addresses are live device allocations of at least `n` floats (callers size them), and the
+    // copy is ordered on the model's stream like every kernel that touches them.
+    let r = unsafe { driver_sys::cuMemcpyDtoDAsync_v2(dst, src, n * 4, stream.cu_stream()) };
+    check(r, "a device-to-device copy")
 }
