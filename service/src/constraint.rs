@@ -9,8 +9,8 @@
 //!
 //! Tool calls use the Qwen3.8 XML format the output parser reads: `<tool_call>` and `</tool_call>` are the
 //! model's special tokens, then `<function=NAME>`, one `<parameter=KEY>\nVALUE\n</parameter>` per argument in
-//! the schema's order (required ones always, optional ones maybe), string values raw, other values JSON typed by
-//! their schema (`%json`).
+//! the schema's order (required ones always, optional ones maybe), string values raw (at most `maxLength`
+//! characters when the schema gives one), other values JSON typed by their schema (`%json`).
 
 use std::sync::Arc;
 
@@ -211,7 +211,14 @@ pub fn tool_call_grammar(tools: &[Map<String, Value>], only: Option<&str>, paral
         let mut body = Vec::new();
         for (p, (key, schema)) in properties.into_iter().flatten().enumerate() {
             let rule = format!("p{t}_{p}");
-            let value = value_rule(schema);
+            let value = match bounded_string_token(schema) {
+                Some(token) => {
+                    let name = format!("S{t}_{p}");
+                    rules.push_str(&format!("{name}: {token}\n"));
+                    name
+                }
+                None => value_rule(schema),
+            };
             rules.push_str(&format!(
                 "{rule}: {} {value} {}\n",
                 lark_str(&format!("<parameter={key}>\n")),
@@ -264,6 +271,27 @@ fn value_rule(schema: &Value) -> String {
         Some("string") => r#"/([^<]|<[^\/])*/"#.to_owned(),
         _ => format!("%json {}", with_layout(schema.clone())),
     }
+}
+
+/// Raw string text that cannot close the parameter early: no `</` inside and no `<` at the end (the value is
+/// followed by `\n</parameter>`).
+const RAW_TEXT_EXCLUDED: &str = r#"~/(?s:.*<(\/.*)?)/"#;
+
+/// For a `string` parameter with `maxLength` (or `minLength`) and no `enum`: a Lark token of raw text of that
+/// many characters (JSON Schema counts code points, as the regex does), so a forced call cannot run past it.
+/// `None` for other schemas.
+fn bounded_string_token(schema: &Value) -> Option<String> {
+    if schema.get("type").and_then(Value::as_str) != Some("string") || schema.get("enum").is_some() {
+        return None;
+    }
+    let max = schema.get("maxLength").and_then(Value::as_u64);
+    let min = schema.get("minLength").and_then(Value::as_u64);
+    if max.is_none() && min.is_none() {
+        return None;
+    }
+    let min = min.unwrap_or(0);
+    let max = max.map_or(String::new(), |m| m.max(min).to_string());
+    Some(format!("/(?s:.{{{min},{max}}})/ & {RAW_TEXT_EXCLUDED}"))
 }
 
 /// `s` as a Lark string literal (JSON escapes are Lark escapes).
