@@ -319,6 +319,44 @@ mod tests {
         assert!(tool_call_grammar(&tools, Some("g"), true).is_err());
     }
 
+    /// A forced string parameter with `maxLength` takes at most that many characters: then only the closing tag
+    /// may follow, so a call cannot run to the end of the context inside one value.
+    #[cfg(not(feature = "lean"))]
+    #[test]
+    fn max_length_bounds_a_forced_string_value() {
+        let engine = nebula_engine::worker::Engine::from_gguf_bytes(
+            "demo",
+            crate::config::EMBEDDED_DEMO_MODEL.to_vec(),
+            Default::default(),
+        )
+        .unwrap();
+        let tok = engine.tokenizer().clone();
+        let vocab = engine.config().vocab;
+        let compiler = GrammarCompiler::new(tok.clone(), vocab, tok.token_to_id("<|im_end|>").unwrap()).unwrap();
+        let tools: Vec<Map<String, Value>> = serde_json::from_value(serde_json::json!([{"type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {
+                "q": {"type": "string", "maxLength": 3}}, "required": ["q"]}}}]))
+        .unwrap();
+        let grammar = tool_call_grammar(&tools, None, false).unwrap();
+        let handle = compiler.constraint(&grammar, false, "tool_choice").unwrap();
+        let mut c = handle.0.lock().unwrap();
+        c.commit(tok.token_to_id("<tool_call>").unwrap()).unwrap();
+        for id in tok.encode_plain("\n<function=f>\n<parameter=q>\n").unwrap() {
+            c.commit(id).unwrap();
+        }
+        let x = tok.encode_plain("x").unwrap()[0];
+        let allowed = |c: &mut Box<dyn TokenConstraint>| {
+            let mut logits = vec![0f32; vocab];
+            c.mask(&mut logits).unwrap();
+            logits[x as usize].is_finite()
+        };
+        for _ in 0..3 {
+            assert!(allowed(&mut *c));
+            c.commit(x).unwrap();
+        }
+        assert!(!allowed(&mut *c), "a fourth character is over maxLength 3");
+    }
+
     /// While the model thinks, only the turn's end is forbidden (so the constrained answer cannot be skipped);
     /// after `</think>` the grammar decides.
     #[cfg(not(feature = "lean"))]
