@@ -351,10 +351,10 @@ mod tests {
             logits[x as usize].is_finite()
         };
         for _ in 0..3 {
-            assert!(allowed(&mut *c));
+            assert!(allowed(&mut c));
             c.commit(x).unwrap();
         }
-        assert!(!allowed(&mut *c), "a fourth character is over maxLength 3");
+        assert!(!allowed(&mut c), "a fourth character is over maxLength 3");
     }
 
     /// While the model thinks, only the turn's end is forbidden (so the constrained answer cannot be skipped);
