@@ -17,7 +17,7 @@ use crate::config::GenerationDefaults;
 use crate::constraint::{response_format_grammar, tool_call_grammar};
 use crate::error::ApiError;
 use crate::generation::{ConstraintSpec, Generation};
-use crate::openai::{ChatCompletionRequest, MessageContent, StopSequences};
+use crate::openai::{ChatCompletionRequest, ChatMessage, MessageContent, Role, StopSequences};
 use crate::prompt::{defuse, encode_rendered, pick_marker};
 use crate::state::ServedModel;
 
@@ -89,6 +89,32 @@ fn request_limits(
     Ok((context, prefill))
 }
 
+/// NFC composition shrinks UTF-8 text at most this many times: three Hangul jamo (3 bytes each) compose to one
+/// 3-byte syllable; precomposed Latin, Greek and other letters (a 1-2 byte base and 2-byte marks to a 2-4 byte
+/// letter) shrink less. Decomposition only grows the text.
+pub const NFC_MAX_SHRINK: usize = 3;
+
+/// A lower bound on the tokens of a text of `bytes` UTF-8 bytes, for a tokenizer whose longest token has
+/// `max_token_bytes` bytes: NFC leaves at least `bytes / NFC_MAX_SHRINK` bytes, and no token covers more than
+/// `max_token_bytes` of them, added tokens included.
+pub fn min_tokens_of_bytes(bytes: usize, max_token_bytes: usize) -> usize {
+    bytes / (NFC_MAX_SHRINK * max_token_bytes.max(1))
+}
+
+/// A lower bound on the tokens of the prompt `messages` render to, from their text alone: the template copies every
+/// message's content (trimmed) into the prompt ([`min_tokens_of_bytes`] of that). Cheap: nothing is rendered.
+pub fn min_prompt_tokens(messages: &[ChatMessage], max_token_bytes: usize) -> usize {
+    let bytes: usize = messages
+        .iter()
+        .map(|m| match &m.content {
+            None => 0,
+            Some(MessageContent::Text(t)) => t.trim().len(),
+            Some(parts) => parts.text().trim().len(),
+        })
+        .sum();
+    min_tokens_of_bytes(bytes, max_token_bytes)
+}
+
 /// Refuses a prompt that leaves no room in `limit`.
 fn check_room(prompt_tokens: usize, limit: usize) -> Result<usize, ApiError> {
     if prompt_tokens >= limit {
@@ -121,7 +147,8 @@ pub fn check_completion_room(n: usize, name: &str, prompt_tokens: usize, limit: 
     Ok(n)
 }
 
-/// Checks `req` against the served `model` and prepares its generation.
+/// Checks `req` against the served `model` and prepares its generation. Renders and encodes the prompt, which
+/// takes long for a long conversation: call it on a blocking thread ([`prepare_blocking`]) from async code.
 ///
 /// Errors: 404 for another model, 400 for anything invalid, including a prompt that does not fit the context.
 pub fn prepare(
@@ -149,6 +176,18 @@ pub fn prepare(
     }
     check_content(&req)?;
     let (context_limit, prefill_chunk) = request_limits(model, req.max_context, req.max_prefill)?;
+    // A conversation whose text alone is too long for the context is refused before it is rendered and encoded.
+    let at_least = min_prompt_tokens(&req.messages, model.engine.tokenizer().max_token_bytes());
+    if at_least >= context_limit {
+        return Err(ApiError::invalid_with_code(
+            format!(
+                "This model's maximum context length is {context_limit} tokens, but the messages have at least \
+                 {at_least} tokens, which leaves no room for the completion. Shorten the messages."
+            ),
+            Some("messages".into()),
+            "context_length_exceeded",
+        ));
+    }
     let max_tokens = match (req.max_completion_tokens, req.max_tokens) {
         (Some(n), _) => Some((positive(n, "max_completion_tokens")?, "max_completion_tokens")),
         (None, Some(n)) => Some((positive(n, "max_tokens")?, "max_tokens")),
@@ -179,24 +218,28 @@ pub fn prepare(
             ));
         }
     };
-    let effort = req.reasoning_effort.clone().or(kwargs_effort);
-    let effort = match &effort {
-        None => None,
-        Some(e) => match REASONING_EFFORTS.iter().find(|(name, _)| name == e) {
-            Some((_, mapped)) => Some(*mapped),
-            None => {
-                let names: Vec<&str> = REASONING_EFFORTS.iter().map(|(n, _)| *n).collect();
-                return Err(ApiError::invalid(
-                    format!("`reasoning_effort` must be one of {}; got `{e}`.", names.join(", ")),
-                    "reasoning_effort",
-                ));
-            }
-        },
-    };
+    let requested_effort = req.reasoning_effort.clone().or(kwargs_effort);
+    // An unknown effort is `Err` for now: it is an error only when thinking is on (the template ignores the
+    // effort when thinking is off).
+    let effort: Option<Result<Option<&str>, &str>> = requested_effort
+        .as_deref()
+        .map(|e| REASONING_EFFORTS.iter().find(|(name, _)| *name == e).map(|(_, mapped)| *mapped).ok_or(e));
     let thinking = match (effort, enable_thinking) {
-        (Some(None), _) => false,
+        (Some(Ok(None)), _) => false,
         (_, Some(on)) => on,
         _ => defaults.enable_thinking,
+    };
+    let effort = match effort {
+        Some(Err(e)) if thinking => {
+            let names: Vec<&str> = REASONING_EFFORTS.iter().map(|(n, _)| *n).collect();
+            return Err(ApiError::invalid(
+                format!("`reasoning_effort` must be one of {}; got `{e}`.", names.join(", ")),
+                "reasoning_effort",
+            ));
+        }
+        Some(Err(_)) => None,
+        Some(Ok(mapped)) => Some(mapped),
+        None => None,
     };
     let effort: Option<&str> = match effort {
         Some(Some(e)) => Some(e),
@@ -206,7 +249,7 @@ pub fn prepare(
 
     let tools = tools_for_template(&req)?;
     let forced_tools = forced_tool_choice(&req)?;
-    let messages = serde_json::to_value(&req.messages)
+    let messages = serde_json::to_value(fold_system_messages(&req.messages))
         .map_err(|e| ApiError::Internal(format!("re-encoding the messages failed: {e}")))?;
     let (prompt, ids) = render_and_encode(model, defaults, &messages, tools.as_ref(), Some(thinking), effort, kwargs)?;
     let room = check_room(ids.len(), context_limit)?;
@@ -235,6 +278,7 @@ pub fn prepare(
     let prompt_tokens = ids.len();
     let ignore_eos = req.ignore_eos.unwrap_or(false);
     let max_tokens = match max_tokens {
+        None if defaults.default_max_tokens > 0 => room.min(defaults.default_max_tokens),
         None => room,
         Some((n, name)) => check_completion_room(n, name, ids.len(), context_limit)?,
     };
@@ -255,6 +299,20 @@ pub fn prepare(
         prompt_tokens,
         thinking,
     })
+}
+
+/// [`prepare`] on tokio's blocking pool, so that rendering and encoding a long conversation cannot hold up the
+/// runtime's other requests.
+///
+/// Errors: those of [`prepare`]; 500 if the blocking task fails.
+pub async fn prepare_blocking(
+    model: Arc<ServedModel>,
+    defaults: GenerationDefaults,
+    req: ChatCompletionRequest,
+) -> Result<PreparedChat, ApiError> {
+    tokio::task::spawn_blocking(move || prepare(&model, &defaults, req))
+        .await
+        .map_err(|e| ApiError::Internal(format!("preparing the request failed: {e}")))?
 }
 
 /// The repetition guard for a request (off for `ignore_eos` benchmarks and when configured off).
@@ -367,8 +425,53 @@ fn forced_tool_choice(req: &ChatCompletionRequest) -> Result<Option<String>, Api
     }
 }
 
+/// The system messages of a conversation as the Qwen3.8 template can render them: the template takes one system
+/// message, first, and refuses any other (OpenAI clients send a second one, or one later in the conversation, as
+/// pydantic-ai does on a retry). So every system message's text (trimmed, as the template trims it) is folded,
+/// in order and separated by a blank line, into one system message at the start; the other messages keep their
+/// order. A conversation with at most one system message, first, comes back unchanged.
+pub fn fold_system_messages(messages: &[ChatMessage]) -> std::borrow::Cow<'_, [ChatMessage]> {
+    let systems = messages.iter().filter(|m| m.role == Role::System).count();
+    if systems == 0 || (systems == 1 && messages[0].role == Role::System) {
+        return std::borrow::Cow::Borrowed(messages);
+    }
+    let text: Vec<String> = messages
+        .iter()
+        .filter(|m| m.role == Role::System)
+        .filter_map(|m| m.content.as_ref().map(|c| c.text().trim().to_owned()))
+        .filter(|t| !t.is_empty())
+        .collect();
+    let first = messages.iter().find(|m| m.role == Role::System).cloned().map(|mut m| {
+        m.content = Some(MessageContent::Text(text.join("\n\n")));
+        m
+    });
+    std::borrow::Cow::Owned(
+        first.into_iter().chain(messages.iter().filter(|m| m.role != Role::System).cloned()).collect(),
+    )
+}
+
+/// Fields OpenAI requires per role: a `tool` message answers a `tool_call_id`, a user message has `content`.
+fn check_roles(req: &ChatCompletionRequest) -> Result<(), ApiError> {
+    for (i, message) in req.messages.iter().enumerate() {
+        let missing = match message.role {
+            Role::Tool if message.tool_call_id.is_none() => Some("tool_call_id"),
+            Role::User if message.content.is_none() => Some("content"),
+            _ => None,
+        };
+        if let Some(field) = missing {
+            return Err(ApiError::invalid_with_code(
+                format!("Missing required parameter: 'messages[{i}].{field}'."),
+                Some(format!("messages[{i}].{field}")),
+                "missing_required_parameter",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Content parts must be text: this model reads no images, audio or files.
 fn check_content(req: &ChatCompletionRequest) -> Result<(), ApiError> {
+    check_roles(req)?;
     for (i, message) in req.messages.iter().enumerate() {
         let Some(MessageContent::Parts(parts)) = &message.content else { continue };
         for (j, part) in parts.iter().enumerate() {

@@ -154,6 +154,10 @@ pub struct GenerationDefaults {
     /// Let special tokens typed in message text (`<|im_end|>`, `<think>`) act as control tokens. Off: they are
     /// encoded as plain text, so a user cannot forge turns.
     pub allow_special_tokens_in_content: bool,
+    /// Most tokens a chat completion generates (reasoning included) when the request sets neither `max_tokens`
+    /// nor `max_completion_tokens`; the room left in the context still bounds it. 0: only the context bounds it.
+    /// Default 32,768, the output length Qwen recommends for Qwen3 models.
+    pub default_max_tokens: usize,
 }
 
 impl Default for GenerationDefaults {
@@ -182,6 +186,7 @@ impl Default for GenerationDefaults {
             repetition_window: 256,
             repetition_max_period: 32,
             allow_special_tokens_in_content: false,
+            default_max_tokens: 32_768,
         }
     }
 }

@@ -9,8 +9,8 @@
 //!
 //! Tool calls use the Qwen3.8 XML format the output parser reads: `<tool_call>` and `</tool_call>` are the
 //! model's special tokens, then `<function=NAME>`, one `<parameter=KEY>\nVALUE\n</parameter>` per argument in
-//! the schema's order (required ones always, optional ones maybe), string values raw, other values JSON typed by
-//! their schema (`%json`).
+//! the schema's order (required ones always, optional ones maybe), string values raw (at most `maxLength`
+//! characters when the schema gives one), other values JSON typed by their schema (`%json`).
 
 use std::sync::Arc;
 
@@ -211,7 +211,14 @@ pub fn tool_call_grammar(tools: &[Map<String, Value>], only: Option<&str>, paral
         let mut body = Vec::new();
         for (p, (key, schema)) in properties.into_iter().flatten().enumerate() {
             let rule = format!("p{t}_{p}");
-            let value = value_rule(schema);
+            let value = match bounded_string_token(schema) {
+                Some(token) => {
+                    let name = format!("S{t}_{p}");
+                    rules.push_str(&format!("{name}: {token}\n"));
+                    name
+                }
+                None => value_rule(schema),
+            };
             rules.push_str(&format!(
                 "{rule}: {} {value} {}\n",
                 lark_str(&format!("<parameter={key}>\n")),
@@ -266,6 +273,27 @@ fn value_rule(schema: &Value) -> String {
     }
 }
 
+/// Raw string text that cannot close the parameter early: no `</` inside and no `<` at the end (the value is
+/// followed by `\n</parameter>`).
+const RAW_TEXT_EXCLUDED: &str = r#"~/(?s:.*<(\/.*)?)/"#;
+
+/// For a `string` parameter with `maxLength` (or `minLength`) and no `enum`: a Lark token of raw text of that
+/// many characters (JSON Schema counts code points, as the regex does), so a forced call cannot run past it.
+/// `None` for other schemas.
+fn bounded_string_token(schema: &Value) -> Option<String> {
+    if schema.get("type").and_then(Value::as_str) != Some("string") || schema.get("enum").is_some() {
+        return None;
+    }
+    let max = schema.get("maxLength").and_then(Value::as_u64);
+    let min = schema.get("minLength").and_then(Value::as_u64);
+    if max.is_none() && min.is_none() {
+        return None;
+    }
+    let min = min.unwrap_or(0);
+    let max = max.map_or(String::new(), |m| m.max(min).to_string());
+    Some(format!("/(?s:.{{{min},{max}}})/ & {RAW_TEXT_EXCLUDED}"))
+}
+
 /// `s` as a Lark string literal (JSON escapes are Lark escapes).
 fn lark_str(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
@@ -289,6 +317,44 @@ mod tests {
         let g = tool_call_grammar(&tools, None, false).unwrap();
         assert!(g.contains("(\"Paris\" | \"Rome\")") && g.contains("p0_1?"), "{g}");
         assert!(tool_call_grammar(&tools, Some("g"), true).is_err());
+    }
+
+    /// A forced string parameter with `maxLength` takes at most that many characters: then only the closing tag
+    /// may follow, so a call cannot run to the end of the context inside one value.
+    #[cfg(not(feature = "lean"))]
+    #[test]
+    fn max_length_bounds_a_forced_string_value() {
+        let engine = nebula_engine::worker::Engine::from_gguf_bytes(
+            "demo",
+            crate::config::EMBEDDED_DEMO_MODEL.to_vec(),
+            Default::default(),
+        )
+        .unwrap();
+        let tok = engine.tokenizer().clone();
+        let vocab = engine.config().vocab;
+        let compiler = GrammarCompiler::new(tok.clone(), vocab, tok.token_to_id("<|im_end|>").unwrap()).unwrap();
+        let tools: Vec<Map<String, Value>> = serde_json::from_value(serde_json::json!([{"type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {
+                "q": {"type": "string", "maxLength": 3}}, "required": ["q"]}}}]))
+        .unwrap();
+        let grammar = tool_call_grammar(&tools, None, false).unwrap();
+        let handle = compiler.constraint(&grammar, false, "tool_choice").unwrap();
+        let mut c = handle.0.lock().unwrap();
+        c.commit(tok.token_to_id("<tool_call>").unwrap()).unwrap();
+        for id in tok.encode_plain("\n<function=f>\n<parameter=q>\n").unwrap() {
+            c.commit(id).unwrap();
+        }
+        let x = tok.encode_plain("x").unwrap()[0];
+        let allowed = |c: &mut Box<dyn TokenConstraint>| {
+            let mut logits = vec![0f32; vocab];
+            c.mask(&mut logits).unwrap();
+            logits[x as usize].is_finite()
+        };
+        for _ in 0..3 {
+            assert!(allowed(&mut c));
+            c.commit(x).unwrap();
+        }
+        assert!(!allowed(&mut c), "a fourth character is over maxLength 3");
     }
 
     /// While the model thinks, only the turn's end is forbidden (so the constrained answer cannot be skipped);

@@ -78,6 +78,9 @@ pub enum ApiError {
         /// What the server is doing.
         phase: &'static str,
     },
+    /// The server is shutting down and its grace period for open requests has ended (503).
+    #[error("The server is shutting down; the request was not completed. Retry on another instance.")]
+    ShuttingDown,
     /// Something failed inside the server (500); the message says what.
     #[error("{0}")]
     Internal(String),
@@ -104,7 +107,7 @@ impl ApiError {
             Self::QueueFull { .. } | Self::Busy { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            Self::Loading { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Loading { .. } | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -126,6 +129,7 @@ impl ApiError {
             Self::Unauthorized => ("invalid_request_error", None, Some("invalid_api_key".into())),
             Self::Timeout { .. } => ("server_error", None, Some("timeout".into())),
             Self::Loading { .. } => ("server_error", None, Some("model_loading".into())),
+            Self::ShuttingDown => ("server_error", None, Some("shutting_down".into())),
             Self::Internal(_) => ("server_error", None, None),
         };
         ErrorBody { error: ErrorDetail { message: self.to_string(), kind: kind.to_owned(), param, code } }

@@ -20,7 +20,7 @@ use tracing::Instrument;
 use crate::error::ApiError;
 use crate::metrics::{Metrics, RequestRecord};
 use crate::openai::{FinishReason, Timings, TokenLogprob, TopLogprob, Usage};
-use crate::state::ServedModel;
+use crate::state::{SHUTDOWN_MESSAGE, ServedModel};
 
 /// How many pieces may wait for a slow reader before the task waits too.
 const PIECE_BUFFER: usize = 64;
@@ -126,6 +126,9 @@ pub fn start(
     settings: DriveSettings,
 ) -> Result<mpsc::Receiver<(usize, Piece)>, ApiError> {
     let Generation { request, parse, stop, constraint, model } = generation;
+    if *model.cut_off().borrow() {
+        return Err(ApiError::ShuttingDown);
+    }
     let mut receivers = Vec::with_capacity(n);
     let mut cancels = Vec::with_capacity(n);
     for i in 0..n {
@@ -239,11 +242,25 @@ async fn drive(
     let mut last_token: Option<Instant> = None;
     let mut cached_tokens = 0;
     let send = |pieces: Vec<Piece>| send_all(tx, choice, pieces);
+    let mut cut_off = model.cut_off();
+    let cut = async move {
+        if cut_off.wait_for(|cut| *cut).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::pin!(cut);
     loop {
         let event = tokio::select! {
             biased;
             () = tx.closed() => {
                 tracing::info!(completion_tokens = turn.completion_tokens, "client went away; generation cancelled");
+                return false;
+            }
+            // Past the shutdown grace period: the reader learns why it ends (an error event and `[DONE]` in a
+            // stream); returning drops `events`, which stops the engine.
+            () = &mut cut => {
+                tracing::warn!(completion_tokens = turn.completion_tokens, "generation stopped: shutdown grace period over");
+                send(vec![Piece::Failed(SHUTDOWN_MESSAGE.to_owned())]).await;
                 return false;
             }
             // The watchdog runs once the request left the queue: waiting behind others is not being stuck.
@@ -457,7 +474,9 @@ impl TurnAssembler {
 
     fn end(&mut self, reason: FinishReason) -> Vec<Piece> {
         let parser = std::mem::replace(&mut self.parser, OutputParser::new(&ParseOptions::default()));
-        let mut pieces = if self.raw { Vec::new() } else { self.pieces(parser.finish()) };
+        // Cut off by the token budget, a tool call being written stays open, as written (OpenAI's `length`).
+        let events = if reason == FinishReason::Length { parser.finish_truncated() } else { parser.finish() };
+        let mut pieces = if self.raw { Vec::new() } else { self.pieces(events) };
         let finish_reason =
             if self.saw_tool_call && reason == FinishReason::Stop { FinishReason::ToolCalls } else { reason };
         pieces.push(Piece::Done {
@@ -649,6 +668,27 @@ mod tests {
         assert!(matches!(pieces.last(), Some(Piece::Done { finish_reason: FinishReason::ToolCalls, .. })));
         // Cut off by max_tokens, the turn reports length even after a call.
         let pieces = assemble(&tokens, &[], FinishReason::Length);
+        assert!(matches!(pieces.last(), Some(Piece::Done { finish_reason: FinishReason::Length, .. })));
+    }
+
+    /// A forced call the budget cuts off is never reported as complete: `length`, and the arguments as far as
+    /// they were written (not a made-up `{}`).
+    #[test]
+    fn a_call_cut_off_by_the_budget_finishes_with_length_and_open_arguments() {
+        let tokens = ["ok\n</think>\n\n", "<tool_call>", "\n<function=f>\n<parameter=q>\n", "aaa", "aaa"];
+        let pieces = assemble(&tokens, &[], FinishReason::Length);
+        let arguments: String = pieces
+            .iter()
+            .filter_map(
+                |p| if let Piece::ToolCallArguments { fragment, .. } = p { Some(fragment.as_str()) } else { None },
+            )
+            .collect();
+        let whole: Vec<&Piece> = pieces.iter().filter(|p| matches!(p, Piece::ToolCall { .. })).collect();
+        let arguments = match whole.first() {
+            Some(Piece::ToolCall { arguments, .. }) => arguments.clone(),
+            _ => arguments,
+        };
+        assert_eq!(arguments, "{\"q\": \"aaaaaa");
         assert!(matches!(pieces.last(), Some(Piece::Done { finish_reason: FinishReason::Length, .. })));
     }
 

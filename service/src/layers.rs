@@ -2,7 +2,7 @@
 //! (`x-request-id`, made when absent and echoed back), tracing span, CORS (only when origins are configured),
 //! body size limit (413 in the OpenAI body), API key (Bearer, compared in constant time; `/health` stays open),
 //! and, on the generation routes, a concurrency limit with a bounded wait queue (429 with `Retry-After` when
-//! full) and a timeout for the response head (504).
+//! full; 503 once the shutdown grace period has ended) and a timeout for the response head (504).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -75,6 +75,9 @@ impl ConcurrencyLimit {
 /// Middleware applying [`ConcurrencyLimit`] and the response-head timeout.
 pub async fn limit_and_time(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let limit = &state.limit;
+    if state.is_cut_off() {
+        return ApiError::ShuttingDown.into_response();
+    }
     let permit: OwnedSemaphorePermit = match limit.slots.clone().try_acquire_owned() {
         Ok(p) => p,
         Err(_) => {
@@ -83,11 +86,16 @@ pub async fn limit_and_time(State(state): State<Arc<AppState>>, req: Request, ne
                 state.metrics.rejected("busy");
                 return ApiError::Busy { in_flight: limit.in_flight(), waiting: limit.max_waiting }.into_response();
             }
-            let p = limit.slots.clone().acquire_owned().await;
+            let mut cut_off = state.cut_off.subscribe();
+            let p = tokio::select! {
+                p = limit.slots.clone().acquire_owned() => p.ok(),
+                // Past the shutdown grace period nothing new starts.
+                _ = cut_off.wait_for(|cut| *cut) => None,
+            };
             limit.waiting.fetch_sub(1, Ordering::SeqCst);
             match p {
-                Ok(p) => p,
-                Err(_) => return ApiError::Internal("the server is shutting down".into()).into_response(),
+                Some(p) => p,
+                None => return ApiError::ShuttingDown.into_response(),
             }
         }
     };

@@ -87,6 +87,10 @@ pub fn router(state: Arc<AppState>) -> Router {
     .with_state(state)
 }
 
+/// How long, past the shutdown grace period, open responses get to send their final error event and `[DONE]`
+/// before the connections are dropped.
+const CUT_OFF_FLUSH: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A running server: its address, a way to stop it, and its outcome.
 #[derive(Debug)]
 pub struct ServerHandle {
@@ -184,17 +188,29 @@ pub async fn start(config: ServerConfig) -> Result<ServerHandle, ServeError> {
     let app = router(state.clone());
     let mut graceful = stop.subscribe();
     let mut deadline = stop.subscribe();
+    let cut_state = state.clone();
     let task = tokio::spawn(async move {
         let server = axum::serve(listener, app).with_graceful_shutdown(async move {
             let _ = graceful.wait_for(|stopped| *stopped).await;
         });
+        let server = std::future::IntoFuture::into_future(server);
+        tokio::pin!(server);
         let forced = async move {
             let _ = deadline.wait_for(|stopped| *stopped).await;
             tokio::time::sleep(grace).await;
         };
         tokio::select! {
-            result = server => result?,
-            () = forced => tracing::warn!(seconds = grace.as_secs_f64(), "open requests outlived the shutdown grace period"),
+            result = &mut server => result?,
+            () = forced => {
+                // Past the grace period: every open generation ends with an error (an error event and `[DONE]`
+                // in a stream) and waiting requests get 503; then the connections close as their responses end.
+                tracing::warn!(seconds = grace.as_secs_f64(), "open requests outlived the shutdown grace period; ending them");
+                cut_state.cut_off.send_replace(true);
+                match tokio::time::timeout(CUT_OFF_FLUSH, &mut server).await {
+                    Ok(result) => result?,
+                    Err(_) => tracing::warn!("connections still open after the cut-off; closing them"),
+                }
+            }
         }
         match load_error.lock().ok().and_then(|mut slot| slot.take()) {
             Some(err) => Err(err),

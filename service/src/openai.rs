@@ -113,7 +113,9 @@ pub struct StreamOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
-    /// Instructions (first message only, by the Qwen template's rule).
+    /// Instructions; `developer` (OpenAI's newer name for them) is read as `system`. Several, or one after the
+    /// first message, are folded into one first system turn ([`crate::chat::fold_system_messages`]).
+    #[serde(alias = "developer")]
     System,
     /// The user.
     User,
@@ -688,10 +690,14 @@ mod tests {
     }
 
     #[test]
-    fn unknown_roles_are_refused() {
-        let bad_role = serde_json::json!({"messages": [{"role": "developer", "content": "x"}]});
+    fn unknown_roles_are_refused_and_developer_is_system() {
+        let bad_role = serde_json::json!({"messages": [{"role": "robot", "content": "x"}]});
         let err = serde_json::from_value::<ChatCompletionRequest>(bad_role).unwrap_err();
-        assert!(err.to_string().contains("unknown variant `developer`"), "{err}");
+        assert!(err.to_string().contains("unknown variant `robot`"), "{err}");
+        let developer = serde_json::json!({"messages": [{"role": "developer", "content": "x"}]});
+        let req = serde_json::from_value::<ChatCompletionRequest>(developer).unwrap();
+        assert_eq!(req.messages[0].role, Role::System);
+        assert_eq!(serde_json::to_value(&req.messages[0]).unwrap()["role"], "system");
     }
 
     #[test]

@@ -34,6 +34,8 @@ pub struct ServedModel {
     pub max_prefill: usize,
     /// The grammar compiler, built at the first constrained request.
     grammar: OnceLock<Result<GrammarCompiler, String>>,
+    /// Turns true when the shutdown grace period ends (see [`AppState::cut_off`]).
+    cut_off: watch::Receiver<bool>,
 }
 
 impl ServedModel {
@@ -47,7 +49,17 @@ impl ServedModel {
         });
         compiler.as_ref().map_err(|e| ApiError::Internal(format!("constrained decoding is unavailable: {e}")))
     }
+
+    /// A receiver that turns true when the server's shutdown grace period ends: generations still running then
+    /// end with [`SHUTDOWN_MESSAGE`].
+    pub fn cut_off(&self) -> watch::Receiver<bool> {
+        self.cut_off.clone()
+    }
 }
+
+/// What a generation still running when the shutdown grace period ends reports (an error event in a stream, a
+/// 503 otherwise).
+pub const SHUTDOWN_MESSAGE: &str = "the server is shutting down and its grace period for open requests has ended";
 
 /// Where model loading stands.
 #[derive(Debug, Clone)]
@@ -73,6 +85,9 @@ pub struct AppState {
     pub profile: Option<Value>,
     /// The concurrency limit of the generation routes.
     pub limit: ConcurrencyLimit,
+    /// Set to true when the shutdown grace period (`shutdown_grace_s`) ends: open generations end with an error
+    /// (an error event and `[DONE]` in a stream), requests still waiting get 503.
+    pub cut_off: watch::Sender<bool>,
 }
 
 impl AppState {
@@ -91,7 +106,13 @@ impl AppState {
             metrics: Arc::new(Metrics::new()),
             profile,
             limit,
+            cut_off: watch::Sender::new(false),
         })
+    }
+
+    /// Whether the shutdown grace period has ended (see [`AppState::cut_off`]).
+    pub fn is_cut_off(&self) -> bool {
+        *self.cut_off.borrow()
     }
 
     /// The served model, or the error a request gets while there is none.
@@ -205,7 +226,16 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         seconds = format_args!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );
-    Ok(ServedModel { engine, id, created: unix_now(), template, specials, max_prefill, grammar: OnceLock::new() })
+    Ok(ServedModel {
+        engine,
+        id,
+        created: unix_now(),
+        template,
+        specials,
+        max_prefill,
+        grammar: OnceLock::new(),
+        cut_off: state.cut_off.subscribe(),
+    })
 }
 
 /// Seconds since the Unix epoch.

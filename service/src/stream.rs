@@ -7,8 +7,10 @@
 //! A tool call streams as it is written: a header (`id`, `type`, `function.name`, empty `arguments`) once the
 //! model has written `<function=NAME>`, then one argument fragment per parameter as each `</parameter>` arrives
 //! (`{"city": "Paris"`, `, "unit": "c"`) and the closing `}`, so the fragments of a call always concatenate to its
-//! JSON object (a call cut off by `max_tokens` is closed with its complete parameters). Log-probabilities ride on
-//! the chunk of the text they belong to.
+//! `arguments` in the non-streamed response (a call cut off by `max_tokens` stays open as written, with
+//! `finish_reason: "length"`, as on OpenAI). Log-probabilities ride on the chunk of the text they belong to.
+//!
+//! Past the shutdown grace period every open stream gets an error event, then `[DONE]`.
 //!
 //! While the engine prefills a long prompt nothing is sent but SSE comments (`: keep-alive`), every
 //! `sse_keepalive_s`. An error after the stream began is sent as an `{"error": ...}` event, then `[DONE]`.

@@ -17,8 +17,16 @@
 //! - The parser starts in reasoning when the prompt ended inside a think block ([`prompt_ends_in_reasoning`]).
 //!   `</think>` ends the reasoning. In the answer, a `<think>` before any answer text or tool call opens reasoning
 //!   (models run without the template's prompt); later ones are text.
-//! - `<tool_call>…</tool_call>` becomes a tool call wherever it appears, inside reasoning too. A block that does not
-//!   parse, and a block still open when the output ends, are returned as answer text, never dropped.
+//! - `<tool_call>…</tool_call>` becomes a tool call wherever the model writes it, inside reasoning too, but not
+//!   where it only quotes it: inside a Markdown fenced code block (```` ``` ```` or `~~~`) or an inline code span
+//!   it stays text, in the reasoning and in the answer alike (the rules are in `output/markup.rs`). A block that
+//!   does not parse, and (with whole calls) a block still open when the output ends, are returned as answer
+//!   text, never dropped.
+//! - A parameter value ends at a `</parameter>` followed by the next `<parameter=`, `</function>` or the end of the
+//!   call; any other `</parameter>` (or `</tool_call>`) in it is part of the value, which the template writes raw.
+//!   A parameter written twice keeps its first value, streamed or not (a stream has sent it already).
+//! - Output cut off inside a call ([`OutputParser::finish_truncated`]) leaves the call unclosed, as written; output
+//!   that ends inside a call otherwise ([`OutputParser::finish`]) closes it with everything written.
 //! - Leading and trailing whitespace of the reasoning and of the answer is dropped (the template strips both when
 //!   the turn is sent back); whitespace inside them, including around tool calls, is kept.
 //! - Text that may be the start of a tag (`<tool`, `</th`) is held back until the next text decides it.
@@ -30,6 +38,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::chat_template::python_json;
+
+mod markup;
+
+use markup::{CodeTracker, XmlCall, parse_xml_call};
 
 const THINK_START: &str = "<think>";
 const THINK_END: &str = "</think>";
@@ -226,6 +238,8 @@ pub struct OutputParser {
     stream_tool_calls: bool,
     /// The tool call being streamed: its index and the arguments sent so far (key, value).
     streaming: Option<(usize, Vec<(String, Value)>)>,
+    /// Where Markdown code stands in the text emitted so far in this mode: tool markup inside code is quoted.
+    code: CodeTracker,
 }
 
 impl OutputParser {
@@ -244,6 +258,7 @@ impl OutputParser {
             next_index: 0,
             stream_tool_calls: options.stream_tool_calls,
             streaming: None,
+            code: CodeTracker::default(),
         }
     }
 
@@ -253,36 +268,44 @@ impl OutputParser {
         let mut events = Vec::new();
         loop {
             if let Some(scan) = self.tool_call_scan {
-                let Some(found) = self.buffer.get(scan..).and_then(|rest| rest.find(TOOL_CALL_END)) else {
-                    // Resume where a split `</tool_call>` could start next time.
-                    let keep = self.buffer.len().saturating_sub(TOOL_CALL_END.len() - 1);
-                    self.tool_call_scan = Some(floor_char_boundary(&self.buffer, keep.max(scan)));
+                let Some(end) = self.find_call_end(scan) else {
                     if self.stream_tool_calls {
                         self.stream_tool_call_progress(&mut events);
                     }
                     break;
                 };
-                let end = scan + found;
                 let block = self.buffer[..end].to_owned();
                 self.buffer.drain(..end + TOOL_CALL_END.len());
                 self.tool_call_scan = None;
+                self.code = CodeTracker::default();
                 self.finish_tool_call(&block, &mut events);
                 continue;
             }
             let tags = self.active_tags();
+            // Tool markup inside Markdown code is quoted text, not a call.
+            let quoted = if self.code.in_code() || self.buffer.contains(['`', '~']) {
+                self.code.states(&self.buffer)
+            } else {
+                Vec::new()
+            };
             // `<think>` opens reasoning only before any answer text, counted up to the tag itself, so the
             // decision does not depend on where the text was cut.
-            let valid = |at: usize, tag: &str| tag != THINK_START || self.buffer[..at].trim().is_empty();
+            let buffer = &self.buffer;
+            let valid = |at: usize, tag: &str| match tag {
+                THINK_START => buffer[..at].trim().is_empty(),
+                TOOL_CALL_START => !quoted.get(at).copied().unwrap_or(false),
+                _ => true,
+            };
             let earliest = tags
                 .iter()
-                .filter_map(|tag| self.buffer.find(tag).map(|at| (at, *tag)))
-                .filter(|&(at, tag)| valid(at, tag))
+                .filter_map(|tag| buffer.match_indices(tag).map(|(at, _)| (at, *tag)).find(|&(at, tag)| valid(at, tag)))
                 .min();
             match earliest {
                 Some((at, tag)) => {
                     let text = self.buffer[..at].to_owned();
                     self.buffer.drain(..at + tag.len());
                     self.emit_text(self.mode, &text, &mut events);
+                    self.code = CodeTracker::default();
                     match tag {
                         THINK_START => self.mode = Mode::Reasoning,
                         THINK_END => {
@@ -293,8 +316,9 @@ impl OutputParser {
                     }
                 }
                 None => {
-                    let held = partial_tag_len(&self.buffer, &tags, valid);
+                    let held = partial_tag_len(buffer, &tags, valid);
                     let text: String = self.buffer.drain(..self.buffer.len() - held).collect();
+                    self.code.feed(&text);
                     self.emit_text(self.mode, &text, &mut events);
                     break;
                 }
@@ -303,20 +327,110 @@ impl OutputParser {
         events
     }
 
-    /// Ends the generation: held text is released as text, an unterminated tool call becomes answer text.
+    /// The end of the open tool call in the buffer: the first `</tool_call>` from `scan` that is not inside a
+    /// parameter value. `None` (and the scan moved on) when none has arrived yet.
+    fn find_call_end(&mut self, mut scan: usize) -> Option<usize> {
+        while let Some(found) = self.buffer.get(scan..).and_then(|rest| rest.find(TOOL_CALL_END)) {
+            let end = scan + found;
+            let block = &self.buffer[..end];
+            let json = block.trim_start().starts_with('{');
+            if json || parse_xml_call(block, true).is_none_or(|call| !call.unclosed) {
+                return Some(end);
+            }
+            // Inside a value: this `</tool_call>` is text, whatever follows.
+            scan = end + 1;
+        }
+        // Resume where a split `</tool_call>` could start next time.
+        let keep = self.buffer.len().saturating_sub(TOOL_CALL_END.len() - 1);
+        self.tool_call_scan = Some(floor_char_boundary(&self.buffer, keep.max(scan)));
+        None
+    }
+
+    /// Ends the generation: held text is released as text. A call still open is closed with what was written
+    /// (the model ended its turn inside it) when calls stream, and is answer text otherwise.
     pub fn finish(mut self) -> Vec<OutputEvent> {
         let mut events = Vec::new();
         let rest = std::mem::take(&mut self.buffer);
-        // A streamed call cut off by the end of the output is closed with its complete parameters only, so its
-        // arguments stay valid JSON.
-        let complete = rest.rfind(PARAMETER_END).map_or(0, |at| at + PARAMETER_END.len());
-        if self.tool_call_scan.is_some() && self.close_streamed_call(&rest[..complete], &mut events) {
+        if self.tool_call_scan.is_some() && self.close_streamed_call(&rest, &mut events) {
         } else if self.tool_call_scan.is_some() {
             self.emit_text(Mode::Content, &format!("{TOOL_CALL_START}{rest}"), &mut events);
         } else {
             self.emit_text(self.mode, &rest, &mut events);
         }
         events
+    }
+
+    /// Ends a generation that was cut off (`max_tokens`, the context limit): like [`OutputParser::finish`], but
+    /// a tool call still open is reported as far as it was written and never closed. Its arguments are the
+    /// complete parameters and the one being written, as JSON text without the closing quote of that value and
+    /// without the closing `}`, so they do not parse, as OpenAI's cut-off calls do not. A call whose function name
+    /// is not complete yet is answer text.
+    pub fn finish_truncated(mut self) -> Vec<OutputEvent> {
+        if self.tool_call_scan.is_none() {
+            return self.finish();
+        }
+        let mut events = Vec::new();
+        let rest = std::mem::take(&mut self.buffer);
+        let call = (!rest.trim_start().starts_with('{')).then(|| parse_xml_call(&rest, false)).flatten();
+        let Some(call) = call else {
+            self.streaming = None;
+            self.emit_text(Mode::Content, &format!("{TOOL_CALL_START}{rest}"), &mut events);
+            return events;
+        };
+        let arguments = self.typed_arguments(&call);
+        let (index, sent) = match self.streaming.take() {
+            Some((index, sent)) => (index, sent.len()),
+            None => {
+                let index = self.next_index;
+                self.next_index += 1;
+                self.saw_tool_call = true;
+                let id = format!("{}{index}", self.call_id_prefix);
+                events.push(OutputEvent::ToolCallStart { index, id, name: call.name.to_owned() });
+                (index, 0)
+            }
+        };
+        let mut fragment = String::new();
+        let mut first = sent == 0;
+        for (key, value) in arguments.iter().skip(sent) {
+            fragment.push_str(&argument_member(key, value, first));
+            first = false;
+        }
+        if let Some((key, raw)) = call.open
+            && !arguments.iter().any(|(k, _)| k == key)
+        {
+            let schema = self.schemas.get(call.name).and_then(|p| p.get(key));
+            let mut member = argument_member(key, &typed_value(raw, schema), first);
+            if member.ends_with('"') {
+                member.pop();
+            }
+            fragment.push_str(&member);
+            first = false;
+        }
+        if first {
+            fragment.push('{');
+        }
+        if self.stream_tool_calls {
+            events.push(OutputEvent::ToolCallArguments { index, fragment });
+        } else {
+            // Whole calls: the start above becomes one call with the arguments so far.
+            events.pop();
+            let id = format!("{}{index}", self.call_id_prefix);
+            events.push(OutputEvent::ToolCall { index, id, name: call.name.to_owned(), arguments: fragment });
+        }
+        events
+    }
+
+    /// The typed arguments of an XML call, in the order written; a parameter written twice keeps its first value
+    /// (the one a stream has already sent).
+    fn typed_arguments(&self, call: &XmlCall<'_>) -> Vec<(String, Value)> {
+        let properties = self.schemas.get(call.name);
+        let mut out: Vec<(String, Value)> = Vec::new();
+        for &(key, raw) in &call.params {
+            if !out.iter().any(|(k, _)| k == key) {
+                out.push((key.to_owned(), typed_value(raw, properties.and_then(|p| p.get(key)))));
+            }
+        }
+        out
     }
 
     /// Ends the streamed call, if one is open: the members of `block` not sent yet, then `}`. Whatever the
@@ -365,26 +479,20 @@ impl OutputParser {
     }
 
     /// Streams what the open tool call's text (the buffer) completes: the start once the function name is
-    /// known, then each parameter whose `</parameter>` arrived.
+    /// known, then each parameter whose end is certain (see [`parse_xml_call`]).
     fn stream_tool_call_progress(&mut self, events: &mut Vec<OutputEvent>) {
         let block = self.buffer.as_str();
         if block.trim_start().starts_with('{') {
             return; // The JSON form is parsed whole at `</tool_call>`.
         }
-        // Only complete parameters: the text up to the last `</parameter>` (or the function tag alone).
-        let cut = match block.rfind(PARAMETER_END) {
-            Some(at) => at + PARAMETER_END.len(),
-            None => match block.find(FUNCTION_START).and_then(|f| block[f..].find('>').map(|e| f + e + 1)) {
-                Some(end) => end,
-                None => return,
-            },
-        };
-        let Some((name, arguments)) = parse_tool_call(&block[..cut], &self.schemas) else { return };
+        let Some(call) = parse_xml_call(block, false) else { return };
+        let arguments = self.typed_arguments(&call);
         if self.streaming.is_none() {
             let index = self.next_index;
             self.next_index += 1;
             self.saw_tool_call = true;
-            events.push(OutputEvent::ToolCallStart { index, id: format!("{}{index}", self.call_id_prefix), name });
+            let id = format!("{}{index}", self.call_id_prefix);
+            events.push(OutputEvent::ToolCallStart { index, id, name: call.name.to_owned() });
             self.streaming = Some((index, Vec::new()));
         }
         let Some((index, sent)) = self.streaming.as_mut() else { return };
@@ -505,38 +613,16 @@ fn parse_tool_call(block: &str, schemas: &Map<String, Value>) -> Option<(String,
         };
         return Some((name, arguments));
     }
-    let after = &block[block.find(FUNCTION_START)? + FUNCTION_START.len()..];
-    let name_end = after.find('>')?;
-    let name = after[..name_end].trim().to_owned();
-    if name.is_empty() {
-        return None;
-    }
-    let mut body = &after[name_end + 1..];
-    if let Some(end) = body.find(FUNCTION_END) {
-        body = &body[..end];
-    }
-    let properties = schemas.get(&name);
+    let call = parse_xml_call(block, true)?;
+    let properties = schemas.get(call.name);
     let mut arguments = Map::new();
-    while let Some(start) = body.find(PARAMETER_START) {
-        let rest = &body[start + PARAMETER_START.len()..];
-        let key_end = rest.find('>')?;
-        let key = rest[..key_end].trim().to_owned();
-        let rest = &rest[key_end + 1..];
-        let (raw, next) = match rest.find(PARAMETER_END) {
-            Some(end) => (&rest[..end], &rest[end + PARAMETER_END.len()..]),
-            // Lenient like vLLM: an unclosed value runs to the next parameter.
-            None => match rest.find(PARAMETER_START) {
-                Some(end) => (&rest[..end], &rest[end..]),
-                None => (rest, ""),
-            },
-        };
-        let raw = raw.strip_prefix('\n').unwrap_or(raw);
-        let raw = raw.strip_suffix('\n').unwrap_or(raw);
-        let schema = properties.and_then(|p| p.get(&key));
-        arguments.insert(key, typed_value(raw, schema));
-        body = next;
+    for (key, raw) in call.params {
+        // A parameter written twice keeps its first value, as a stream (which sent it already) does.
+        if !arguments.contains_key(key) {
+            arguments.insert(key.to_owned(), typed_value(raw, properties.and_then(|p| p.get(key))));
+        }
     }
-    Some((name, arguments))
+    Some((call.name.to_owned(), arguments))
 }
 
 /// The JSON-schema type names of a parameter (`type` as a string or list, or the types of `anyOf`/`oneOf`).
@@ -794,14 +880,103 @@ mod tests {
     }
 
     #[test]
-    fn a_streamed_call_cut_off_is_closed_with_its_complete_parameters() {
+    fn a_call_left_open_is_closed_with_everything_written() {
         let streaming = ParseOptions { stream_tool_calls: true, ..ParseOptions::default() };
         let mut parser = OutputParser::new(&streaming);
         let mut events = parser.push("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nhal");
         events.extend(parser.finish());
         let out = ParsedOutput::from_events(&events);
-        assert_eq!(out.tool_calls[0].function.arguments, "{\"a\": 1}");
+        assert_eq!(out.tool_calls[0].function.arguments, "{\"a\": 1, \"b\": \"hal\"}");
         assert_eq!(out.content, None);
+    }
+
+    /// Cut off by the token limit, a call is never reported complete: its arguments are what was written, open.
+    #[test]
+    fn a_call_cut_off_stays_open_as_written() {
+        let text = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nsay \"hal";
+        for stream_tool_calls in [false, true] {
+            let options = ParseOptions { stream_tool_calls, ..ParseOptions::default() };
+            let mut parser = OutputParser::new(&options);
+            let mut events = parser.push(text);
+            events.extend(parser.finish_truncated());
+            let out = ParsedOutput::from_events(&events);
+            assert_eq!(out.tool_calls.len(), 1, "{events:?}");
+            assert_eq!(out.tool_calls[0].function.name, "f");
+            assert_eq!(out.tool_calls[0].function.arguments, "{\"a\": 1, \"b\": \"say \\\"hal");
+            assert!(serde_json::from_str::<Value>(&out.tool_calls[0].function.arguments).is_err());
+        }
+        // Cut before any parameter: an open object, not a made-up `{}`.
+        let mut parser = OutputParser::new(&ParseOptions { stream_tool_calls: true, ..ParseOptions::default() });
+        let mut events = parser.push("<tool_call>\n<function=f>\n<parameter=a>\n");
+        events.extend(parser.finish_truncated());
+        assert_eq!(ParsedOutput::from_events(&events).tool_calls[0].function.arguments, "{\"a\": \"");
+        // Cut inside the function name: text.
+        let mut parser = OutputParser::new(&ParseOptions::default());
+        let mut events = parser.push("ok <tool_call>\n<function=ge");
+        events.extend(parser.finish_truncated());
+        assert_eq!(ParsedOutput::from_events(&events).content.as_deref(), Some("ok <tool_call>\n<function=ge"));
+    }
+
+    /// Markup the model only quotes in Markdown code is text, in the answer and in the reasoning, whole or
+    /// streamed; the model's own call after the quote is still a call.
+    #[test]
+    fn quoted_tool_markup_is_text() {
+        let call = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>";
+        let fenced = format!("Write it like this:\n\n```xml\n{call}\n```\n\nor inline: `{call}`.");
+        let text = format!("{fenced}\n\n{call}");
+        for starts_in_reasoning in [false, true] {
+            for stream_tool_calls in [false, true] {
+                let options = ParseOptions { starts_in_reasoning, stream_tool_calls, ..ParseOptions::default() };
+                let whole = parse_output(&text, &options);
+                assert_eq!(whole.tool_calls.len(), 1, "{whole:?}");
+                assert_eq!(whole.tool_calls[0].function.arguments, "{\"a\": 1}");
+                let quoted = if starts_in_reasoning { &whole.reasoning_content } else { &whole.content };
+                assert_eq!(quoted.as_deref(), Some(fenced.as_str()));
+                for cut in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+                    let mut parser = OutputParser::new(&options);
+                    let mut events = parser.push(&text[..cut]);
+                    events.extend(parser.push(&text[cut..]));
+                    events.extend(parser.finish());
+                    assert_eq!(ParsedOutput::from_events(&events), whole, "cut at {cut}");
+                }
+            }
+        }
+        let tilde = format!("~~~\n{call}\n~~~");
+        assert_eq!(parse_output(&tilde, &ParseOptions::default()).content.as_deref(), Some(tilde.as_str()));
+    }
+
+    /// A value may contain `</parameter>` (the template writes strings raw): nothing is cut, streamed or not.
+    #[test]
+    fn literal_closing_tags_stay_in_the_value() {
+        let text = "<tool_call>\n<function=write>\n<parameter=body>\nuse </parameter> and </tool_call> here\n</parameter>\n<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>";
+        let expected = "{\"body\": \"use </parameter> and </tool_call> here\", \"n\": 2}";
+        let whole = parse_output(text, &ParseOptions::default());
+        assert_eq!(whole.tool_calls[0].function.arguments, expected);
+        assert_eq!(whole.content, None);
+        let streaming = ParseOptions { stream_tool_calls: true, ..ParseOptions::default() };
+        for cut in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+            let mut parser = OutputParser::new(&streaming);
+            let mut events = parser.push(&text[..cut]);
+            events.extend(parser.push(&text[cut..]));
+            events.extend(parser.finish());
+            assert_eq!(ParsedOutput::from_events(&events), whole, "cut at {cut}");
+        }
+    }
+
+    /// A parameter written twice keeps its first value, whole or streamed.
+    #[test]
+    fn a_repeated_parameter_keeps_its_first_value() {
+        let text = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nx\n</parameter>\n<parameter=a>\n2\n</parameter>\n</function>\n</tool_call>";
+        let whole = parse_output(text, &ParseOptions::default());
+        assert_eq!(whole.tool_calls[0].function.arguments, "{\"a\": 1, \"b\": \"x\"}");
+        let streaming = ParseOptions { stream_tool_calls: true, ..ParseOptions::default() };
+        let mut parser = OutputParser::new(&streaming);
+        let mut events = Vec::new();
+        for piece in text.split_inclusive('\n') {
+            events.extend(parser.push(piece));
+        }
+        events.extend(parser.finish());
+        assert_eq!(ParsedOutput::from_events(&events), whole);
     }
 
     /// Streaming equals whole-text parsing for every way of cutting the text (property test over split points).
@@ -816,6 +991,7 @@ mod tests {
             "abc <think>x</think> y",
             " \n <think>y</think> z <think>",
             "<thin<think><think></think>",
+            "```\n<tool_call>\n<function=f>\n</function>\n</tool_call>\n```\n`<tool_call>` ``x`<tool_call>`` ~~~ <tool_call>\n<function=g>\n<parameter=v>\na</parameter>b\n</parameter>\n</function>\n</tool_call>\n\n~~~\n<tool_call></tool_call>",
             "",
         ];
         let mut seed = 0x9e37_79b9_7f4a_7c15_u64;

@@ -18,7 +18,7 @@
 //! [`TextTokenizer::encode`], as HF `apply_chat_template(tokenize=True)` does; [`TextTokenizer::encode_plain`]
 //! treats every character as text, so client text cannot turn into `<|im_end|>`. Decoding concatenates each token's
 //! bytes and replaces invalid UTF-8 with U+FFFD (the HF `ByteLevel` decoder); `skip_special` drops CONTROL tokens
-//! only, so `<think>` and `<tool_call>` stay in the text.
+//! only, so `<think>` and `<tool_call>` stay in the text; ids without a token decode to "" (HF's rule).
 
 mod byte_level;
 mod stream;
@@ -123,8 +123,9 @@ impl std::fmt::Debug for TextTokenizer {
 
 impl TextTokenizer {
     /// Loads a HF `tokenizer.json` with its own pipeline (exact tokenizer.json behaviour, `ignore_merges` as the
-    /// file says). Added tokens are CONTROL when `special` or named `<|…|>`, USER_DEFINED otherwise
-    /// ([`added_token_type`]).
+    /// file says). Added tokens are CONTROL when the file marks them `special`, USER_DEFINED otherwise, so
+    /// `skip_special` drops what HF's `skip_special_tokens` drops (a GGUF built from the same file types
+    /// `<|…|>` names CONTROL too, llama.cpp's converter rule: [`added_token_type`]).
     ///
     /// Errors: [`TokenizerError::Load`] when the tokenizers crate rejects the file; `UnsupportedTokenizerJson`
     /// for a decoder other than `ByteLevel` or a model other than BPE.
@@ -149,8 +150,10 @@ impl TextTokenizer {
         for &id in model_vocab.values() {
             types[id as usize] = Some(TokenType::Normal);
         }
+        // tokenizer.json's own flag decides, as in HF's `decode(skip_special_tokens=True)`: `<|fim_prefix|>` is
+        // special=false there and stays in skipped text, though a GGUF converter types it CONTROL by its name.
         for (&id, token) in &added {
-            types[id as usize] = Some(added_token_type(&token.content, token.special));
+            types[id as usize] = Some(if token.special { TokenType::Control } else { TokenType::UserDefined });
         }
         Self::with_types(hf, types)
     }
@@ -342,15 +345,16 @@ impl TextTokenizer {
     }
 
     /// The text of `ids`: the tokens' bytes concatenated, invalid UTF-8 replaced by U+FFFD (one per maximal
-    /// invalid subsequence, as HF's `ByteLevel` decoder does). `skip_special` drops CONTROL tokens (`<|im_end|>`,
-    /// `<|fim_prefix|>`…) and keeps USER_DEFINED ones (`<think>`, `<tool_call>`).
+    /// invalid subsequence, as HF's `ByteLevel` decoder does). `skip_special` drops CONTROL tokens (`<|im_end|>`;
+    /// from tokenizer.json the `special` ones) and keeps USER_DEFINED ones (`<think>`, `<tool_call>`, and from
+    /// tokenizer.json `<|fim_prefix|>`…). An id with no token (the padding rows 248077…248319 of Qwen3.8, which
+    /// the engine masks out) decodes to "", as HF's `decode` does.
     ///
-    /// Errors: [`TokenizerError::UnknownTokenId`] for an id with no token (a padding row or beyond the vocabulary;
-    /// HF would silently decode it to "").
+    /// Never fails today; the `Result` is kept for callers.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
         for &id in ids {
-            let token = self.token_bytes_checked(id)?;
+            let Some(token) = self.token_bytes(id) else { continue };
             if !(skip_special && self.is_control(id)) {
                 bytes.extend_from_slice(token);
             }
@@ -382,13 +386,16 @@ impl TextTokenizer {
         Some(&self.bytes[start..end])
     }
 
-    fn token_bytes_checked(&self, id: u32) -> Result<&[u8], TokenizerError> {
-        self.token_bytes(id).ok_or(TokenizerError::UnknownTokenId { id, vocab_len: self.vocab_len })
-    }
-
     /// The number of ids that have a token (248,077 for Qwen3.8: 248,044 BPE tokens + 33 added tokens).
     pub fn vocab_len(&self) -> usize {
         self.vocab_len
+    }
+
+    /// The length in bytes of the longest token (at least 1). Every token of an encoding covers at most this many
+    /// bytes of the NFC-normalized text, so a text of `b` normalized bytes has at least `b / max_token_bytes()`
+    /// tokens, whatever the merges do.
+    pub fn max_token_bytes(&self) -> usize {
+        self.offsets.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0).max(1)
     }
 
     /// NORMAL, CONTROL or USER_DEFINED for an id with a token, `None` otherwise.

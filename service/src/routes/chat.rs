@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::mpsc;
 
-use crate::chat::prepare;
+use crate::chat::prepare_blocking;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::OpenAiJson;
 use crate::generation::{DriveSettings, Piece, start};
@@ -16,7 +16,7 @@ use crate::openai::{
     AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChoiceLogprobs, FinishReason,
     FunctionCall, Timings, ToolCall, Usage,
 };
-use crate::state::{AppState, unix_now};
+use crate::state::{AppState, SHUTDOWN_MESSAGE, unix_now};
 use crate::stream::{ChunkMeta, chat_sse};
 
 /// Runs one chat completion. Errors before generation starts are HTTP errors; a failure after a stream began is
@@ -41,7 +41,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let model = state.model()?;
-    let prepared = prepare(&model, &state.config.defaults, req)?;
+    let prepared = prepare_blocking(model.clone(), state.config.defaults.clone(), req).await?;
     let id = format!("chatcmpl-{:032x}", rand::random::<u128>());
     tracing::debug!(%id, prompt_tokens = prepared.prompt_tokens, thinking = prepared.thinking, stream = prepared.stream, n = prepared.n, "chat completion");
     let settings = DriveSettings {
@@ -122,6 +122,7 @@ async fn collect(
                 p.end = Some((finish_reason, usage, timings));
                 done += 1;
             }
+            Piece::Failed(message) if message == SHUTDOWN_MESSAGE => return Err(ApiError::ShuttingDown),
             Piece::Failed(message) => return Err(ApiError::Internal(format!("generation failed: {message}"))),
         }
     }

@@ -11,14 +11,17 @@ use axum::response::{IntoResponse, Response};
 use nebula_engine::text::output::ParseOptions;
 use nebula_engine::worker::GenerateRequest;
 
-use crate::chat::{SamplingFields, check_completion_room, choices, positive, repetition_guard, sampling, stop_strings};
+use crate::chat::{
+    SamplingFields, check_completion_room, choices, min_tokens_of_bytes, positive, repetition_guard, sampling,
+    stop_strings,
+};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::OpenAiJson;
 use crate::generation::{DriveSettings, Generation, Piece, start};
 use crate::openai::{
     Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, FinishReason, PromptInput, Timings, Usage,
 };
-use crate::state::{AppState, unix_now};
+use crate::state::{AppState, SHUTDOWN_MESSAGE, unix_now};
 use crate::stream::{ChunkMeta, completion_sse, push_legacy_logprob};
 
 /// `max_tokens` when a completion request gives none (OpenAI's default).
@@ -137,15 +140,32 @@ pub async fn completions(
     // No chat template, no thinking: the non-thinking defaults apply.
     let defaults = &state.config.defaults;
     let params = sampling(&fields, false, defaults)?;
+    let limit = model.engine.max_context();
     let ids = match token_prompt {
         Some(ids) => ids,
-        None => model
-            .engine
-            .tokenizer()
-            .encode(&prompt)
-            .map_err(|e| ApiError::Internal(format!("encoding the prompt failed: {e}")))?,
+        None => {
+            // A prompt its length alone shows too long is refused before it is encoded; the encoding runs on a
+            // blocking thread, where a long prompt cannot hold up other requests.
+            let at_least = min_tokens_of_bytes(prompt.len(), model.engine.tokenizer().max_token_bytes());
+            if at_least >= limit {
+                return Err(ApiError::invalid_with_code(
+                    format!(
+                        "This model's maximum context length is {limit} tokens, but the prompt has at least \
+                         {at_least} tokens ({} bytes), which leaves no room for the completion.",
+                        prompt.len()
+                    ),
+                    Some("prompt".into()),
+                    "context_length_exceeded",
+                ));
+            }
+            let tokenizer = model.engine.tokenizer().clone();
+            let text = prompt.clone();
+            tokio::task::spawn_blocking(move || tokenizer.encode(&text))
+                .await
+                .map_err(|e| ApiError::Internal(format!("encoding the prompt failed: {e}")))?
+                .map_err(|e| ApiError::Internal(format!("encoding the prompt failed: {e}")))?
+        }
     };
-    let limit = model.engine.max_context();
     if ids.len() >= limit {
         return Err(ApiError::invalid_with_code(
             format!(
@@ -219,6 +239,7 @@ pub async fn completions(
                 ends[i] = Some((finish_reason, usage, timings));
                 done += 1;
             }
+            Piece::Failed(message) if message == SHUTDOWN_MESSAGE => return Err(ApiError::ShuttingDown),
             Piece::Failed(message) => return Err(ApiError::Internal(format!("generation failed: {message}"))),
         }
     }

@@ -26,9 +26,10 @@ impl<'a> StreamDecoder<'a> {
 
     /// Adds token `id`; returns the text it completes (possibly empty).
     ///
-    /// Errors: [`TokenizerError::UnknownTokenId`] when `id` has no token; the decoder is then unchanged.
+    /// An id with no token adds nothing, as in [`TextTokenizer::decode`]. Never fails today; the `Result` is kept
+    /// for callers.
     pub fn push(&mut self, id: u32) -> Result<String, TokenizerError> {
-        let bytes = self.tokenizer.token_bytes_checked(id)?;
+        let Some(bytes) = self.tokenizer.token_bytes(id) else { return Ok(String::new()) };
         if self.skip_special && self.tokenizer.is_control(id) {
             return Ok(String::new());
         }
