@@ -39,7 +39,8 @@ def claude_code():
          {"todos": {"type": "array", "items": {"type": "object", "properties": {"content": s, "status": s},
                                                "required": ["content", "status"]}}}, ["todos"]),
         ("WebSearch", "Search the web.", {"query": s}, ["query"]),
-        ("BashOutput", "Read the output of a background shell.", {"bash_id": s}, ["bash_id"]),
+        ("BashOutput", "Read the output of a background shell.",
+         {"bash_id": {"type": "string", "enum": ["shell_1", "shell_2"]}}, ["bash_id"]),
         ("NotebookEdit", "Edit a cell of a Jupyter notebook.", {"notebook_path": s, "new_source": s},
          ["notebook_path", "new_source"]),
     ]
@@ -115,7 +116,8 @@ def codex():
         function("search", "Search the project documentation.", {"query": s}, ["query"]),
         function("fetch_page", "Fetch one documentation page.", {"page": s}, ["page"]),
         function("list_pages", "List the documentation pages.", {}, []),
-        function("page_outline", "The headings of a page.", {"page": s}, ["page"]),
+        function("page_outline", "The headings of a page.",
+                 {"page": {"type": "string", "enum": ["intro", "install", "api"]}}, ["page"]),
         function("related", "Pages related to a page.", {"page": s}, ["page"]),
     ]
     for f in docs:

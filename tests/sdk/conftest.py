@@ -107,8 +107,11 @@ ALIASES = ["claude-opus-4-1-20250805", "gpt-5-codex"]
 @pytest.fixture(scope="session")
 def agent_server():
     """A server as coding agents meet it: API key `AGENT_KEY` (Bearer or x-api-key) and `serve_any_model`, so
-    that the agents' own model names are answered."""
-    yield from _run_server("agent-server", {"NEBULA_API_KEY": AGENT_KEY, "NEBULA_SERVE_ANY_MODEL": "true"})
+    that the agents' own model names are answered. Its context (2560 tokens) bounds how long the demo model may
+    write on the agents' unfamiliar prompts."""
+    yield from _run_server(
+        "agent-server", {"NEBULA_API_KEY": AGENT_KEY, "NEBULA_SERVE_ANY_MODEL": "true", "NEBULA_MAX_CONTEXT": "2560"}
+    )
 
 
 @pytest.fixture(scope="session")
