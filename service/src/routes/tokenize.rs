@@ -62,7 +62,7 @@ pub struct TokenizeRequest {
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct TokenizeResponse {
     /// Token ids, or `{"id", "piece"}` objects with `with_pieces`.
-    #[schema(value_type = Vec<Object>)]
+    #[schema(value_type = Vec<Value>)]
     pub tokens: Vec<Value>,
     /// How many tokens.
     pub count: usize,
