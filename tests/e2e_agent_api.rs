@@ -131,7 +131,8 @@ async fn responses_bad_input_gets_openai_errors() {
         assert_eq!(got.1["error"]["code"], "model_not_found");
     }
     // An alias is answered (a one-token budget keeps it short).
-    let got = post("/v1/responses", &json!({"model": "claude-test-alias", "input": "Hello!", "max_output_tokens": 1})).await;
+    let got =
+        post("/v1/responses", &json!({"model": "claude-test-alias", "input": "Hello!", "max_output_tokens": 1})).await;
     assert_eq!(got.0, StatusCode::OK, "{}", got.1);
     assert_eq!(got.1["model"], "claude-test-alias");
     assert_eq!(got.1["status"], "incomplete");
@@ -140,7 +141,8 @@ async fn responses_bad_input_gets_openai_errors() {
 #[tokio::test]
 async fn messages_bad_input_gets_anthropic_errors() {
     let ok = |extra: Value| {
-        let mut body = json!({"model": "nebula-demo", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]});
+        let mut body =
+            json!({"model": "nebula-demo", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]});
         for (k, v) in extra.as_object().unwrap() {
             body[k] = v.clone();
         }
@@ -194,8 +196,12 @@ async fn messages_bad_input_gets_anthropic_errors() {
     }
     let got = post("/v1/messages", &ok(json!({"model": "claude-test-alias", "max_tokens": 1}))).await;
     assert_eq!(got.0, StatusCode::OK, "{}", got.1);
-    assert_eq!((got.1["model"].as_str(), got.1["stop_reason"].as_str()), (Some("claude-test-alias"), Some("max_tokens")));
-    let got = post("/v1/messages?beta=true", &ok(json!({"max_tokens": 100_000_000, "thinking": {"type": "disabled"}}))).await;
+    assert_eq!(
+        (got.1["model"].as_str(), got.1["stop_reason"].as_str()),
+        (Some("claude-test-alias"), Some("max_tokens"))
+    );
+    let got =
+        post("/v1/messages?beta=true", &ok(json!({"max_tokens": 100_000_000, "thinking": {"type": "disabled"}}))).await;
     assert_eq!(got.0, StatusCode::OK, "{}", got.1);
     assert!(got.1["usage"]["output_tokens"].as_u64().unwrap() < CONTEXT as u64);
     // Other methods and sub-paths in the Anthropic shape too.
@@ -208,11 +214,18 @@ async fn messages_bad_input_gets_anthropic_errors() {
     let got = post("/v1/messages/count_tokens", &json!({"messages": [{"role": "user", "content": "hi"}]})).await;
     let message = anthropic_error(&got, 400, "invalid_request_error", "count without model");
     assert!(message.contains("model"), "{message}");
-    let got = post("/v1/messages/count_tokens", &json!({"model": "nebula-demo", "messages": [], "max_tokens": 5})).await;
+    let got =
+        post("/v1/messages/count_tokens", &json!({"model": "nebula-demo", "messages": [], "max_tokens": 5})).await;
     anthropic_error(&got, 400, "invalid_request_error", "count with max_tokens (unknown there)");
-    let got = post("/v1/messages/count_tokens", &json!({"model": "x", "messages": [{"role": "user", "content": "hi"}]})).await;
+    let got =
+        post("/v1/messages/count_tokens", &json!({"model": "x", "messages": [{"role": "user", "content": "hi"}]}))
+            .await;
     anthropic_error(&got, 404, "not_found_error", "count of an unknown model");
-    let got = post("/v1/messages/count_tokens", &json!({"model": "nebula-demo", "messages": [{"role": "user", "content": "hi"}]})).await;
+    let got = post(
+        "/v1/messages/count_tokens",
+        &json!({"model": "nebula-demo", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
     assert_eq!(got.0, StatusCode::OK);
     assert!(got.1["input_tokens"].as_u64().unwrap() > 0);
 }
