@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The OpenAI Python SDK tests (tests/sdk) against `nebula serve` on the embedded demo model, in one command.
+# The SDK tests (tests/sdk: the OpenAI and Anthropic Python SDKs, openai-agents, replays of Claude Code and Codex CLI
+# requests) against `nebula serve` on the embedded demo model, in one command.
 #
 #   scripts/test_sdk.sh              # builds target/release/nebula if needed, then runs pytest
 #   NEBULA_BIN=path/to/nebula scripts/test_sdk.sh -k stream   # another binary; extra args go to pytest

@@ -156,11 +156,7 @@ pub fn prepare(
     defaults: &GenerationDefaults,
     req: ChatCompletionRequest,
 ) -> Result<PreparedChat, ApiError> {
-    if let Some(requested) = &req.model
-        && requested != &model.id
-    {
-        return Err(ApiError::ModelNotFound { requested: requested.clone(), served: model.id.clone() });
-    }
+    model.check_name(req.model.as_deref())?;
     let n = choices(req.n)?;
     let logprobs = logprobs_setting(req.logprobs, req.top_logprobs)?;
     if let Some(level) = req.accuracy_level

@@ -240,6 +240,16 @@ pub struct ServerConfig {
     pub model: ModelSource,
     /// Model id in the API; `None`: the GGUF's `general.name`.
     pub model_id: Option<String>,
+    /// More names the served model answers to in every API (`model` of chat completions, responses and
+    /// messages); `/v1/models` lists them after the id.
+    pub model_aliases: Vec<String>,
+    /// Answer a request for any model name with the served model (agents ask for their own names, such as
+    /// `claude-opus-4-…` or `gpt-5-codex`). Off: an unknown name is a 404.
+    pub serve_any_model: bool,
+    /// Key that seals returned reasoning (`encrypted_content`, thinking `signature`) so that it can be read back
+    /// when a client replays it: 64 hex digits (32 bytes). `None`: a random key per process (sealed reasoning
+    /// does not survive a restart).
+    pub reasoning_seal_key: Option<String>,
     /// Longest prompt + completion in tokens; `None`: the profile's, else the model's, capped at
     /// [`DEFAULT_CPU_MAX_CONTEXT`].
     pub max_context: Option<usize>,
@@ -298,6 +308,9 @@ impl Default for ServerConfig {
             port: 8090,
             model: ModelSource::EmbeddedDemo,
             model_id: None,
+            model_aliases: Vec::new(),
+            serve_any_model: false,
+            reasoning_seal_key: None,
             max_context: None,
             max_prefill: None,
             queue_capacity: 64,
@@ -431,6 +444,12 @@ impl ServerConfig {
         }
         if self.api_key.as_deref() == Some("") {
             return Err(ConfigError("api_key is empty; leave it unset for an open server".into()));
+        }
+        if let Some(key) = &self.reasoning_seal_key {
+            crate::seal::parse_key(key).map_err(|e| ConfigError(format!("reasoning_seal_key: {e}")))?;
+        }
+        if let Some(alias) = self.model_aliases.iter().find(|a| a.trim().is_empty()) {
+            return Err(ConfigError(format!("model_aliases must not contain empty names, got {alias:?}")));
         }
         if !["cpu", "cuda"].contains(&self.backend.as_str()) {
             return Err(ConfigError(format!("backend must be cpu or cuda, got {:?}", self.backend)));

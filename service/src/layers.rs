@@ -1,6 +1,7 @@
 //! The tower layers around the API, assembled by [`crate::router`] (outermost first): request id
 //! (`x-request-id`, made when absent and echoed back), tracing span, CORS (only when origins are configured),
-//! body size limit (413 in the OpenAI body), API key (Bearer, compared in constant time; `/health` stays open),
+//! body size limit (413 in the OpenAI body), API key (Bearer or `x-api-key`, compared in constant time; `/health`
+//! stays open), Anthropic error bodies under `/v1/messages` ([`crate::routes::messages::anthropic_errors`]),
 //! and, on the generation routes, a concurrency limit with a bounded wait queue (429 with `Retry-After` when
 //! full; 503 once the shutdown grace period has ended) and a timeout for the response head (504).
 
@@ -23,20 +24,20 @@ use crate::state::AppState;
 /// Paths anyone may call, whatever the API key (load balancers and orchestrators probe them).
 pub const OPEN_PATHS: [&str; 1] = ["/health"];
 
-/// Refuses requests without the configured Bearer key (401). The comparison takes the same time whatever the
+/// Refuses requests without the configured key, sent as `Authorization: Bearer KEY` or `x-api-key: KEY` (401). The comparison takes the same time whatever the
 /// key sent.
 pub async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let Some(key) = state.config.api_key.as_deref() else { return next.run(req).await };
     if OPEN_PATHS.contains(&req.uri().path()) || req.method() == Method::OPTIONS {
         return next.run(req).await;
     }
-    let sent = req
+    let bearer = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .unwrap_or("")
-        .trim();
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
+    // Anthropic clients send the key as `x-api-key`.
+    let sent = bearer.or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok())).unwrap_or("").trim();
     if bool::from(sent.as_bytes().ct_eq(key.as_bytes())) {
         next.run(req).await
     } else {

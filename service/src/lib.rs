@@ -1,9 +1,11 @@
 //! Nebula's HTTP service: the OpenAI-compatible API in front of the engine.
 //!
-//! Data flows one way: [`extract`] parses a request body into the [`openai`] types, [`chat`] checks it and turns
+//! Data flows one way: [`extract`] parses a request body into the [`openai`] types (the Responses and Messages
+//! APIs' bodies, [`responses`] and [`anthropic`], are first rebuilt as chat requests by [`conversation`]), [`chat`] checks it and turns
 //! it into an engine request (template, [`prompt`] encoding, limits, sampling defaults, a [`constraint`]
 //! grammar), [`generation`] follows the engine's events and turns generated ids into reasoning, answer and
-//! tool-call pieces, and [`stream`] (SSE) or the handlers in [`routes`] write them in OpenAI's shapes. The server
+//! tool-call pieces, and [`stream`] (SSE) or the handlers in [`routes`] write them in OpenAI's shapes ([`blocks`]
+//! groups them into the typed output blocks of the Responses and Messages APIs; [`seal`] seals returned reasoning). The server
 //! never touches tensors: the engine runs on its own thread behind a bounded queue.
 //!
 //! [`start`] binds first and loads the model on a blocking thread, so `/health` answers 503 with the loading
@@ -15,10 +17,13 @@
 
 #![warn(missing_docs)]
 
+pub mod anthropic;
+pub mod blocks;
 pub mod chat;
 pub mod cli;
 pub mod config;
 pub mod constraint;
+pub mod conversation;
 pub mod error;
 pub mod extract;
 pub mod generation;
@@ -29,7 +34,9 @@ pub mod openapi;
 pub mod placement;
 pub mod profile;
 pub mod prompt;
+pub mod responses;
 pub mod routes;
+pub mod seal;
 pub mod state;
 pub mod stream;
 pub mod telemetry;
@@ -56,6 +63,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     let generation = Router::new()
         .route("/v1/chat/completions", post(routes::chat::chat_completions))
         .route("/v1/completions", post(routes::completions::completions))
+        .route("/v1/responses", post(routes::responses::create_response))
+        .route("/v1/messages", post(routes::messages::create_message))
         .route_layer(from_fn_with_state(state.clone(), layers::limit_and_time));
     let mut app = Router::new()
         .route("/health", get(routes::health::health))
@@ -64,10 +73,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/placement", get(routes::placement::placement))
         .route("/metrics", get(metrics::metrics))
         .route("/openapi.json", get(openapi::openapi_json))
+        .route("/v1/messages/count_tokens", post(routes::messages::count_tokens))
+        .route("/tokenize", post(routes::tokenize::tokenize))
+        .route("/detokenize", post(routes::tokenize::detokenize))
         .merge(generation)
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(from_fn_with_state(state.clone(), layers::require_api_key))
+        .layer(axum::middleware::from_fn(routes::messages::anthropic_errors))
         .layer(DefaultBodyLimit::max(state.config.body_limit_bytes));
     if let Some(cors) = layers::cors(&state.config.cors_allow_origins) {
         app = app.layer(cors);

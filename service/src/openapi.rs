@@ -12,8 +12,8 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
 use crate::error::{ErrorBody, ErrorDetail};
-use crate::openai;
 use crate::routes;
+use crate::{anthropic, openai, responses};
 
 /// The API's OpenAPI document.
 #[derive(OpenApi)]
@@ -23,6 +23,11 @@ use crate::routes;
     paths(
         routes::chat::chat_completions,
         routes::completions::completions,
+        routes::responses::create_response,
+        routes::messages::create_message,
+        routes::messages::count_tokens,
+        routes::tokenize::tokenize,
+        routes::tokenize::detokenize,
         routes::models::list_models,
         routes::models::retrieve_model,
         routes::health::health,
@@ -33,10 +38,16 @@ use crate::routes;
     components(schemas(
         openai::ChatCompletionRequest, openai::ChatCompletion, openai::ChatCompletionChunk, openai::CompletionRequest,
         openai::Completion, openai::ModelList, ErrorBody, ErrorDetail, routes::health::Health,
-        routes::placement::PlacementInfo,
+        routes::placement::PlacementInfo, responses::CreateResponseRequest, responses::ResponseObject,
+        responses::ResponseStreamEvent, anthropic::MessagesRequest, anthropic::CountTokensRequest,
+        anthropic::CountTokensResponse, anthropic::MessageObject, anthropic::MessageStreamEvent,
+        anthropic::AnthropicErrorBody, routes::tokenize::TokenizeRequest, routes::tokenize::TokenizeResponse,
+        routes::tokenize::DetokenizeRequest, routes::tokenize::DetokenizeResponse,
     )),
     modifiers(&BearerAuth),
     tags((name = "openai", description = "OpenAI-compatible endpoints"),
+         (name = "anthropic", description = "Anthropic Messages API endpoints"),
+         (name = "tokens", description = "Tokenize and detokenize (llama.cpp and vLLM shapes)"),
          (name = "observability", description = "Health, metrics and this document")),
 )]
 pub struct ApiDoc;
@@ -75,15 +86,42 @@ fn sse_event_schema(chunk: &str) -> Value {
     })
 }
 
+/// The schema of one server-sent event of the Responses or Messages API: `event` is the event type, `data` the
+/// event object `payload` (or, for the Messages API, an error body) as JSON; no `[DONE]`.
+fn typed_event_schema(payload: &str, error: Option<&str>) -> Value {
+    let mut one_of = vec![json!({"$ref": format!("#/components/schemas/{payload}")})];
+    if let Some(error) = error {
+        one_of.push(json!({"$ref": format!("#/components/schemas/{error}")}));
+    }
+    json!({
+        "type": "object",
+        "description": format!("One server-sent event: `event` is its type, `data` a {payload} as JSON."),
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {"oneOf": one_of}},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"}
+        }
+    })
+}
+
 /// The document as JSON, with the event-stream schemas added.
 pub fn document_value() -> Value {
     let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
     for (path, chunk, event) in [
         ("/v1/chat/completions", "ChatCompletionChunk", "ChatCompletionEvent"),
         ("/v1/completions", "Completion", "CompletionEvent"),
+        ("/v1/responses", "ResponseStreamEvent", "ResponseEvent"),
+        ("/v1/messages", "MessageStreamEvent", "MessageEvent"),
     ] {
+        let schema = match path {
+            "/v1/responses" => typed_event_schema(chunk, None),
+            "/v1/messages" => typed_event_schema(chunk, Some("AnthropicErrorBody")),
+            _ => sse_event_schema(chunk),
+        };
         if let Some(schemas) = doc.pointer_mut("/components/schemas").and_then(Value::as_object_mut) {
-            schemas.insert(event.to_owned(), sse_event_schema(chunk));
+            schemas.insert(event.to_owned(), schema);
         }
         let pointer = format!("/paths/{}/post/responses/200/content/text~1event-stream", path.replace('/', "~1"));
         if let Some(media) = doc.pointer_mut(&pointer) {

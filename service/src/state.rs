@@ -24,6 +24,10 @@ pub struct ServedModel {
     pub engine: Engine,
     /// The id requests name in `model`.
     pub id: String,
+    /// More names it answers to (`model_aliases`).
+    pub aliases: Vec<String>,
+    /// Answer to any model name (`serve_any_model`).
+    pub serve_any_model: bool,
     /// Unix time the model finished loading, seconds.
     pub created: u64,
     /// The chat template: the model's own, else the official Qwen3.8 one.
@@ -39,6 +43,22 @@ pub struct ServedModel {
 }
 
 impl ServedModel {
+    /// Whether a request for model `requested` is served by this model: its id, one of its aliases, or any name
+    /// with `serve_any_model`.
+    pub fn answers_to(&self, requested: &str) -> bool {
+        self.serve_any_model || requested == self.id || self.aliases.iter().any(|a| a == requested)
+    }
+
+    /// Checks a request's `model` (absent: the served one). Errors: [`ApiError::ModelNotFound`].
+    pub fn check_name(&self, requested: Option<&str>) -> Result<(), ApiError> {
+        match requested {
+            Some(name) if !self.answers_to(name) => {
+                Err(ApiError::ModelNotFound { requested: name.to_owned(), served: self.id.clone() })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The grammar compiler of this model (built on first use: a token trie over the whole vocabulary).
     ///
     /// Errors: 500 when llguidance refuses the vocabulary.
@@ -88,6 +108,8 @@ pub struct AppState {
     /// Set to true when the shutdown grace period (`shutdown_grace_s`) ends: open generations end with an error
     /// (an error event and `[DONE]` in a stream), requests still waiting get 503.
     pub cut_off: watch::Sender<bool>,
+    /// Seals reasoning returned to clients so that replayed history can be read back.
+    pub seal: crate::seal::ReasoningSeal,
 }
 
 impl AppState {
@@ -100,7 +122,13 @@ impl AppState {
             Some(path) => Some(read_profile(path)?),
         };
         let limit = ConcurrencyLimit::new(config.max_concurrent_requests, config.max_waiting_requests);
+        let seal = match &config.reasoning_seal_key {
+            Some(key) => crate::seal::ReasoningSeal::from_hex(key)
+                .map_err(|e| ServeError::Config(crate::config::ConfigError(format!("reasoning_seal_key: {e}"))))?,
+            None => crate::seal::ReasoningSeal::random(),
+        };
         Ok(Self {
+            seal,
             config,
             load: watch::Sender::new(LoadState::Loading("starting")),
             metrics: Arc::new(Metrics::new()),
@@ -229,6 +257,8 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
     Ok(ServedModel {
         engine,
         id,
+        aliases: config.model_aliases.clone(),
+        serve_any_model: config.serve_any_model,
         created: unix_now(),
         template,
         specials,

@@ -1,6 +1,7 @@
 """Starts `nebula serve` on free loopback ports with the embedded demo model for the SDK tests: `server` with the
 default settings, `strict_server` with an API key, a 64 KiB body limit and one request at a time (no waiting), for
-the 401, 413 and 429 cases.
+the 401, 413 and 429 cases, `agent_server` with an API key and `serve_any_model` (coding agents send their own
+model names), `alias_server` with `model_aliases`.
 
 The binary is `$NEBULA_BIN` if set, else `target/release/nebula` (scripts/test_sdk.sh builds it).
 """
@@ -97,3 +98,23 @@ def strict_server():
             "NEBULA_MAX_WAITING_REQUESTS": "0",
         },
     )
+
+
+AGENT_KEY = "agent-test-key"
+ALIASES = ["claude-opus-4-1-20250805", "gpt-5-codex"]
+
+
+@pytest.fixture(scope="session")
+def agent_server():
+    """A server as coding agents meet it: API key `AGENT_KEY` (Bearer or x-api-key) and `serve_any_model`, so
+    that the agents' own model names are answered. Its context (2560 tokens) bounds how long the demo model may
+    write on the agents' unfamiliar prompts."""
+    yield from _run_server(
+        "agent-server", {"NEBULA_API_KEY": AGENT_KEY, "NEBULA_SERVE_ANY_MODEL": "true", "NEBULA_MAX_CONTEXT": "2560"}
+    )
+
+
+@pytest.fixture(scope="session")
+def alias_server():
+    """A server answering to the model names in `ALIASES` besides its own id (and to no others)."""
+    yield from _run_server("alias-server", {"NEBULA_MODEL_ALIASES": json.dumps(ALIASES)})

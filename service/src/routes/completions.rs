@@ -51,11 +51,7 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let model = state.model()?;
-    if let Some(requested) = &req.model
-        && requested != &model.id
-    {
-        return Err(ApiError::ModelNotFound { requested: requested.clone(), served: model.id.clone() });
-    }
+    model.check_name(req.model.as_deref())?;
     let one_only = |n: usize| {
         ApiError::invalid(
             format!("`prompt` must be one prompt; got a list of {n} (send one request per prompt)."),

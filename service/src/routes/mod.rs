@@ -3,8 +3,11 @@
 pub mod chat;
 pub mod completions;
 pub mod health;
+pub mod messages;
 pub mod models;
 pub mod placement;
+pub mod responses;
+pub mod tokenize;
 
 use axum::http::{Method, Uri};
 

@@ -1,4 +1,4 @@
-//! `GET /v1/models`: the one served model with its context limit, prefill chunk, modalities and the hardware
+//! `GET /v1/models`: the one served model (and a card per alias) with its context limit, prefill chunk, modalities and the hardware
 //! profile.
 
 use std::sync::Arc;
@@ -17,7 +17,11 @@ use crate::state::{AppState, ServedModel};
               (status = 503, description = "The model is loading", body = ErrorBody)))]
 pub async fn list_models(State(state): State<Arc<AppState>>) -> Result<Json<ModelList>, ApiError> {
     let model = state.model()?;
-    Ok(Json(ModelList { object: "list", data: vec![card(&state, &model)] }))
+    let mut data = vec![card(&state, &model)];
+    for alias in &model.aliases {
+        data.push(ModelCard { id: alias.clone(), ..card(&state, &model) });
+    }
+    Ok(Json(ModelList { object: "list", data }))
 }
 
 /// `GET /v1/models/{model}`: the served model's card, 404 for any other id.
@@ -32,10 +36,10 @@ pub async fn retrieve_model(
     Path(id): Path<String>,
 ) -> Result<Json<ModelCard>, ApiError> {
     let model = state.model()?;
-    if id != model.id {
+    if !model.answers_to(&id) {
         return Err(ApiError::ModelNotFound { requested: id, served: model.id.clone() });
     }
-    Ok(Json(card(&state, &model)))
+    Ok(Json(ModelCard { id, ..card(&state, &model) }))
 }
 
 fn card(state: &AppState, model: &ServedModel) -> ModelCard {
