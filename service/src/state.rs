@@ -147,6 +147,8 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
             max_entries: config.prefix_cache.max_entries,
             max_bytes: config.prefix_cache.max_mib.saturating_mul(1 << 20),
             interval: config.prefix_cache.interval.max(1),
+            disk_dir: config.prefix_cache.dir.clone(),
+            disk_max_bytes: config.prefix_cache.disk_max_bytes(),
         },
         placement,
         mtp: config.mtp.enabled,

@@ -13,6 +13,8 @@
 //! checkpoints. A new request forks a fresh state from an entry ([`crate::model::Qwen4Exp::fork_state`]), so the
 //! entry stays usable; entries are evicted least recently used first, by count and by bytes.
 
+pub mod disk;
+
 use crate::model::{SequenceState, Snapshot};
 
 /// Settings of the prefix cache.
@@ -24,12 +26,16 @@ pub struct PrefixCacheOptions {
     pub max_bytes: usize,
     /// A checkpoint every this many tokens inside a long prompt or answer, besides turn boundaries.
     pub interval: usize,
+    /// Directory of the on-disk prefix cache ([`disk::DiskCache`]); `None`: no disk cache.
+    pub disk_dir: Option<std::path::PathBuf>,
+    /// Most bytes the on-disk cache keeps in `disk_dir`, all entries together (every model's sharing it).
+    pub disk_max_bytes: u64,
 }
 
 impl Default for PrefixCacheOptions {
-    /// 8 sequences, 2 GiB, a checkpoint every 1024 tokens.
+    /// 8 sequences, 2 GiB, a checkpoint every 1024 tokens; no disk cache.
     fn default() -> Self {
-        Self { max_entries: 8, max_bytes: 2 << 30, interval: 1024 }
+        Self { max_entries: 8, max_bytes: 2 << 30, interval: 1024, disk_dir: None, disk_max_bytes: 0 }
     }
 }
 
@@ -202,7 +208,7 @@ mod tests {
     #[test]
     fn limits_thin_checkpoints_and_evict_the_least_recently_used() {
         // Each entry: 1 KiB of state + 1 KiB per checkpoint.
-        let opts = PrefixCacheOptions { max_entries: 2, max_bytes: 8 * 1024, interval: 4 };
+        let opts = PrefixCacheOptions { max_entries: 2, max_bytes: 8 * 1024, interval: 4, ..Default::default() };
         let mut cache = PrefixCache::new(opts);
         cache.insert(entry(&[1; 10], &[1, 2, 3, 4, 5, 6, 7, 8]));
         let kept: Vec<usize> = cache.entries[0].checkpoints.iter().map(|c| c.snapshot.pos()).collect();
