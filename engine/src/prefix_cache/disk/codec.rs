@@ -23,8 +23,8 @@
 //! length against the prelude, both checksums, every tag and count (an array never claims more bytes than are
 //! left), and the decoded entry against the model's state shapes ([`ModelIdentity`]): layer kinds, recurrent,
 //! PLE and MTP sizes, attention caches of exactly `pos` tokens, checkpoints at or before the state's end and
-//! shaped like it. A byte string that is not a valid entry gives a [`CodecError`], never a panic, and memory
-//! allocated while decoding never exceeds the input's length.
+//! shaped like it. A byte string that is not a valid entry gives a [`CodecError`], never a panic; arrays are
+//! allocated only for bytes that are there, so memory follows the input's length, never a count it claims.
 
 use std::io::{self, Read, Write};
 
@@ -507,7 +507,7 @@ fn read_header_after(r: &mut impl Read, prelude: &Prelude, file_bytes: u64) -> R
     s.fill(&mut id)?;
     let tokens = s.u32s("tokens")?;
     let n = s.count("checkpoints", 9)?;
-    let mut checkpoints = Vec::with_capacity(n);
+    let mut checkpoints = Vec::new();
     for _ in 0..n {
         let pos = s.usize("checkpoint position")?;
         let has_logits = s.flag("checkpoint logits")?;
@@ -559,7 +559,11 @@ pub fn decode(mut r: impl Read, file_bytes: u64, identity: &ModelIdentity) -> Re
     let pos = s.usize("state position")?;
     let max_len = s.usize("state max_len")?;
     let n_layers = s.count("layers", 1)?;
-    let mut layers = Vec::with_capacity(n_layers);
+    let model_layers = identity.shape.layers.len();
+    if n_layers != model_layers {
+        return Err(malformed(format!("{n_layers} layer states, the model has {model_layers}")));
+    }
+    let mut layers = Vec::new();
     for _ in 0..n_layers {
         layers.push(match s.u8()? {
             0 => LayerState::LinearAttention(s.gdn()?),
@@ -583,11 +587,15 @@ pub fn decode(mut r: impl Read, file_bytes: u64, identity: &ModelIdentity) -> Re
         None
     };
     let state = SequenceState { pos, max_len, layers, ple, mtp };
-    let mut checkpoints = Vec::with_capacity(header.checkpoints.len());
+    // No capacity reserved from counts read: what is allocated follows the bytes actually parsed.
+    let mut checkpoints = Vec::new();
     for info in &header.checkpoints {
         let pos = s.usize("checkpoint position")?;
         let n = s.count("checkpoint layers", 1)?;
-        let mut recurrent = Vec::with_capacity(n);
+        if n != model_layers {
+            return Err(malformed(format!("a checkpoint of {n} layers, the model has {model_layers}")));
+        }
+        let mut recurrent = Vec::new();
         for _ in 0..n {
             recurrent.push(if s.flag("checkpoint layer")? { Some(s.gdn()?) } else { None });
         }
