@@ -159,6 +159,14 @@ fn prefix_cache_resumes_exactly() {
     assert!(engine.stats().prefix_hits.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
 
+/// The on-disk prompt cache on the CPU: a restart resumes an exact repeat from disk and answers as a cold run
+/// ([`nebula_tests::check_disk_cache_restart`]).
+#[test]
+fn disk_cache_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    nebula_tests::check_disk_cache_restart(EngineOptions::default(), dir.path());
+}
+
 /// Log-probabilities come with each token when asked for, the chosen (greedy) token first among the top ones.
 #[test]
 fn logprobs_come_with_tokens() {

@@ -826,3 +826,25 @@ fn the_prefix_cache_resumes_on_the_gpu_and_hybrid() {
         }
     }
 }
+
+/// The on-disk prompt cache on the GPU (all-GPU and hybrid): a restart resumes an exact repeat from the host
+/// images on disk and answers as a cold run ([`nebula_tests::check_disk_cache_restart`]).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn the_disk_cache_survives_a_restart_on_the_gpu() {
+    use nebula_engine::backend::BackendKind;
+    use nebula_engine::placement::PlacementOptions;
+    use nebula_engine::worker::EngineOptions;
+    let path = nebula_tests::repo_root().join("models/nebula-demo.gguf");
+    let n_expert = Qwen4Exp::load(&path).unwrap().config.n_expert;
+    let hybrid = PlacementOptions { gpu_experts: n_expert / 2, lock_memory: false, ..Default::default() };
+    for placement in [None, Some(hybrid)] {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = EngineOptions {
+            backend: BackendKind::Cuda { device: 0, vram_budget: None },
+            placement,
+            ..Default::default()
+        };
+        nebula_tests::check_disk_cache_restart(opts, dir.path());
+    }
+}

@@ -167,3 +167,38 @@ pub fn check_prefix_cache(engine: &nebula_engine::worker::Engine) -> Vec<usize> 
     cached.push(usage.cached_tokens);
     cached
 }
+
+/// The on-disk prompt cache across a restart, on the demo model with `opts` (backend, placement): a first engine
+/// answers a chat and writes it to `dir`; a second engine on the same directory resumes an exact repeat of the
+/// chat from disk (every prompt token cached, counted as disk hits) and answers as a cold run does.
+///
+/// Panics: any of these fails.
+pub fn check_disk_cache_restart(opts: nebula_engine::worker::EngineOptions, dir: &std::path::Path) {
+    use nebula_engine::worker::{Engine, GenerateRequest};
+    use std::sync::atomic::Ordering::Relaxed;
+    let path = repo_root().join("models/nebula-demo.gguf");
+    let mut opts = opts;
+    opts.prefix_cache.disk_dir = Some(dir.to_path_buf());
+    opts.prefix_cache.disk_max_bytes = 1 << 30;
+    let messages = serde_json::json!([{"role": "user", "content": "Hello!"}]);
+    let (prompt, first) = {
+        let engine = Engine::load(&path, opts.clone()).expect("the demo model loads");
+        let prompt = chat_prompt(&engine, messages.clone());
+        let (out, _, _) = run_request(&engine, GenerateRequest::new(prompt.clone(), 40));
+        // The write runs on its own thread: wait for it (bounded) before the engine goes.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while engine.stats().disk_writes.load(Relaxed) == 0 {
+            assert!(std::time::Instant::now() < deadline, "the finished chat was not written to disk");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        (prompt, out)
+    };
+    let engine = Engine::load(&path, opts).expect("the demo model loads again");
+    let (again, _, usage) = run_request(&engine, GenerateRequest::new(prompt.clone(), 40));
+    assert_eq!(usage.cached_tokens, prompt.len(), "the repeat after a restart resumed from disk");
+    assert!(engine.stats().disk_hits.load(Relaxed) >= prompt.len());
+    assert_eq!(again, first, "the answer resumed from disk equals the first run's");
+    let mut cold = GenerateRequest::new(prompt, 40);
+    cold.use_prefix_cache = false;
+    assert_eq!(run_request(&engine, cold).0, first, "and a cold run's");
+}

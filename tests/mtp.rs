@@ -319,8 +319,11 @@ macro_rules! delegate_cpu_state {
         fn spill_state(&self, state: &SequenceState) -> Result<SequenceState, BackendError> {
             Backend::spill_state(self.$inner, state)
         }
-        fn spill_snapshot(&self, snap: &Snapshot) -> Result<Snapshot, BackendError> {
-            Backend::spill_snapshot(self.$inner, snap)
+        fn snapshot_image(&self, snap: &Snapshot) -> Result<Snapshot, BackendError> {
+            Backend::snapshot_image(self.$inner, snap)
+        }
+        fn snapshot_from_image(&self, image: Snapshot) -> Snapshot {
+            image
         }
         fn placement_stats(&self) -> Option<std::sync::Arc<nebula_engine::placement::PlacementStats>> {
             Backend::placement_stats(self.$inner)

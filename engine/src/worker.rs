@@ -28,6 +28,7 @@ use crate::backend::{Backend, BackendKind, Loaded};
 use crate::gguf::GgufFile;
 use crate::model::{LoadOptions, LogitsFor, ModelConfig, ModelError, Qwen4Exp};
 use crate::placement::{PlacementOptions, PlacementReport, PlacementStats};
+use crate::prefix_cache::disk::{DiskCache, HostEntry, ModelIdentity};
 use crate::prefix_cache::{CacheEntry, Checkpoint, PrefixCache, PrefixCacheOptions};
 use crate::sampling::{Sampler, SamplingParams, TokenConstraint, TokenLogprobs, logprobs_of};
 use crate::speculative::decoder::{DecodeError, Flow, SpeculativeDecoder, SpeculativeOptions, TokenSink};
@@ -304,6 +305,10 @@ pub struct EngineStats {
     pub cache_device_bytes: AtomicUsize,
     /// Prefix-cache entries moved from VRAM to host memory since start.
     pub cache_spills: AtomicUsize,
+    /// Prompt tokens resumed from entries read back from the on-disk prompt cache.
+    pub disk_hits: AtomicUsize,
+    /// Entries written to the on-disk prompt cache.
+    pub disk_writes: AtomicUsize,
     /// MTP speculative decoding.
     pub speculative: SpecStats,
 }
@@ -392,6 +397,7 @@ impl Engine {
         let placement_stats = model.placement_stats();
         let config = model.config.clone();
         let mtp = model.mtp().is_some();
+        let disk = open_disk_cache(&model, &opts);
         // The one place the backend is chosen; a placed model on CUDA runs hybrid.
         let backend = Loaded::new(Arc::new(model), opts.backend, &opts.cuda_tuning)
             .map_err(|source| LoadError::Backend { path: shown.clone(), source })?;
@@ -419,8 +425,10 @@ impl Engine {
         let cache_opts = opts.prefix_cache.clone();
         let spawn = std::thread::Builder::new().name("nebula-engine".into());
         match backend {
-            Loaded::Cpu(m) => spawn.spawn(move || Worker::new(m, rules, cache_opts).run(rx)),
-            Loaded::Cuda(m) => spawn.spawn(move || Worker::<CudaModel>::new(Arc::from(m), rules, cache_opts).run(rx)),
+            Loaded::Cpu(m) => spawn.spawn(move || Worker::new(m, rules, cache_opts, disk).run(rx)),
+            Loaded::Cuda(m) => {
+                spawn.spawn(move || Worker::<CudaModel>::new(Arc::from(m), rules, cache_opts, disk).run(rx))
+            }
         }
         .expect("spawning the engine thread");
         Ok(Self {
@@ -617,16 +625,120 @@ struct WorkerRules {
     stats: Arc<EngineStats>,
 }
 
+/// The on-disk prompt cache of `opts` (`prefix_cache.disk_dir`) for `model`, keyed by the model file's identity
+/// and the backend whose state layout its entries hold; `None` when it is off or cannot be opened (warned).
+fn open_disk_cache(model: &Qwen4Exp, opts: &EngineOptions) -> Option<Arc<DiskCache>> {
+    let dir = opts.prefix_cache.disk_dir.as_ref()?;
+    // GPU states are kept as images of their device buffers: only the same backend reads them back.
+    let layout = match opts.backend {
+        BackendKind::Cpu => "cpu",
+        BackendKind::Cuda { .. } => "cuda",
+    };
+    let identity = ModelIdentity::of(model).with_tag(layout);
+    match DiskCache::open(dir, opts.prefix_cache.disk_max_bytes, identity) {
+        Ok(disk) => {
+            tracing::info!(dir = %dir.display(), entries = disk.len(), bytes = disk.bytes(), "on-disk prompt cache");
+            Some(Arc::new(disk))
+        }
+        Err(e) => {
+            tracing::warn!("on-disk prompt cache off: {e}");
+            None
+        }
+    }
+}
+
+/// Writes finished sequences to the on-disk prompt cache on a thread of its own, one at a time; the worker
+/// skips a sequence while a write is in flight rather than wait.
+struct DiskWriter {
+    disk: Arc<DiskCache>,
+    tx: std::sync::mpsc::SyncSender<HostEntry>,
+    busy: Arc<AtomicBool>,
+}
+
+impl DiskWriter {
+    fn start(disk: Arc<DiskCache>, stats: Arc<EngineStats>) -> Self {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<HostEntry>(1);
+        let busy = Arc::new(AtomicBool::new(false));
+        let (d, b) = (disk.clone(), busy.clone());
+        std::thread::Builder::new()
+            .name("nebula-disk-cache".into())
+            .spawn(move || {
+                for e in rx {
+                    match d.store(&e.tokens, &e.state, &e.checkpoints) {
+                        Ok(crate::prefix_cache::disk::Stored::Written { .. }) => {
+                            stats.disk_writes.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(other) => tracing::debug!("on-disk prompt cache: not written: {other:?}"),
+                        Err(err) => tracing::warn!("on-disk prompt cache: {err}"),
+                    }
+                    b.store(false, Ordering::SeqCst);
+                }
+            })
+            .expect("spawning the disk-cache writer");
+        Self { disk, tx, busy }
+    }
+}
+
 /// The worker thread's side: the backend, the prefix cache of its sequences, and the one generation loop.
 struct Worker<B: Backend> {
     backend: Arc<B>,
     rules: WorkerRules,
     cache: PrefixCache<B>,
+    disk: Option<DiskWriter>,
 }
 
 impl<B: Backend> Worker<B> {
-    fn new(backend: Arc<B>, rules: WorkerRules, cache: PrefixCacheOptions) -> Self {
-        Self { backend, rules, cache: PrefixCache::new(cache) }
+    fn new(backend: Arc<B>, rules: WorkerRules, cache: PrefixCacheOptions, disk: Option<Arc<DiskCache>>) -> Self {
+        let disk = disk.map(|d| DiskWriter::start(d, rules.stats.clone()));
+        Self { backend, rules, cache: PrefixCache::new(cache), disk }
+    }
+
+    /// Reads the on-disk entry that covers more of `prompt` than the in-memory cache does into the in-memory
+    /// cache (in host memory; a request resuming from it copies it to the backend).
+    fn promote_from_disk(&mut self, prompt: &[u32]) {
+        let Some(writer) = &self.disk else { return };
+        let covered = self.cache.covered(prompt);
+        let Some(hit) = writer.disk.lookup(prompt).filter(|h| h.pos > covered) else { return };
+        let Some(loaded) = writer.disk.load(&hit) else { return };
+        let HostEntry { tokens, state, checkpoints } = loaded.entry;
+        let backend = &*self.backend;
+        let checkpoints = checkpoints
+            .into_iter()
+            .map(|c| {
+                let image = Arc::try_unwrap(c.snapshot).unwrap_or_else(|shared| (*shared).clone());
+                Checkpoint::new(backend.snapshot_from_image(image), c.logits)
+            })
+            .collect();
+        let state_held = crate::backend::HeldBytes { device: 0, host: state.bytes() };
+        self.cache.insert(CacheEntry { tokens, state: crate::backend::Kept::Host(state), checkpoints, state_held });
+        self.rules.stats.disk_hits.fetch_add(hit.pos, Ordering::Relaxed);
+    }
+
+    /// Hands a host copy of a finished sequence to the disk writer, unless a write is still in flight.
+    fn write_to_disk(&self, tokens: &[u32], state: &B::State, checkpoints: &[Checkpoint<B::Snapshot>]) {
+        let Some(writer) = &self.disk else { return };
+        if writer.busy.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let backend = &*self.backend;
+        let entry = (|| -> Result<HostEntry, crate::backend::BackendError> {
+            let checkpoints = checkpoints
+                .iter()
+                .map(|c| Ok(Checkpoint::new(backend.snapshot_image(&c.snapshot)?, c.logits.clone())))
+                .collect::<Result<Vec<_>, crate::backend::BackendError>>()?;
+            Ok(HostEntry { tokens: tokens.to_vec(), state: backend.spill_state(state)?, checkpoints })
+        })();
+        match entry {
+            Ok(e) => {
+                if writer.tx.try_send(e).is_err() {
+                    writer.busy.store(false, Ordering::SeqCst);
+                }
+            }
+            Err(e) => {
+                tracing::warn!("on-disk prompt cache: copying the sequence failed: {e}");
+                writer.busy.store(false, Ordering::SeqCst);
+            }
+        }
     }
 
     fn run(mut self, rx: std::sync::mpsc::Receiver<Job>) {
@@ -685,6 +797,9 @@ impl<B: Backend> Worker<B> {
         drafting: bool,
         use_cache: bool,
     ) -> Result<(B::State, Vec<f32>, Vec<Checkpoint<B::Snapshot>>), crate::backend::BackendError> {
+        if use_cache {
+            self.promote_from_disk(prompt);
+        }
         let backend = &*self.backend;
         if use_cache {
             self.rules.stats.prefix_queries.fetch_add(prompt.len(), Ordering::Relaxed);
@@ -822,6 +937,7 @@ impl<B: Backend> Worker<B> {
             }
             let mut tokens = prompt.clone();
             tokens.extend_from_slice(&output[..end - prompt.len()]);
+            self.write_to_disk(&tokens, &state, &checkpoints);
             self.cache.insert(CacheEntry::new(&*backend, tokens, state, checkpoints));
             self.cache.fit_device_budget(&backend);
         }

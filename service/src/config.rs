@@ -192,7 +192,7 @@ impl Default for GenerationDefaults {
 }
 
 /// Prefix cache limits (`[prefix_cache]`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PrefixCacheConfig {
     /// Sequences kept (0: off).
@@ -205,11 +205,22 @@ pub struct PrefixCacheConfig {
     pub device_mib: Option<usize>,
     /// A checkpoint every this many tokens inside long prompts and answers (besides turn boundaries).
     pub interval: usize,
+    /// Directory of the on-disk prefix cache (created if missing); `None`: no disk cache.
+    pub dir: Option<PathBuf>,
+    /// Most GiB the on-disk cache keeps in `dir` (all entries together).
+    pub disk_max_gib: f64,
 }
 
 impl Default for PrefixCacheConfig {
     fn default() -> Self {
-        Self { max_entries: 8, max_mib: 2048, device_mib: None, interval: 1024 }
+        Self { max_entries: 8, max_mib: 2048, device_mib: None, interval: 1024, dir: None, disk_max_gib: 64.0 }
+    }
+}
+
+impl PrefixCacheConfig {
+    /// `disk_max_gib` in bytes (saturating).
+    pub fn disk_max_bytes(&self) -> u64 {
+        (self.disk_max_gib * (1u64 << 30) as f64) as u64
     }
 }
 
@@ -454,6 +465,13 @@ impl ServerConfig {
         if !["cpu", "cuda"].contains(&self.backend.as_str()) {
             return Err(ConfigError(format!("backend must be cpu or cuda, got {:?}", self.backend)));
         }
+        let gib = self.prefix_cache.disk_max_gib;
+        if !(gib.is_finite() && gib > 0.0) {
+            return Err(ConfigError(format!("prefix_cache.disk_max_gib must be a positive number of GiB, got {gib}")));
+        }
+        if self.prefix_cache.dir.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
+            return Err(ConfigError("prefix_cache.dir is empty; leave it unset for no disk cache".into()));
+        }
         self.placement.validate().map_err(ConfigError)?;
         Ok(())
     }
@@ -555,6 +573,16 @@ mod tests {
             assert_eq!(c.model, ModelSource::File("/models/x.gguf".into()));
             let c = ServerConfig::resolve(&ServeArgs { port: Some(1), ..Default::default() }).unwrap();
             assert_eq!(c.port, 1);
+            assert_eq!(c.prefix_cache.dir, None, "no disk cache unless asked");
+            jail.set_env("NEBULA_PREFIX_CACHE__DIR", "/var/cache/nebula");
+            jail.set_env("NEBULA_PREFIX_CACHE__DISK_MAX_GIB", "0.5");
+            let c = ServerConfig::resolve(&ServeArgs::default()).unwrap();
+            assert_eq!(c.prefix_cache.dir.as_deref(), Some(std::path::Path::new("/var/cache/nebula")));
+            assert_eq!(c.prefix_cache.disk_max_bytes(), 512 << 20);
+            jail.set_env("NEBULA_PREFIX_CACHE__DISK_MAX_GIB", "-1");
+            let err = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
+            assert!(err.contains("prefix_cache.disk_max_gib"), "{err}");
+            jail.set_env("NEBULA_PREFIX_CACHE__DISK_MAX_GIB", "64");
             jail.set_env("NEBULA_PORT", "not-a-port");
             let err = ServerConfig::resolve(&ServeArgs::default()).unwrap_err().to_string();
             assert!(err.contains("`NEBULA_PORT`"), "the variable is named as it is set: {err}");

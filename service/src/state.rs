@@ -202,6 +202,8 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
                 .unwrap_or(1024)
                 .saturating_mul(1 << 20),
             interval: config.prefix_cache.interval.max(1),
+            disk_dir: config.prefix_cache.dir.clone(),
+            disk_max_bytes: config.prefix_cache.disk_max_bytes(),
         },
         placement,
         mtp: config.mtp.enabled,

@@ -65,8 +65,12 @@ impl Backend for Qwen4Exp {
         Ok(state.clone())
     }
 
-    fn spill_snapshot(&self, snap: &Snapshot) -> Result<Snapshot, BackendError> {
+    fn snapshot_image(&self, snap: &Snapshot) -> Result<Snapshot, BackendError> {
         Ok(snap.clone())
+    }
+
+    fn snapshot_from_image(&self, image: Snapshot) -> Snapshot {
+        image
     }
 
     fn can_draft(&self, state: &SequenceState) -> bool {

@@ -226,10 +226,20 @@ pub trait Backend {
     /// Errors: a device copy failed.
     fn spill_state(&self, state: &Self::State) -> Result<SequenceState, BackendError>;
 
+    /// A host image of `snap` in [`crate::model::Snapshot`]'s fields (what the disk cache writes).
+    ///
+    /// Errors: a device copy failed.
+    fn snapshot_image(&self, snap: &Self::Snapshot) -> Result<crate::model::Snapshot, BackendError>;
+
+    /// A snapshot held in host memory, made from an image [`Backend::snapshot_image`] gave (on disk since).
+    fn snapshot_from_image(&self, image: crate::model::Snapshot) -> Self::Snapshot;
+
     /// A copy of `snap` that holds everything in host memory.
     ///
     /// Errors: a device copy failed.
-    fn spill_snapshot(&self, snap: &Self::Snapshot) -> Result<Self::Snapshot, BackendError>;
+    fn spill_snapshot(&self, snap: &Self::Snapshot) -> Result<Self::Snapshot, BackendError> {
+        Ok(self.snapshot_from_image(self.snapshot_image(snap)?))
+    }
 
     /// Whether the drafter can propose after this state now (MTP loaded and aligned, a token consumed).
     fn can_draft(&self, state: &Self::State) -> bool;

@@ -11,6 +11,12 @@ use super::mtp::MtpState;
 use super::ple::PleState;
 use super::self_attn::AttnState;
 
+/// Version of what [`SequenceState`] and [`Snapshot`] hold and mean (which parts, their shapes and the math that
+/// fills them). States saved by one version are never resumed by another: the on-disk prefix cache
+/// ([`crate::prefix_cache::disk`]) mixes it into the model identity its entries are keyed by. Bump it whenever a
+/// change makes a state written before it unfit to resume (a new part, a new shape, a changed recurrence).
+pub const STATE_LAYOUT_VERSION: u32 = 1;
+
 /// The state of one decoder layer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum LayerState {

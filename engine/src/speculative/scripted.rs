@@ -138,8 +138,12 @@ impl<M: Backend> Backend for ScriptedDrafter<'_, M> {
         self.inner.spill_state(state)
     }
 
-    fn spill_snapshot(&self, snap: &M::Snapshot) -> Result<M::Snapshot, BackendError> {
-        self.inner.spill_snapshot(snap)
+    fn snapshot_image(&self, snap: &M::Snapshot) -> Result<crate::model::Snapshot, BackendError> {
+        self.inner.snapshot_image(snap)
+    }
+
+    fn snapshot_from_image(&self, image: crate::model::Snapshot) -> M::Snapshot {
+        self.inner.snapshot_from_image(image)
     }
 
     fn placement_stats(&self) -> Option<std::sync::Arc<PlacementStats>> {

@@ -92,8 +92,12 @@ impl Backend for CudaModel {
         Ok(self.state_image(state)?)
     }
 
-    fn spill_snapshot(&self, snap: &CudaSnapshot) -> Result<CudaSnapshot, BackendError> {
-        Ok(self.spill_snapshot_to_host(snap)?)
+    fn snapshot_image(&self, snap: &CudaSnapshot) -> Result<crate::model::Snapshot, BackendError> {
+        Ok(self.snapshot_to_host(snap)?)
+    }
+
+    fn snapshot_from_image(&self, image: crate::model::Snapshot) -> CudaSnapshot {
+        CudaSnapshot::from_image(image)
     }
 
     fn can_draft(&self, state: &CudaState) -> bool {

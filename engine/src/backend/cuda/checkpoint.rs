@@ -48,6 +48,12 @@ struct DeviceSnapshot {
 }
 
 impl CudaSnapshot {
+    /// A snapshot held in host memory, from an image [`CudaModel::snapshot_to_host`] made (for example one
+    /// read back from the disk cache).
+    pub fn from_image(image: Snapshot) -> Self {
+        Self { pos: image.pos, held: SnapshotHeld::Host(image) }
+    }
+
     /// Tokens consumed when it was taken.
     pub fn pos(&self) -> usize {
         self.pos
@@ -180,12 +186,12 @@ impl CudaModel {
         Ok(CudaSnapshot { pos: st.pos, held: SnapshotHeld::Device(DeviceSnapshot { gdn, ple_context, ple_conv, mtp }) })
     }
 
-    /// A copy of `snap` held in host memory (synchronises the stream).
+    /// A host image of `snap` (synchronises the stream when it is in VRAM).
     ///
     /// Errors: a device copy failed.
-    pub fn spill_snapshot_to_host(&self, snap: &CudaSnapshot) -> Result<CudaSnapshot, CudaError> {
+    pub fn snapshot_to_host(&self, snap: &CudaSnapshot) -> Result<Snapshot, CudaError> {
         let d = match &snap.held {
-            SnapshotHeld::Host(h) => return Ok(CudaSnapshot { pos: snap.pos, held: SnapshotHeld::Host(h.clone()) }),
+            SnapshotHeld::Host(h) => return Ok(h.clone()),
             SnapshotHeld::Device(d) => d,
         };
         let mut recurrent = Vec::with_capacity(d.gdn.len());
@@ -202,10 +208,7 @@ impl CudaModel {
             None => None,
         };
         let mtp_bank = d.mtp.as_ref().map(|(b, _)| self.download(b, b.len())).transpose()?;
-        Ok(CudaSnapshot {
-            pos: snap.pos,
-            held: SnapshotHeld::Host(Snapshot { pos: snap.pos, recurrent, ple, mtp_bank }),
-        })
+        Ok(Snapshot { pos: snap.pos, recurrent, ple, mtp_bank })
     }
 
     /// Writes `snap`'s recurrent, PLE and MTP-bank parts into `st` (whose attention caches already hold the

@@ -17,6 +17,8 @@
 //! are spilled to host memory ([`Backend::spill_state`], [`Backend::spill_snapshot`]) and copied back when a
 //! request resumes from them, never recomputed.
 
+pub mod disk;
+
 use crate::backend::{Backend, BackendSnapshot, HeldBytes, Kept};
 
 /// Settings of the prefix cache.
@@ -32,12 +34,23 @@ pub struct PrefixCacheOptions {
     pub device_bytes: usize,
     /// A checkpoint every this many tokens inside a long prompt or answer, besides turn boundaries.
     pub interval: usize,
+    /// Directory of the on-disk prefix cache ([`disk::DiskCache`]); `None`: no disk cache.
+    pub disk_dir: Option<std::path::PathBuf>,
+    /// Most bytes the on-disk cache keeps in `disk_dir`, all entries together (every model's sharing it).
+    pub disk_max_bytes: u64,
 }
 
 impl Default for PrefixCacheOptions {
-    /// 8 sequences, 2 GiB of host memory, 1 GiB of VRAM, a checkpoint every 1024 tokens.
+    /// 8 sequences, 2 GiB of host memory, 1 GiB of VRAM, a checkpoint every 1024 tokens; no disk cache.
     fn default() -> Self {
-        Self { max_entries: 8, max_bytes: 2 << 30, device_bytes: 1 << 30, interval: 1024 }
+        Self {
+            max_entries: 8,
+            max_bytes: 2 << 30,
+            device_bytes: 1 << 30,
+            interval: 1024,
+            disk_dir: None,
+            disk_max_bytes: 0,
+        }
     }
 }
 
@@ -47,6 +60,12 @@ pub struct Checkpoint<S> {
     pub snapshot: std::sync::Arc<S>,
     /// The logits after the last of those tokens, when kept (end of a prompt): resuming here needs no forward.
     pub logits: Option<Vec<f32>>,
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for Checkpoint<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint").field("snapshot", &self.snapshot).field("logits", &self.logits.is_some()).finish()
+    }
 }
 
 impl<S> Clone for Checkpoint<S> {
@@ -177,7 +196,21 @@ impl<B: Backend> PrefixCache<B> {
     /// The checkpoint that covers the most of `prompt`: its tokens are a prefix of `prompt`, and it is either
     /// shorter than the prompt or the whole prompt with logits kept. Marks the entry as recently used.
     pub fn lookup(&mut self, prompt: &[u32]) -> Option<CacheHit<'_, B>> {
-        let mut best: Option<(usize, usize, usize)> = None; // (covered, entry, checkpoint)
+        let (_, e, c) = self.best(prompt)?;
+        let entry = self.entries.remove(e);
+        self.entries.push(entry);
+        let entry = self.entries.last()?;
+        Some(CacheHit { entry, checkpoint: &entry.checkpoints[c] })
+    }
+
+    /// Prompt tokens the best checkpoint for `prompt` covers (0 without one); marks nothing as used.
+    pub fn covered(&self, prompt: &[u32]) -> usize {
+        self.best(prompt).map_or(0, |(pos, _, _)| pos)
+    }
+
+    /// (covered tokens, entry, checkpoint) of the best usable checkpoint for `prompt`.
+    fn best(&self, prompt: &[u32]) -> Option<(usize, usize, usize)> {
+        let mut best: Option<(usize, usize, usize)> = None;
         for (e, entry) in self.entries.iter().enumerate() {
             let common = entry.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
             for (c, cp) in entry.checkpoints.iter().enumerate() {
@@ -188,11 +221,7 @@ impl<B: Backend> PrefixCache<B> {
                 }
             }
         }
-        let (_, e, c) = best?;
-        let entry = self.entries.remove(e);
-        self.entries.push(entry);
-        let entry = self.entries.last()?;
-        Some(CacheHit { entry, checkpoint: &entry.checkpoints[c] })
+        best
     }
 
     /// Keeps a finished sequence. Its checkpoints are thinned when it would take more than half the budget
@@ -290,7 +319,13 @@ mod tests {
     #[test]
     fn limits_thin_checkpoints_and_evict_the_least_recently_used() {
         // Each entry: 1 KiB of state + 1 KiB per checkpoint.
-        let opts = PrefixCacheOptions { max_entries: 2, max_bytes: 8 * 1024, device_bytes: 0, interval: 4 };
+        let opts = PrefixCacheOptions {
+            max_entries: 2,
+            max_bytes: 8 * 1024,
+            device_bytes: 0,
+            interval: 4,
+            ..Default::default()
+        };
         let mut cache = PrefixCache::new(opts);
         cache.insert(entry(&[1; 10], &[1, 2, 3, 4, 5, 6, 7, 8]));
         let kept: Vec<usize> = cache.entries[0].checkpoints.iter().map(|c| c.pos()).collect();
