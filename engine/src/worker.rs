@@ -664,7 +664,15 @@ impl DiskWriter {
             .name("nebula-disk-cache".into())
             .spawn(move || {
                 for e in rx {
-                    match d.store(&e.tokens, &e.state, &e.checkpoints) {
+                    let stored = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        d.store(&e.tokens, &e.state, &e.checkpoints)
+                    }));
+                    let Ok(stored) = stored else {
+                        tracing::error!("on-disk prompt cache: a write panicked; the entry was not written");
+                        b.store(false, Ordering::SeqCst);
+                        continue;
+                    };
+                    match stored {
                         Ok(crate::prefix_cache::disk::Stored::Written { .. }) => {
                             stats.disk_writes.fetch_add(1, Ordering::Relaxed);
                         }
@@ -711,7 +719,33 @@ impl<B: Backend> Worker<B> {
             .collect();
         let state_held = crate::backend::HeldBytes { device: 0, host: state.bytes() };
         self.cache.insert(CacheEntry { tokens, state: crate::backend::Kept::Host(state), checkpoints, state_held });
-        self.rules.stats.disk_hits.fetch_add(hit.pos, Ordering::Relaxed);
+        // The entry may not have been kept (over the host budget); the request then prefills as without it.
+        if self.cache.covered(prompt) >= hit.pos {
+            self.rules.stats.disk_hits.fetch_add(hit.pos, Ordering::Relaxed);
+        }
+    }
+
+    /// A finished state kept for the cache, reallocated for the `end` tokens it holds when it lives on a device:
+    /// a GPU state's buffers are sized for the request's whole limit (and carry its chain buffers and graphs),
+    /// so it is forked from its last checkpoint (`last`, at `end`) into one sized to its tokens. A state
+    /// without device memory, or without a checkpoint at `end`, is kept as it is.
+    fn compact(&self, state: B::State, last: Option<&Checkpoint<B::Snapshot>>, end: usize, drafting: bool) -> B::State {
+        let backend = &*self.backend;
+        let Some(last) = last.filter(|c| c.pos() == end) else { return state };
+        if backend.state_held(&state).device == 0 {
+            return state;
+        }
+        let kept = crate::backend::Kept::Live(state);
+        match backend.fork(&kept, &last.snapshot, end, drafting) {
+            Ok(compact) => compact,
+            Err(e) => {
+                tracing::warn!("prefix cache: keeping the state at its full size: {e}");
+                match kept {
+                    crate::backend::Kept::Live(state) => state,
+                    crate::backend::Kept::Host(_) => unreachable!("made Live above"),
+                }
+            }
+        }
     }
 
     /// Hands a host copy of a finished sequence to the disk writer, unless a write is still in flight.
@@ -937,6 +971,7 @@ impl<B: Backend> Worker<B> {
             }
             let mut tokens = prompt.clone();
             tokens.extend_from_slice(&output[..end - prompt.len()]);
+            let state = self.compact(state, checkpoints.last(), end, drafting);
             self.write_to_disk(&tokens, &state, &checkpoints);
             self.cache.insert(CacheEntry::new(&*backend, tokens, state, checkpoints));
             self.cache.fit_device_budget(&backend);

@@ -224,9 +224,10 @@ impl<B: Backend> PrefixCache<B> {
         best
     }
 
-    /// Keeps a finished sequence. Its checkpoints are thinned when it would take more than half the budget
-    /// (interior ones go first, oldest first; the first, which a chat sharing the system prompt resumes from, and
-    /// the last two, the end of the prompt and of the answer, stay). Entries whose tokens are a prefix of it are
+    /// Keeps a finished sequence. Its checkpoints are thinned when it would take more than half the budget (host
+    /// memory, plus device memory for an entry that holds some): interior ones go first, oldest first; the first,
+    /// which a chat sharing the system prompt resumes from, and the last two (the end of the answer and the one
+    /// before it, usually the end of the prompt) stay. Entries whose tokens are a prefix of it are
     /// dropped (it covers them), then the least recently used are evicted while the count or the host budget is
     /// exceeded. A sequence still larger than the whole budget is not kept. A backend with device memory then
     /// calls [`PrefixCache::fit_device_budget`].
@@ -234,7 +235,9 @@ impl<B: Backend> PrefixCache<B> {
         if !self.enabled() || entry.checkpoints.is_empty() {
             return;
         }
-        let budget = self.opts.max_bytes.saturating_add(self.opts.device_bytes);
+        // Device memory counts only for entries that hold some (GPU states).
+        let device = if entry.held().device > 0 { self.opts.device_bytes } else { 0 };
+        let budget = self.opts.max_bytes.saturating_add(device);
         while entry.total() > budget / 2 && entry.checkpoints.len() > 3 {
             entry.checkpoints.remove(1);
         }

@@ -53,7 +53,7 @@ pub struct BenchPrefixArgs {
     pub placement: crate::placement::PlacementFlags,
 }
 
-/// (TTFT seconds, cached tokens) of `req`, run to its end.
+/// (TTFT seconds, cached tokens, generated tokens) of `req`, run to its end.
 fn ttft(engine: &Engine, req: GenerateRequest) -> anyhow::Result<(f64, usize, Vec<u32>)> {
     let t = Instant::now();
     let mut rx = engine.submit(req).map_err(|e| anyhow::anyhow!("submitting: {e}"))?;
@@ -126,6 +126,11 @@ pub fn run_prefix(args: BenchPrefixArgs) -> anyhow::Result<()> {
         "cached",
         "spills",
         "same top-1"
+    );
+    println!(
+        "(prompt: the follow-up's tokens, i.e. the conversation, its answer and the new message; cold/warm: the ratio \
+         within each repeat; cached: prompt tokens resumed from the cache; spills: entries moved from VRAM to host \
+         memory so far; same top-1: repeats whose warm first token equals the cold one)"
     );
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let mut random = |n: usize| -> Vec<u32> {

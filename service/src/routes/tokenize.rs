@@ -168,6 +168,12 @@ pub async fn detokenize(
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
     let model = state.model()?;
     model.check_name(req.model.as_deref())?;
+    // Ids inside the model's vocabulary without a token (its padding rows) decode to "", as in HF; ids past it
+    // are refused.
+    let vocab = model.engine.config().vocab;
+    if let Some(&bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid(format!("Token id {bad} is outside the vocabulary of {vocab} ids."), "tokens"));
+    }
     let text = model
         .engine
         .tokenizer()
