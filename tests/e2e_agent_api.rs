@@ -7,7 +7,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use nebula_service::{ServerConfig, start};
+use nebula_service::ServerConfig;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -15,18 +15,9 @@ use serde_json::{Value, json};
 const CONTEXT: usize = 512;
 const KEY: &str = "e2e-agent-key";
 
+/// A server with `config`: its base URL.
 fn spawn(config: ServerConfig) -> String {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        runtime.block_on(async move {
-            let handle = start(config).await.expect("the server binds");
-            handle.ready().await.expect("the demo model loads");
-            tx.send(handle.base_url()).unwrap();
-            let _ = handle.wait().await;
-        });
-    });
-    rx.recv().expect("the server thread reports its address")
+    nebula_tests::spawn_server(config).0
 }
 
 fn base() -> &'static str {

@@ -8,24 +8,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use nebula_service::{ServerConfig, start};
+use nebula_service::ServerConfig;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-/// A server on its own two-worker runtime thread; returns its base URL and model.
-fn spawn_server(config: ServerConfig) -> (String, Arc<nebula_service::state::ServedModel>) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        runtime.block_on(async move {
-            let handle = start(config).await.expect("the server binds");
-            let model = handle.ready().await.expect("the demo model loads");
-            tx.send((handle.base_url(), model)).unwrap();
-            let _ = handle.wait().await;
-        });
-    });
-    rx.recv().expect("the server thread reports its address")
-}
+use nebula_tests::spawn_server;
 
 fn config() -> ServerConfig {
     ServerConfig { port: 0, ..ServerConfig::default() }

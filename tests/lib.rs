@@ -202,3 +202,23 @@ pub fn check_disk_cache_restart(opts: nebula_engine::worker::EngineOptions, dir:
     cold.use_prefix_cache = false;
     assert_eq!(run_request(&engine, cold).0, first, "and a cold run's");
 }
+
+/// A `nebula serve` with `config` on its own two-worker runtime thread, for the HTTP end-to-end tests: returns its
+/// base URL and the served model once the model is loaded. The server runs until the test process ends.
+///
+/// Panics: the server cannot bind or the model does not load.
+pub fn spawn_server(
+    config: nebula_service::ServerConfig,
+) -> (String, std::sync::Arc<nebula_service::state::ServedModel>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let handle = nebula_service::start(config).await.expect("the server binds");
+            let model = handle.ready().await.expect("the demo model loads");
+            tx.send((handle.base_url(), model)).unwrap();
+            let _ = handle.wait().await;
+        });
+    });
+    rx.recv().expect("the server thread reports its address")
+}

@@ -118,6 +118,22 @@ impl CudaModel {
         [len * kvw, len * kvw, len * ihd, blocks * ihd]
     }
 
+    /// Copies the first `rows` tokens of the attention caches `src` (of layer `attn`) into `dst`.
+    fn copy_attn_prefix(
+        &self,
+        dst: &mut DevAttnState,
+        src: &AttnSource<'_>,
+        attn: &DevAttention,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        let n = self.attn_prefix(attn, rows);
+        let parts = [&mut dst.k, &mut dst.v, &mut dst.index_k, &mut dst.pooled];
+        for ((dst, part), n) in parts.into_iter().zip(src.parts()).zip(n) {
+            self.fill(dst, part, n)?;
+        }
+        Ok(())
+    }
+
     /// Copies `n` floats from `src` to the start of `dst` (stream-ordered).
     fn fill(&self, dst: &mut CudaSlice<f32>, src: Source<'_>, n: usize) -> Result<(), CudaError> {
         if n == 0 {
@@ -328,11 +344,7 @@ impl CudaModel {
                 (&layer.mixer, &mut st.layers[li])
             {
                 let src = attn_of(li).ok_or_else(bad)?;
-                let n = self.attn_prefix(a, pos);
-                let parts = [&mut cache.k, &mut cache.v, &mut cache.index_k, &mut cache.pooled];
-                for ((dst, part), n) in parts.into_iter().zip(src.parts()).zip(n) {
-                    self.fill(dst, part, n)?;
-                }
+                self.copy_attn_prefix(cache, &src, a, pos)?;
             }
         }
         // The MTP block's cache: rows up to pos - 1, as many as the source holds.
@@ -353,12 +365,7 @@ impl CudaModel {
             };
             if let Some(src) = src {
                 mtp_rows = Self::mtp_rows_kept(pos, held);
-                let n = self.attn_prefix(&block.self_attn, mtp_rows);
-                let cache = &mut ms.attn;
-                let parts = [&mut cache.k, &mut cache.v, &mut cache.index_k, &mut cache.pooled];
-                for ((dst, part), n) in parts.into_iter().zip(src.parts()).zip(n) {
-                    self.fill(dst, part, n)?;
-                }
+                self.copy_attn_prefix(&mut ms.attn, &src, &block.self_attn, mtp_rows)?;
             }
         }
         self.apply_snapshot(&mut st, snap, mtp_rows)?;
