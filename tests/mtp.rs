@@ -289,6 +289,12 @@ macro_rules! delegate_cpu_state {
         fn has_mtp(&self) -> bool {
             true
         }
+        fn capacity(&self, state: &SequenceState) -> usize {
+            Backend::capacity(self.$inner, state)
+        }
+        fn state_bytes(&self, max_len: usize, drafting: bool) -> nebula_engine::backend::HeldBytes {
+            Backend::state_bytes(self.$inner, max_len, drafting)
+        }
         fn new_state(&self, max_len: usize, drafting: bool) -> Result<SequenceState, BackendError> {
             Backend::new_state(self.$inner, max_len, drafting)
         }

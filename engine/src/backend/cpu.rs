@@ -34,6 +34,14 @@ impl Backend for Qwen4Exp {
         state.pos
     }
 
+    fn capacity(&self, state: &SequenceState) -> usize {
+        state.max_len
+    }
+
+    fn state_bytes(&self, max_len: usize, drafting: bool) -> HeldBytes {
+        HeldBytes { device: 0, host: self.config.state_bytes(max_len, drafting && self.mtp().is_some()) }
+    }
+
     fn forward(&self, state: &mut SequenceState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError> {
         Ok(Qwen4Exp::forward(self, state, tokens, want)?)
     }

@@ -117,6 +117,29 @@ pub enum Kept<S> {
     Host(SequenceState),
 }
 
+/// One sequence's part of a batched forward pass ([`Backend::forward_batch`]): its state, the tokens it consumes
+/// in this pass (one for a decode step, a chunk for prefill) and which of their logits it wants.
+pub struct BatchItem<'a, S> {
+    /// The sequence's state; the pass advances it by `tokens.len()`.
+    pub state: &'a mut S,
+    /// Tokens to consume, in order.
+    pub tokens: &'a [u32],
+    /// Which rows' logits come back.
+    pub want: LogitsFor,
+}
+
+/// How a batched pass may order its sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BatchMode {
+    /// Whatever is fastest for the batch (on the GPU, tensor-core GEMMs over the batch's rows: a sequence's
+    /// logits may differ in the last bits from a pass run alone).
+    #[default]
+    Fast,
+    /// Every row computed with the summation order of a pass run alone, so a sequence's logits do not depend on
+    /// what else is in the batch. The CPU always runs this way.
+    Deterministic,
+}
+
 /// Per-kernel, per-phase and copy timings a backend collected since the last call (empty where it keeps none):
 /// `nebula bench model`'s breakdown.
 #[derive(Debug, Default)]
@@ -176,6 +199,49 @@ pub trait Backend {
     /// Errors: [`ModelError::TokenOutOfRange`], [`ModelError::ContextOverflow`] (state unchanged); a weight
     /// read or device failure (state to be discarded).
     fn forward(&self, state: &mut Self::State, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError>;
+
+    /// Most tokens `state` can hold (the `max_len` it was made for).
+    fn capacity(&self, state: &Self::State) -> usize;
+
+    /// Checks that `state` can consume `tokens`: every id in the vocabulary, and room for all of them.
+    ///
+    /// Errors: [`ModelError::TokenOutOfRange`], [`ModelError::ContextOverflow`].
+    fn check_input(&self, state: &Self::State, tokens: &[u32]) -> Result<(), BackendError> {
+        let vocab = self.vocab();
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::TokenOutOfRange { token: bad, vocab }.into());
+        }
+        let needed = self.position(state) + tokens.len();
+        let limit = self.capacity(state);
+        if needed > limit {
+            return Err(ModelError::ContextOverflow { needed, limit }.into());
+        }
+        Ok(())
+    }
+
+    /// Runs several sequences in one pass: each item's tokens on its own state (attention, Gated DeltaNet, PLE
+    /// and MTP caches per sequence), the row-wise work (projections, routers, experts, head) over the rows of
+    /// every item together, so each weight is read once per pass. Returns each item's logits as
+    /// [`Backend::forward`] would (`[rows, vocab]` for its `want`), in the items' order. Under
+    /// [`BatchMode::Deterministic`] every item's logits equal, bit for bit, those of the same call made for the
+    /// item alone. The default runs the items one after another.
+    ///
+    /// Errors: a bad token or a context overflow in any item is reported before anything runs (every state
+    /// unchanged); any other error leaves every state of the batch to be discarded.
+    fn forward_batch(
+        &self,
+        items: &mut [BatchItem<'_, Self::State>],
+        mode: BatchMode,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let _ = mode;
+        for it in items.iter() {
+            self.check_input(it.state, it.tokens)?;
+        }
+        items.iter_mut().map(|it| self.forward(it.state, it.tokens, it.want)).collect()
+    }
+
+    /// Bytes a fresh state for `max_len` tokens will hold once full (what admission into a batch reserves).
+    fn state_bytes(&self, max_len: usize, drafting: bool) -> HeldBytes;
 
     /// Plain decode step with the full target (every expert, wherever it lives): consumes `token`, returns its
     /// logits `[vocab]`.

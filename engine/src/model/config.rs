@@ -158,6 +158,34 @@ impl ModelConfig {
         2 * self.ssm_key_dim() + self.ssm_value_dim()
     }
 
+    /// Bytes of `f32` state a sequence of `max_len` tokens holds once full, on either backend (both keep `f32`
+    /// caches): per attention layer keys and values (`2 * n_head_kv * head_dim` a token), the indexer's raw
+    /// keys and pooled blocks; per Gated DeltaNet layer its conv history and `[v_heads, head_dim, head_dim]`
+    /// recurrent state; the PLE conv history; with `mtp`, the MTP block's dense attention cache and bank.
+    /// What admission into a batch reserves for a sequence.
+    pub fn state_bytes(&self, max_len: usize, mtp: bool) -> usize {
+        let kv = 2 * self.n_head_kv * self.head_dim;
+        let idx = self.indexer.head_dim;
+        let attn = |ratio: usize| {
+            let pooled = if ratio > 0 { (max_len / ratio + 1) * idx } else { 0 };
+            max_len * (kv + if ratio > 0 { idx } else { 0 }) + pooled
+        };
+        let layers: usize = self
+            .layer_kinds
+            .iter()
+            .map(|k| match *k {
+                LayerKind::LinearAttention => {
+                    (self.ssm_conv_kernel.saturating_sub(1)) * self.ssm_conv_dim()
+                        + self.ssm_v_heads * self.ssm_head_dim * self.ssm_head_dim
+                }
+                LayerKind::IndexedAttention { compress_ratio } => attn(compress_ratio),
+            })
+            .sum();
+        let ple = self.ple.as_ref().map_or(0, |p| p.conv_state_len() * self.hc_dim());
+        let mtp = if mtp && self.n_nextn > 0 { attn(self.nextn_compress_ratio) + self.hc_dim() } else { 0 };
+        4 * (layers + ple + mtp)
+    }
+
     /// Reads the configuration from a GGUF file's `qwen4exp.*` metadata and checks it for consistency.
     ///
     /// Errors: [`ModelError::Architecture`] for another architecture; [`ModelError::Metadata`] naming the key for a

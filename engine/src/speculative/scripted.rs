@@ -108,8 +108,24 @@ impl<M: Backend> Backend for ScriptedDrafter<'_, M> {
         self.inner.new_state(max_len, drafting)
     }
 
+    fn capacity(&self, state: &M::State) -> usize {
+        self.inner.capacity(state)
+    }
+
+    fn state_bytes(&self, max_len: usize, drafting: bool) -> crate::backend::HeldBytes {
+        self.inner.state_bytes(max_len, drafting)
+    }
+
     fn forward(&self, state: &mut M::State, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError> {
         self.inner.forward(state, tokens, want)
+    }
+
+    fn forward_batch(
+        &self,
+        items: &mut [crate::backend::BatchItem<'_, M::State>],
+        mode: crate::backend::BatchMode,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        self.inner.forward_batch(items, mode)
     }
 
     fn snapshot(&self, state: &M::State) -> Result<M::Snapshot, BackendError> {

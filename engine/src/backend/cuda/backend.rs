@@ -55,6 +55,16 @@ impl Backend for CudaModel {
         state.pos
     }
 
+    fn capacity(&self, state: &CudaState) -> usize {
+        state.max_len
+    }
+
+    /// The caches of [`ModelConfig::state_bytes`] plus a decode step's logits buffer, all in device memory.
+    fn state_bytes(&self, max_len: usize, drafting: bool) -> HeldBytes {
+        let caches = self.config.state_bytes(max_len, drafting && self.has_mtp());
+        HeldBytes { device: caches + 4 * self.config.vocab, host: 0 }
+    }
+
     fn forward(&self, state: &mut CudaState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError> {
         Ok(CudaModel::forward(self, state, tokens, want)?)
     }
