@@ -239,6 +239,38 @@ impl Default for MtpConfig {
     }
 }
 
+/// Continuous batching (`[batching]`): how many requests decode together and within what limits. Unset keys
+/// take the profile's (`max_sequences`, `max_batch_tokens`, `state_budget_mib`), else the defaults below.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BatchingConfig {
+    /// Sequences running at once; 1 turns batching off (one request at a time, the rest wait). Default 16.
+    pub max_sequences: Option<usize>,
+    /// Tokens one pass runs at most (decode rows plus prefill chunks); default one prefill chunk plus one row
+    /// per sequence.
+    pub max_batch_tokens: Option<usize>,
+    /// MiB of sequence state (KV caches, recurrent states) the running sequences may reserve; default: on the
+    /// CPU half the memory available at start, on the GPU what can be allocated (a request whose state cannot
+    /// be allocated waits for others to end).
+    pub state_budget_mib: Option<usize>,
+    /// MTP drafting while at most this many sequences decode; bigger batches take plain steps together.
+    pub speculative_max_batch: usize,
+    /// Batched passes compute each sequence exactly as alone (on the GPU: row by row; the CPU always does).
+    pub deterministic: bool,
+}
+
+impl Default for BatchingConfig {
+    fn default() -> Self {
+        Self {
+            max_sequences: None,
+            max_batch_tokens: None,
+            state_budget_mib: None,
+            speculative_max_batch: 1,
+            deterministic: false,
+        }
+    }
+}
+
 /// Everything the server runs with. Keys as in `nebula.toml`; see `docs/config.md`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -302,6 +334,8 @@ pub struct ServerConfig {
     pub placement: crate::placement::PlacementConfig,
     /// MTP speculative decoding.
     pub mtp: MtpConfig,
+    /// Continuous batching.
+    pub batching: BatchingConfig,
     /// `cpu` or `cuda`.
     pub backend: String,
     /// GPU index for the cuda backend.
@@ -341,6 +375,7 @@ impl Default for ServerConfig {
             prefix_cache: PrefixCacheConfig::default(),
             placement: crate::placement::PlacementConfig::default(),
             mtp: MtpConfig::default(),
+            batching: BatchingConfig::default(),
             backend: "cpu".into(),
             gpu: 0,
             tuning: nebula_engine::tuning::Tuning::default(),

@@ -129,7 +129,7 @@ pub fn start(
     if *model.cut_off().borrow() {
         return Err(ApiError::ShuttingDown);
     }
-    let mut receivers = Vec::with_capacity(n);
+    let mut reqs = Vec::with_capacity(n);
     let mut cancels = Vec::with_capacity(n);
     for i in 0..n {
         let mut req = request.clone();
@@ -141,21 +141,16 @@ pub fn start(
             req.constraint = Some(model.grammar()?.constraint(&spec.lark, spec.starts_in_reasoning, spec.param)?);
         }
         cancels.push(req.cancel.clone());
-        match model.engine.submit(req) {
-            Ok(rx) => receivers.push(rx),
-            Err(e) => {
-                // Choices already queued are cancelled with their receivers.
-                for c in &cancels {
-                    c.store(true, Ordering::Relaxed);
-                }
-                let err = submit_error(e);
-                if matches!(err, ApiError::QueueFull { .. }) {
-                    settings.metrics.rejected("queue_full");
-                }
-                return Err(err);
-            }
-        }
+        reqs.push(req);
     }
+    // One job: the prompt is prefilled once and the choices decode together in the batch.
+    let receivers = model.engine.submit_choices(reqs).map_err(|e| {
+        let err = submit_error(e);
+        if matches!(err, ApiError::QueueFull { .. }) {
+            settings.metrics.rejected("queue_full");
+        }
+        err
+    })?;
     let (tx, rx) = mpsc::channel(PIECE_BUFFER);
     let prompt_tokens = request.prompt.len();
     let span = tracing::info_span!("generation", model = %model.id, prompt_tokens, choices = n);
@@ -194,6 +189,9 @@ fn submit_error(err: SubmitError) -> ApiError {
             ApiError::Internal(format!("the prompt encoded to token id {id}, outside the model"))
         }
         SubmitError::Stopped => ApiError::Internal("the engine has stopped".into()),
+        e @ SubmitError::StateTooLarge { .. } => {
+            ApiError::invalid_with_code(e.to_string(), Some("max_tokens".into()), "context_length_exceeded")
+        }
     }
 }
 

@@ -94,6 +94,9 @@ enum BenchCommand {
     /// Prefix cache: time to first token of a follow-up turn resumed from the cache against a cold prefill of
     /// the same prompt, at conversation sizes (CPU, or the GPU with `--backend cuda`).
     Prefix(nebula_service::cli::bench_prefix::BenchPrefixArgs),
+    /// Continuous batching: aggregate decode tok/s and time to first token at several concurrent streams, with
+    /// batching and one request at a time, interleaved (CPU, or the GPU with `--backend cuda`).
+    Batch(nebula_service::cli::bench_batch::BenchBatchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -116,6 +119,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Kernels(args)) => bench::run_kernels(&args),
         Command::Bench(BenchCommand::Mtp(args)) => nebula_service::cli::bench::run_mtp(args),
         Command::Bench(BenchCommand::Prefix(args)) => nebula_service::cli::bench_prefix::run_prefix(args),
+        Command::Bench(BenchCommand::Batch(args)) => nebula_service::cli::bench_batch::run_batch(args),
         Command::Convert { input, output, outtype, no_mtp, split_max_gib, name, recipe, recipe_from, imatrix } => {
             let imatrix = imatrix
                 .map(|p| ImportanceMatrix::load(&p).with_context(|| format!("reading {}", p.display())))

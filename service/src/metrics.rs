@@ -5,7 +5,10 @@
 //! `prompt_tokens_total`, `generation_tokens_total`, `request_success_total{finished_reason}`,
 //! `time_to_first_token_seconds`, `inter_token_latency_seconds`, `e2e_request_latency_seconds`,
 //! `request_queue_time_seconds`, `request_prefill_time_seconds`, `request_decode_time_seconds`,
-//! `prefix_cache_queries_total` and `prefix_cache_hits_total` (prompt tokens looked up / found).
+//! `prefix_cache_queries_total` and `prefix_cache_hits_total` (prompt tokens looked up / found),
+//! `kv_cache_usage_perc` (the share of the batch's state budget the running requests reserve, 0 to 1; without a
+//! budget, running sequences over the batch's slots): what the Kubernetes inference gateway's endpoint picker
+//! reads.
 //!
 //! Nebula's: `nebula:prompt_tokens_cached_total` and `nebula:prompt_tokens_prefilled_total` (prompt tokens taken
 //! from the prefix cache / run through the model), `nebula:prefix_cache_entries`, `nebula:prefix_cache_bytes`,
@@ -24,8 +27,10 @@
 //! `nebula:draft_recoveries_total` (drafting turned off for a request because it lost time, and back on after the
 //! cooldown),
 //! `nebula:draft_phase_seconds_total{phase}` (time in `draft`, `verify`, `save`, `restore`, `realign`, `exact`),
-//! `nebula:draft_acceptance_ratio` (recent acceptance, exponentially averaged over chains) and `nebula:mtp_enabled`
-//! (1 when the served model drafts).
+//! `nebula:draft_acceptance_ratio` (recent acceptance, exponentially averaged over chains), `nebula:mtp_enabled`
+//! (1 when the served model drafts), and continuous batching: `nebula:batch_size` (sequences per pass),
+//! `nebula:batch_tokens` (tokens per pass: decode rows and prefill chunk tokens) and `nebula:batch_step_seconds`
+//! (wall time per pass), histograms.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -84,6 +89,10 @@ pub struct Metrics {
     draft_phase_seconds: CounterVec,
     draft_acceptance: Gauge,
     mtp_enabled: IntGauge,
+    kv_usage: prometheus::GaugeVec,
+    batch_size: prometheus::Histogram,
+    batch_tokens: prometheus::Histogram,
+    batch_seconds: prometheus::Histogram,
 }
 
 /// What one finished request adds to the metrics.
@@ -114,6 +123,16 @@ fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntC
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
     registry.register(Box::new(c.clone())).expect("unique metric");
     c
+}
+
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+const TOKEN_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0];
+
+fn plain_histogram(registry: &Registry, name: &str, help: &str, buckets: &[f64]) -> prometheus::Histogram {
+    let h = prometheus::Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
+        .expect("valid metric");
+    registry.register(Box::new(h.clone())).expect("unique metric");
+    h
 }
 
 fn histogram(registry: &Registry, name: &str, help: &str, buckets: &[f64]) -> HistogramVec {
@@ -258,6 +277,27 @@ impl Metrics {
                 g
             },
             mtp_enabled: gauge("nebula:mtp_enabled", "1 when the served model drafts with its MTP block."),
+            kv_usage: {
+                let g = prometheus::GaugeVec::new(
+                    Opts::new(
+                        "vllm:kv_cache_usage_perc",
+                        "Share of the sequence-state budget (KV caches, recurrent states) the running requests \
+                         reserve, 0 to 1; without a budget, running sequences over the batch's slots.",
+                    ),
+                    &[m],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            batch_size: plain_histogram(&r, "nebula:batch_size", "Sequences per batched pass.", BATCH_BUCKETS),
+            batch_tokens: plain_histogram(
+                &r,
+                "nebula:batch_tokens",
+                "Tokens per batched pass (decode rows and prefill tokens).",
+                TOKEN_BUCKETS,
+            ),
+            batch_seconds: plain_histogram(&r, "nebula:batch_step_seconds", "Wall time of a batched pass.", LATENCY_BUCKETS),
             registry: r,
         }
         .with_zero_series()
@@ -284,6 +324,16 @@ impl Metrics {
             self.draft_phase_seconds.with_label_values(&[phase]);
         }
         self
+    }
+
+    /// The engine's per-pass hook: batch size, tokens and wall time of every batched pass.
+    pub fn step_observer(&self) -> nebula_engine::worker::StepObserver {
+        let (size, tokens, secs) = (self.batch_size.clone(), self.batch_tokens.clone(), self.batch_seconds.clone());
+        nebula_engine::worker::StepObserver(Arc::new(move |r: &nebula_engine::worker::StepReport| {
+            size.observe(r.sequences as f64);
+            tokens.observe(r.tokens as f64);
+            secs.observe(r.seconds);
+        }))
     }
 
     /// Counts a request refused before it ran (`queue_full`, `busy`, `unauthorized`, `timeout`).
@@ -323,6 +373,12 @@ impl Metrics {
             self.model_loaded.set(1);
             self.running.with_label_values(&[id]).set(engine.running() as i64);
             self.waiting.with_label_values(&[id]).set(engine.waiting() as i64);
+            let batch = engine.batch_options();
+            let usage = match batch.state_budget {
+                Some(b) if b > 0 => engine.stats().reserved_state_bytes.load(Ordering::Relaxed) as f64 / b as f64,
+                _ => engine.running() as f64 / batch.max_sequences.max(1) as f64,
+            };
+            self.kv_usage.with_label_values(&[id]).set(usage.min(1.0));
             let stats = engine.stats();
             let set = |c: &IntCounter, v: usize| {
                 let v = v as u64;

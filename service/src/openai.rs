@@ -53,7 +53,8 @@ pub struct ChatCompletionRequest {
     /// `none` (thinking off), `minimal` (= `low`), `low`, `medium`, `high` (= `xhigh`) or `xhigh` (the
     /// template's default).
     pub reasoning_effort: Option<String>,
-    /// Number of choices, 1 to 8; each is generated in turn (with `seed`, choice i uses `seed + i`).
+    /// Number of choices, 1 to 8, decoded together from one prefill of the prompt (with `seed`, choice i uses
+    /// `seed + i`, and equals a single request with that seed).
     pub n: Option<i64>,
     /// OpenAI presence penalty in [-2, 2].
     pub presence_penalty: Option<f64>,

@@ -158,6 +158,23 @@ impl AppState {
     }
 }
 
+/// The engine's batching limits: the config's `[batching]`, else the profile's, else the defaults.
+fn batch_options(config: &crate::config::ServerConfig, state: &AppState) -> nebula_engine::worker::BatchOptions {
+    let b = &config.batching;
+    let d = nebula_engine::worker::BatchOptions::default();
+    nebula_engine::worker::BatchOptions {
+        max_sequences: b.max_sequences.or(state.profile_limit("max_sequences")).unwrap_or(d.max_sequences).max(1),
+        max_batch_tokens: b.max_batch_tokens.or(state.profile_limit("max_batch_tokens")),
+        state_budget: b.state_budget_mib.or(state.profile_limit("state_budget_mib")).map(|m| m.saturating_mul(1 << 20)),
+        speculative_max_batch: b.speculative_max_batch,
+        mode: if b.deterministic {
+            nebula_engine::backend::BatchMode::Deterministic
+        } else {
+            nebula_engine::backend::BatchMode::Fast
+        },
+    }
+}
+
 /// Reads a profile file (TOML, as `nebula profile detect` writes it) as JSON.
 ///
 /// Errors: [`ServeError::Profile`] naming the file.
@@ -215,6 +232,8 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
             },
         },
         cuda_tuning: config.tuning.cuda.clone(),
+        batch: batch_options(config, state),
+        step_observer: Some(state.metrics.step_observer()),
     };
     // The CPU kernels' options are process-wide: in effect from here, before the model loads.
     if !nebula_engine::tuning::install_cpu(config.tuning.cpu.clone())

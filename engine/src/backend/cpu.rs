@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{Backend, BackendError, HeldBytes, Kept};
+use super::{Backend, BackendError, BatchItem, BatchMode, HeldBytes, Kept};
 use crate::model::{ChainRecord, LogitsFor, ModelConfig, Qwen4Exp, SequenceState, Snapshot};
 use crate::placement::PlacementStats;
 use crate::speculative::{Rollback, Verified};
@@ -44,6 +44,15 @@ impl Backend for Qwen4Exp {
 
     fn forward(&self, state: &mut SequenceState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError> {
         Ok(Qwen4Exp::forward(self, state, tokens, want)?)
+    }
+
+    /// One pass for every item ([`Qwen4Exp::forward_items`]): always deterministic, whatever `mode` says.
+    fn forward_batch(
+        &self,
+        items: &mut [BatchItem<'_, SequenceState>],
+        _mode: BatchMode,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        Ok(self.forward_items(items, Default::default(), None, None)?)
     }
 
     fn snapshot(&self, state: &SequenceState) -> Result<Snapshot, BackendError> {

@@ -104,7 +104,7 @@ impl GatedDeltaNet {
         })
     }
 
-    fn conv_dim(&self) -> usize {
+    pub(crate) fn conv_dim(&self) -> usize {
         2 * self.k_heads * self.head_dim + self.v_heads * self.head_dim
     }
 
@@ -131,6 +131,17 @@ impl GatedDeltaNet {
         algo: GdnAlgorithm,
         record: Option<&mut GdnRecord>,
     ) -> Vec<f32> {
+        let GdnProjections { qkv, z, b, a } = self.project(x, n);
+        let per_head = self.update_state(&qkv, &b, &a, n, state, algo);
+        if let Some(r) = record {
+            *r = GdnRecord { qkv, b, a };
+        }
+        self.output(&per_head, &z, n)
+    }
+
+    /// The input projections of `n` rows `x` (`[n, d]`), row by row: what a batched pass computes once for the
+    /// rows of every sequence before [`GatedDeltaNet::update_state`] runs each sequence on its own state.
+    pub(crate) fn project(&self, x: &[f32], n: usize) -> GdnProjections {
         let (dk, nv) = (self.head_dim, self.v_heads);
         let vd = nv * dk;
         let mut qkv = vec![0f32; n * self.conv_dim()];
@@ -141,11 +152,7 @@ impl GatedDeltaNet {
         self.in_proj_b.matmul(x, n, &mut b);
         let mut a = vec![0f32; n * nv];
         self.in_proj_a.matmul(x, n, &mut a);
-        let per_head = self.update_state(&qkv, &b, &a, n, state, algo);
-        if let Some(r) = record {
-            *r = GdnRecord { qkv, b, a };
-        }
-        self.output(&per_head, &z, n)
+        GdnProjections { qkv, z, b, a }
     }
 
     /// Rebuilds `state` after the first `keep` tokens recorded by [`GatedDeltaNet::forward_recorded`], starting
@@ -167,7 +174,7 @@ impl GatedDeltaNet {
 
     /// Conv, gates and the delta rule for `n` tokens' projections; updates `state` and returns each value
     /// head's outputs `[n, dk]`.
-    fn update_state(
+    pub(crate) fn update_state(
         &self,
         qkv: &[f32],
         b: &[f32],
@@ -259,7 +266,7 @@ impl GatedDeltaNet {
     }
 
     /// Gated RMS norm of each head's outputs with `act(z)`, then `out_proj`: `[n, d]`.
-    fn output(&self, per_head: &[Vec<f32>], z: &[f32], n: usize) -> Vec<f32> {
+    pub(crate) fn output(&self, per_head: &[Vec<f32>], z: &[f32], n: usize) -> Vec<f32> {
         let (dk, nv) = (self.head_dim, self.v_heads);
         let vd = nv * dk;
         let mut o = vec![0f32; n * vd];
@@ -282,6 +289,15 @@ impl GatedDeltaNet {
         self.out_proj.matmul(&o, n, &mut y);
         y
     }
+}
+
+/// A Gated DeltaNet layer's row-wise input projections ([`GatedDeltaNet::project`]): `qkv` `[n, conv_dim]`,
+/// the output gate `z` `[n, v_heads * head_dim]`, `b` and `a` `[n, v_heads]`.
+pub(crate) struct GdnProjections {
+    pub(crate) qkv: Vec<f32>,
+    pub(crate) z: Vec<f32>,
+    pub(crate) b: Vec<f32>,
+    pub(crate) a: Vec<f32>,
 }
 
 /// Token-by-token delta rule for one value head. `s` is `[dk, dv]` (dk = dv = `d`), `q`/`k`/`v` are `[n, d]`.

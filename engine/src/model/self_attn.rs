@@ -124,6 +124,14 @@ impl Attention {
 
     /// Runs `n` tokens `x` (`[n, d]`) at positions `pos0..pos0+n`, appending to `state`; returns `[n, d]`.
     pub fn forward(&self, x: &[f32], n: usize, pos0: usize, state: &mut AttnState, rope: &Rope) -> Vec<f32> {
+        let proj = self.project(x, n);
+        let attn = self.attend(&proj, 0..n, pos0, state, rope);
+        self.output(&attn, n)
+    }
+
+    /// The projections of `n` rows `x` (`[n, d]`), row by row: what a batched pass computes once for the rows of
+    /// every sequence before [`Attention::attend`] runs each sequence on its own cache.
+    pub(crate) fn project(&self, x: &[f32], n: usize) -> AttnProjections {
         let (nh, nkv, hd) = (self.n_head, self.n_kv, self.head_dim);
         let kvw = nkv * hd;
         let mut p = vec![0f32; n * nh * hd * 2];
@@ -132,6 +140,26 @@ impl Attention {
         self.k_proj.matmul(x, n, &mut k);
         let mut v = vec![0f32; n * kvw];
         self.v_proj.matmul(x, n, &mut v);
+        let index = self.indexer.as_ref().map(|ix| ix.project(x, n));
+        AttnProjections { p, k, v, index }
+    }
+
+    /// Attention of the projected rows `rows` (one sequence's, at positions `pos0..`) over that sequence's cache
+    /// `state` (appended to first), gated: `[rows.len(), n_head * head_dim]`, the input of [`Attention::output`].
+    pub(crate) fn attend(
+        &self,
+        proj: &AttnProjections,
+        rows: std::ops::Range<usize>,
+        pos0: usize,
+        state: &mut AttnState,
+        rope: &Rope,
+    ) -> Vec<f32> {
+        let (nh, nkv, hd) = (self.n_head, self.n_kv, self.head_dim);
+        let kvw = nkv * hd;
+        let n = rows.len();
+        let p = &proj.p[rows.start * nh * hd * 2..rows.end * nh * hd * 2];
+        let mut k = proj.k[rows.start * kvw..rows.end * kvw].to_vec();
+        let v = &proj.v[rows.start * kvw..rows.end * kvw];
 
         let angles: Vec<_> = (0..n).map(|t| rope.angles(pos0 + t)).collect();
         let mut q = vec![0f32; n * nh * hd];
@@ -151,10 +179,12 @@ impl Attention {
             }
         }
         state.k.extend_from_slice(&k);
-        state.v.extend_from_slice(&v);
+        state.v.extend_from_slice(v);
 
-        let index_q = self.indexer.as_ref().map(|ix| ix.prepare(x, n, &angles, state, rope, self.eps));
-
+        let index_q = match (&self.indexer, &proj.index) {
+            (Some(ix), Some(ip)) => Some(ix.prepare(ip, rows.clone(), &angles, state, rope, self.eps)),
+            _ => None,
+        };
         let total = state.k.len() / kvw;
         let group = nh / nkv;
         let scale = 1.0 / (hd as f32).sqrt();
@@ -191,36 +221,67 @@ impl Attention {
         for (a, g) in attn.iter_mut().zip(&gate) {
             *a *= sigmoid(*g);
         }
+        attn
+    }
+
+    /// `o_proj` over `n` rows of gated attention (`[n, n_head * head_dim]`): `[n, d]`.
+    pub(crate) fn output(&self, attn: &[f32], n: usize) -> Vec<f32> {
         let mut y = vec![0f32; n * self.o_proj.rows()];
-        self.o_proj.matmul(&attn, n, &mut y);
+        self.o_proj.matmul(attn, n, &mut y);
         y
     }
 }
 
+/// The row-wise projections of an attention layer's input ([`Attention::project`]): per row the query and gate
+/// (`[n, n_head * 2 * head_dim]`), keys and values before norm and rope (`[n, n_kv * head_dim]`), and the
+/// indexer's.
+pub(crate) struct AttnProjections {
+    p: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    index: Option<IndexProjections>,
+}
+
+/// The QSA indexer's row-wise projections: queries `[n, heads * head_dim]` before norm and rope, raw keys
+/// `[n, head_dim]`.
+pub(crate) struct IndexProjections {
+    q: Vec<f32>,
+    k: Vec<f32>,
+}
+
 impl Indexer {
-    /// Projects and rotates the indexer queries of the new tokens, appends their raw keys to the state and pools
-    /// every newly completed block. Returns the queries, `[n, heads * head_dim]`.
+    /// The indexer's projections of `n` rows `x` (`[n, d]`).
+    fn project(&self, x: &[f32], n: usize) -> IndexProjections {
+        let (nih, ihd) = (self.cfg.n_heads, self.cfg.head_dim);
+        let mut q = vec![0f32; n * nih * ihd];
+        self.q_proj.matmul(x, n, &mut q);
+        let mut k = vec![0f32; n * ihd];
+        self.k_proj.matmul(x, n, &mut k);
+        IndexProjections { q, k }
+    }
+
+    /// Normalises and rotates the indexer queries of the projected rows `rows` (one sequence's), appends their
+    /// raw keys to the state and pools every newly completed block. Returns the queries,
+    /// `[rows.len(), heads * head_dim]`.
     fn prepare(
         &self,
-        x: &[f32],
-        n: usize,
+        proj: &IndexProjections,
+        rows: std::ops::Range<usize>,
         angles: &[super::rope::RopeAngles],
         state: &mut AttnState,
         rope: &Rope,
         eps: f32,
     ) -> Vec<f32> {
         let (nih, ihd, r) = (self.cfg.n_heads, self.cfg.head_dim, self.compress_ratio);
-        let mut q = vec![0f32; n * nih * ihd];
-        self.q_proj.matmul(x, n, &mut q);
+        let n = rows.len();
+        let mut q = proj.q[rows.start * nih * ihd..rows.end * nih * ihd].to_vec();
         for t in 0..n {
             for qh in q[t * nih * ihd..(t + 1) * nih * ihd].chunks_exact_mut(ihd) {
                 rms_norm(qh, &self.q_norm, eps);
                 rope.apply(qh, &angles[t]);
             }
         }
-        let mut kr = vec![0f32; n * ihd];
-        self.k_proj.matmul(x, n, &mut kr);
-        state.index_k.extend_from_slice(&kr);
+        state.index_k.extend_from_slice(&proj.k[rows.start * ihd..rows.end * ihd]);
         let len = state.index_k.len() / ihd;
         let mut blocks = state.pooled.len() / ihd;
         while (blocks + 1) * r <= len {

@@ -164,33 +164,105 @@ impl<'a, M: Backend> SpeculativeDecoder<'a, M> {
     pub fn run(
         &mut self,
         state: &mut M::State,
-        mut logits: Vec<f32>,
+        logits: Vec<f32>,
         sampler: &mut Sampler,
         sink: &mut dyn TokenSink<M>,
         limit: usize,
     ) -> Result<DecodeOutcome, DecodeError> {
-        if sink.remaining() == 0 {
-            return Ok(DecodeOutcome { reason: FinishReason::Length });
-        }
-        let room = self.model.position(state) < limit;
-        let (mut pending, flow) = self.choose_and_commit(&mut logits, sampler, sink, room)?;
+        let (mut pending, flow) = self.start(state, logits, sampler, sink, limit)?;
         if let Flow::Finish(reason) = flow {
             return Ok(DecodeOutcome { reason });
         }
         loop {
-            let pos = self.model.position(state);
-            let remaining = sink.remaining();
-            let window = if self.opts.enabled { self.controller.window() } else { None };
-            let n = window.unwrap_or(0).min(limit.saturating_sub(pos + 1)).min(remaining.saturating_sub(1));
-            let probe = self.controller.wants_plain_probe();
-            let flow = if n > 0 && !probe && self.model.can_draft(state) {
-                self.chain(state, pending, n, sampler, sink, limit)?
-            } else {
-                self.plain(state, pending, sampler, sink, limit)?
-            };
-            match flow {
+            match self.step(state, pending, sampler, sink, limit)? {
                 (_, Flow::Finish(reason)) => return Ok(DecodeOutcome { reason }),
                 (next, Flow::Continue) => pending = next,
+            }
+        }
+    }
+
+    /// Chooses and commits the first token from `logits` (the prompt's last row): the token the next step
+    /// consumes, or the finish (a request with no tokens to emit finishes with [`FinishReason::Length`]).
+    ///
+    /// Errors: [`DecodeError::Request`] from the sink's rules, or when no token can be chosen.
+    pub fn start(
+        &mut self,
+        state: &M::State,
+        mut logits: Vec<f32>,
+        sampler: &mut Sampler,
+        sink: &mut dyn TokenSink<M>,
+        limit: usize,
+    ) -> Result<(u32, Flow), DecodeError> {
+        if sink.remaining() == 0 {
+            return Ok((0, Flow::Finish(FinishReason::Length)));
+        }
+        let room = self.model.position(state) < limit;
+        self.choose_and_commit(&mut logits, sampler, sink, room)
+    }
+
+    /// The number of drafts the next step would verify (0: it would be a plain step), from the window
+    /// controller, the room left and whether the drafter can propose now.
+    pub fn chain_window(&self, state: &M::State, sink: &dyn TokenSink<M>, limit: usize) -> usize {
+        if !self.opts.enabled {
+            return 0;
+        }
+        let pos = self.model.position(state);
+        let n = self
+            .controller
+            .window()
+            .unwrap_or(0)
+            .min(limit.saturating_sub(pos + 1))
+            .min(sink.remaining().saturating_sub(1));
+        if n > 0 && !self.controller.wants_plain_probe() && self.model.can_draft(state) { n } else { 0 }
+    }
+
+    /// One step after `pending` (the token chosen last): a chain when [`SpeculativeDecoder::chain_window`] says
+    /// so, a plain step otherwise. Returns the next pending token and whether to go on.
+    ///
+    /// Errors: [`DecodeError`].
+    pub fn step(
+        &mut self,
+        state: &mut M::State,
+        pending: u32,
+        sampler: &mut Sampler,
+        sink: &mut dyn TokenSink<M>,
+        limit: usize,
+    ) -> Result<(u32, Flow), DecodeError> {
+        match self.chain_window(state, &*sink, limit) {
+            0 => self.plain(state, pending, sampler, sink, limit),
+            n => self.chain(state, pending, n, sampler, sink, limit),
+        }
+    }
+
+    /// Finishes a plain step whose forward pass ran elsewhere (a batched pass that consumed `pending` on
+    /// `state`): `logits` are its row, `measured` the pass's seconds. Chooses and commits the next token as
+    /// [`SpeculativeDecoder::step`] would have.
+    ///
+    /// Errors: [`DecodeError::Request`] from the sink's rules, or when no token can be chosen.
+    pub fn finish_plain(
+        &mut self,
+        state: &M::State,
+        mut logits: Vec<f32>,
+        measured: f64,
+        sampler: &mut Sampler,
+        sink: &mut dyn TokenSink<M>,
+        limit: usize,
+    ) -> Result<(u32, Flow), DecodeError> {
+        self.count_plain(measured);
+        sink.consumed(self.model, state);
+        let room = self.model.position(state) < limit;
+        self.choose_and_commit(&mut logits, sampler, sink, room)
+    }
+
+    /// Books a plain step of `measured` seconds with the report and the window controller.
+    fn count_plain(&mut self, measured: f64) {
+        let secs = self.opts.fixed_costs.map_or(measured, |c| c.verify_base + c.verify_per_row);
+        self.report.plain_steps += 1;
+        self.report.plain_s += measured;
+        if self.controller.on_plain_step(secs) {
+            self.report.recoveries += 1;
+            if let Some(s) = self.stats {
+                s.recoveries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
     }
@@ -243,16 +315,7 @@ impl<'a, M: Backend> SpeculativeDecoder<'a, M> {
         } else {
             (self.model.step(state, pending)?, None)
         };
-        let measured = t.elapsed().as_secs_f64();
-        let secs = self.opts.fixed_costs.map_or(measured, |c| c.verify_base + c.verify_per_row);
-        self.report.plain_steps += 1;
-        self.report.plain_s += measured;
-        if self.controller.on_plain_step(secs) {
-            self.report.recoveries += 1;
-            if let Some(s) = self.stats {
-                s.recoveries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-        }
+        self.count_plain(t.elapsed().as_secs_f64());
         sink.consumed(self.model, state);
         let room = self.model.position(state) < limit;
         match chosen {

@@ -103,6 +103,7 @@ pub fn run_prefix(args: BenchPrefixArgs) -> anyhow::Result<()> {
         mtp: false,
         backend: super::bench::bench_backend(args.backend, args.gpu, &placement),
         cuda_tuning: tuning.cuda,
+        ..Default::default()
     };
     let t = Instant::now();
     let engine = match &args.model {
