@@ -848,3 +848,232 @@ fn the_disk_cache_survives_a_restart_on_the_gpu() {
         nebula_tests::check_disk_cache_restart(opts, dir.path());
     }
 }
+
+/// The script of the batched-forward tests: eight sequences of one golden checkpoint's tokens (`ids`), each with
+/// its own prompt (different offsets and lengths). Sequences 0-2 decode from the first step (their prompts
+/// prefilled alone first); 3-6 prefill their prompts in 4-token chunks and 7 in 13-token chunks (asking for no,
+/// the last or every row's logits in turn), then decode. Every step runs the eight as one
+/// [`Backend::forward_batch`] in `mode` on `gpu` and, one by one, as [`Backend::forward`] on reference states
+/// fed the same tokens; the next token of a decoding sequence is the reference's greedy choice (teacher
+/// forcing). Returns (rows compared, rows bit-identical, rows with the same top-1).
+fn batch_against_alone(
+    gpu: &CudaModel,
+    ids: &[u32],
+    mode: nebula_engine::backend::BatchMode,
+    steps: usize,
+) -> (usize, usize, usize) {
+    use nebula_engine::backend::{Backend, BatchItem};
+    let vocab = Backend::vocab(gpu);
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| ids[5 * i..5 * i + 9 + 3 * i].to_vec()).collect();
+    let chunk = |i: usize| if i == 7 { 13 } else { 4 };
+    let max_len = 40 + 9 + 21 + steps;
+    let mut batch: Vec<_> = (0..8).map(|_| Backend::new_state(gpu, max_len, true).unwrap()).collect();
+    let mut alone: Vec<_> = (0..8).map(|_| Backend::new_state(gpu, max_len, true).unwrap()).collect();
+    // Per sequence: tokens fed so far of its prompt, and the reference's last logits row.
+    let mut fed = vec![0usize; 8];
+    let mut last: Vec<Vec<f32>> = vec![Vec::new(); 8];
+    for i in 0..3 {
+        Backend::forward(gpu, &mut batch[i], &prompts[i], LogitsFor::Last).unwrap();
+        last[i] = Backend::forward(gpu, &mut alone[i], &prompts[i], LogitsFor::Last).unwrap();
+        fed[i] = prompts[i].len();
+    }
+    let (mut compared, mut exact, mut agree) = (0, 0, 0);
+    for step in 0..steps {
+        let mut tokens = Vec::new();
+        let mut wants = Vec::new();
+        for i in 0..8 {
+            if fed[i] < prompts[i].len() {
+                let end = (fed[i] + chunk(i)).min(prompts[i].len());
+                tokens.push(prompts[i][fed[i]..end].to_vec());
+                let done = end == prompts[i].len();
+                wants.push(if done {
+                    LogitsFor::Last
+                } else {
+                    [LogitsFor::None, LogitsFor::Last, LogitsFor::All][step % 3]
+                });
+                fed[i] = end;
+            } else {
+                tokens.push(vec![argmax(&last[i]) as u32]);
+                wants.push(LogitsFor::Last);
+            }
+        }
+        let mut items: Vec<BatchItem<'_, _>> = batch
+            .iter_mut()
+            .zip(&tokens)
+            .zip(&wants)
+            .map(|((state, tokens), &want)| BatchItem { state, tokens, want })
+            .collect();
+        let got = Backend::forward_batch(gpu, &mut items, mode).unwrap();
+        assert_eq!(got.len(), 8);
+        for i in 0..8 {
+            let want = Backend::forward(gpu, &mut alone[i], &tokens[i], wants[i]).unwrap();
+            assert_eq!(got[i].len(), want.len(), "step {step}, sequence {i}: logits of another shape");
+            for (g, w) in got[i].chunks_exact(vocab).zip(want.chunks_exact(vocab)) {
+                compared += 1;
+                exact += usize::from(g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()));
+                agree += usize::from(argmax(g) == argmax(w));
+            }
+            if !want.is_empty() && wants[i] != LogitsFor::None {
+                last[i] = want[want.len() - vocab..].to_vec();
+            }
+        }
+        for (i, st) in batch.iter().enumerate() {
+            assert_eq!(Backend::position(gpu, st), Backend::position(gpu, &alone[i]), "step {step}, sequence {i}");
+        }
+    }
+    if mode == nebula_engine::backend::BatchMode::Deterministic && Backend::has_mtp(gpu) {
+        // The MTP caches were extended from each sequence's own rows: drafts after the batch equal the reference's.
+        for i in 0..8 {
+            let pending = argmax(&last[i]) as u32;
+            assert!(Backend::can_draft(gpu, &batch[i]) && Backend::can_draft(gpu, &alone[i]), "sequence {i}");
+            let a = Backend::draft(gpu, &mut batch[i], pending, 3).unwrap();
+            let b = Backend::draft(gpu, &mut alone[i], pending, 3).unwrap();
+            assert_eq!(a, b, "sequence {i}: drafts after the batched steps differ from the reference's");
+        }
+    }
+    (compared, exact, agree)
+}
+
+/// The models of the batched-forward tests: (label, model) for the F32 golden checkpoints `hc4_moe` (also as
+/// Q8_0: the 8-bit activation kernels), `ple_eos` (PLE) and `qsa_budget` with a random MTP block (QSA, MTP
+/// caches), each all-GPU and hybrid with half the experts on the GPU: the CPU path up to 96 tokens (a fast batch's
+/// CPU experts in one job per layer), and up to 4 (a fast batch streams its experts; deterministic passes of 19
+/// rows run their MoE in two chunks of the CPU path's 17 rows).
+fn batch_models(tmp: &std::path::Path) -> Vec<(String, Vec<u32>, CudaModel)> {
+    use nebula_engine::backend::cuda::hybrid::HybridParams;
+    let default = HybridParams {
+        handoff: 0.9,
+        omit: 0.0,
+        cpu_max_tokens: 96,
+        stage_experts: 32,
+        stages: 6,
+        verify_handoff: false,
+    };
+    let split = HybridParams { cpu_max_tokens: 4, stage_experts: 7, stages: 2, ..default };
+    let mut files = Vec::new();
+    for (name, out_type) in [("hc4_moe", OutType::F32), ("hc4_moe", OutType::Q8_0), ("ple_eos", OutType::F32)] {
+        let path = tmp.join(format!("{name}-{out_type:?}.gguf"));
+        convert(
+            &nebula_tests::repo_root().join("tests/fixtures/golden").join(name),
+            &path,
+            &ConvertOptions { out_type, ..Default::default() },
+        )
+        .unwrap();
+        files.push((format!("{name} {out_type:?}"), golden(name).0, path));
+    }
+    files.push((
+        "qsa_budget+mtp F32".to_string(),
+        golden("qsa_budget").0,
+        nebula_tests::golden_with_random_mtp_gguf("qsa_budget", tmp),
+    ));
+    let mut models = Vec::new();
+    for (label, ids, path) in files {
+        let cpu = Qwen4Exp::load(&path).unwrap();
+        let half = cpu.config.n_expert / 2;
+        models.push((format!("{label} all-GPU"), ids.clone(), CudaModel::from_cpu(&cpu, 0, None, tuning()).unwrap()));
+        for (kind, params) in [("hybrid", default), ("hybrid split", split)] {
+            let hybrid = CudaModel::hybrid_with(placed(&path, half), 0, None, params, tuning()).unwrap();
+            models.push((format!("{label} {kind}"), ids.clone(), hybrid));
+        }
+    }
+    models
+}
+
+/// Deterministic batching: eight sequences with different prompts, some decoding and some prefilling a chunk,
+/// run as one batch step after step; every item's logits equal, bit for bit, the same call run alone (so the
+/// greedy tokens are the same), all-GPU and hybrid; with an MTP block the drafts after the run equal too.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn deterministic_batches_equal_each_sequence_run_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (label, ids, gpu) in batch_models(tmp.path()) {
+        let (compared, exact, agree) =
+            batch_against_alone(&gpu, &ids, nebula_engine::backend::BatchMode::Deterministic, 12);
+        println!("{label}: deterministic batch of 8, {exact} of {compared} logits rows bit-identical to alone runs");
+        assert!(compared > 60, "{label}: only {compared} rows compared");
+        assert_eq!(exact, compared, "{label}: {} rows differ from the alone runs", compared - exact);
+        assert_eq!(agree, compared);
+    }
+}
+
+/// Fast batching (the default): the same script over a longer decode run keeps top-1 agreement >= 99 % with
+/// each sequence decoded alone, all-GPU and hybrid, on the golden checkpoints.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn fast_batches_agree_with_single_request_decoding() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (label, ids, gpu) in batch_models(tmp.path()) {
+        let (compared, exact, agree) = batch_against_alone(&gpu, &ids, nebula_engine::backend::BatchMode::Fast, 32);
+        let share = agree as f64 / compared as f64;
+        println!(
+            "{label}: fast batch of 8, top-1 agreement {:.1} % over {compared} rows ({exact} bit-identical)",
+            share * 100.0
+        );
+        assert!(share >= 0.99, "{label}: top-1 agreement {share:.3}");
+    }
+}
+
+/// A bad item fails the whole batched call before anything runs: a token past the vocabulary or a chunk past an
+/// item's capacity is reported (the model's error) and every state is unchanged, so the corrected batch then
+/// gives, bit for bit, the logits of states that never saw the failed call. Also: a fresh state holds what
+/// `state_bytes` says, on the device and the host.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn a_bad_batch_item_fails_the_call_before_any_state_changes() {
+    use nebula_engine::backend::{Backend, BatchItem, BatchMode};
+    use nebula_engine::model::ModelError;
+    let tmp = tempfile::tempdir().unwrap();
+    for (label, ids, gpu) in batch_models(tmp.path()) {
+        for (max_len, drafting) in [(64, true), (64, false), (1000, true)] {
+            let st = Backend::new_state(&gpu, max_len, drafting).unwrap();
+            assert_eq!(
+                Backend::state_held(&gpu, &st),
+                Backend::state_bytes(&gpu, max_len, drafting),
+                "{label}: a fresh state for {max_len} tokens (drafting {drafting}) holds other than state_bytes"
+            );
+        }
+        let vocab = Backend::vocab(&gpu) as u32;
+        let prompt = &ids[..12];
+        let fresh = || {
+            let mut v: Vec<_> = (0..4).map(|_| Backend::new_state(&gpu, 20, true).unwrap()).collect();
+            for (i, st) in v.iter_mut().enumerate() {
+                Backend::forward(&gpu, st, &prompt[i..], LogitsFor::Last).unwrap();
+            }
+            v
+        };
+        let (mut states, mut reference) = (fresh(), fresh());
+        let good: Vec<Vec<u32>> = vec![vec![ids[20]], ids[21..24].to_vec(), vec![ids[25]], ids[26..31].to_vec()];
+        for (bad, err) in [
+            (vec![vec![ids[20]], ids[21..24].to_vec(), vec![vocab], ids[26..31].to_vec()], "token"),
+            (vec![vec![ids[20]], ids[21..24].to_vec(), vec![ids[25]], ids[26..40].to_vec()], "overflow"),
+        ] {
+            let before: Vec<usize> = states.iter().map(|s| Backend::position(&gpu, s)).collect();
+            let mut items: Vec<BatchItem<'_, _>> = states
+                .iter_mut()
+                .zip(&bad)
+                .map(|(state, tokens)| BatchItem { state, tokens, want: LogitsFor::Last })
+                .collect();
+            let e = Backend::forward_batch(&gpu, &mut items, BatchMode::Deterministic).unwrap_err();
+            match (err, e.as_model()) {
+                ("token", Some(ModelError::TokenOutOfRange { token, .. })) => assert_eq!(*token, vocab),
+                ("overflow", Some(ModelError::ContextOverflow { needed, limit })) => {
+                    assert_eq!((*needed, *limit), (before[3] + 14, 20))
+                }
+                _ => panic!("{label}: a bad {err} gave {e}"),
+            }
+            let after: Vec<usize> = states.iter().map(|s| Backend::position(&gpu, s)).collect();
+            assert_eq!(before, after, "{label}: a failed batch moved a state");
+        }
+        let mut items: Vec<BatchItem<'_, _>> = states
+            .iter_mut()
+            .zip(&good)
+            .map(|(state, tokens)| BatchItem { state, tokens, want: LogitsFor::All })
+            .collect();
+        let got = Backend::forward_batch(&gpu, &mut items, BatchMode::Deterministic).unwrap();
+        for (i, (st, tokens)) in reference.iter_mut().zip(&good).enumerate() {
+            let want = Backend::forward(&gpu, st, tokens, LogitsFor::All).unwrap();
+            assert!(got[i] == want, "{label}: sequence {i} after the failed calls differs from an untouched state");
+        }
+        println!("{label}: bad token and overflow fail the batch before anything runs; states untouched");
+    }
+}

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::{CudaChain, CudaModel, CudaSnapshot, CudaState, MAX_CHAIN_ROWS};
-use crate::backend::{Backend, BackendError, BackendSnapshot, HeldBytes, Kept, Timings};
+use crate::backend::{Backend, BackendError, BackendSnapshot, BatchItem, BatchMode, HeldBytes, Kept, Timings};
 use crate::model::{LogitsFor, ModelConfig, SequenceState};
 use crate::placement::PlacementStats;
 use crate::speculative::{Rollback, Verified};
@@ -59,10 +59,23 @@ impl Backend for CudaModel {
         state.max_len
     }
 
-    /// The caches of [`ModelConfig::state_bytes`] plus a decode step's logits buffer, all in device memory.
+    /// Every buffer [`CudaModel::new_state_with`] allocates ([`CudaModel::state_alloc_bytes`]): in device memory
+    /// the caches of [`ModelConfig::state_bytes`] (as allocated: at least one value each) plus the position, the
+    /// decode step's token, PLE rows, logits and argmax, and with drafting the MTP block's banks and draft
+    /// buffers; in host memory the PLE n-gram context. A verify pass adds its chain buffers on its first chain
+    /// (`MAX_CHAIN_ROWS` rows of logits and banks, a copy of each recurrent state), which this does not count.
     fn state_bytes(&self, max_len: usize, drafting: bool) -> HeldBytes {
-        let caches = self.config.state_bytes(max_len, drafting && self.has_mtp());
-        HeldBytes { device: caches + 4 * self.config.vocab, host: 0 }
+        self.state_alloc_bytes(max_len, drafting && self.has_mtp())
+    }
+
+    /// One pass for all items ([`CudaModel::forward_batch`]): fast mode on the batch's GEMMs; deterministic mode
+    /// on the single-step kernels, with prefill chunks longer than [`CudaModel::single_step_rows`] run alone.
+    fn forward_batch(
+        &self,
+        items: &mut [BatchItem<'_, CudaState>],
+        mode: BatchMode,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        Ok(CudaModel::forward_batch(self, items, mode)?)
     }
 
     fn forward(&self, state: &mut CudaState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, BackendError> {

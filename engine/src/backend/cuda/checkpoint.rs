@@ -416,7 +416,10 @@ impl CudaModel {
         Ok(SequenceState { pos, max_len: pos, layers, ple, mtp })
     }
 
-    /// Bytes of device memory `st` holds (its caches are sized for `max_len` tokens up front).
+    /// Bytes of device memory `st` holds, every buffer counted at its allocated length: the caches (sized for
+    /// `max_len` tokens up front), the position and decode-step buffers, the MTP cache and draft buffers, and a
+    /// verify pass's chain buffers once it has them. For a fresh state this is
+    /// [`CudaModel::state_alloc_bytes`]'s device part.
     pub fn state_device_bytes(&self, st: &CudaState) -> usize {
         let attn = |a: &DevAttnState| a.k.len() + a.v.len() + a.index_k.len() + a.pooled.len();
         let layer = |ls: &DevLayerState| match ls {
@@ -425,8 +428,29 @@ impl CudaModel {
         };
         let layers: usize = st.layers.iter().map(layer).sum();
         let ple = st.ple.as_ref().map_or(0, |p| p.conv.len());
-        let mtp = st.mtp.as_ref().map_or(0, |m| attn(&m.attn) + 2 * m.last_bank.len());
-        4 * (layers + ple + mtp + 2 * self.config.vocab)
+        let step = &st.step;
+        let fixed = st.pos_dev.len() + step.token.len() + step.ple_rows.len() + step.logits.len() + step.choice.len();
+        let mtp = st.mtp.as_ref().map_or(0, |m| {
+            attn(&m.attn) + m.last_bank.len() + m.draft_bank.len() + m.draft_ids.len() + m.draft_positions.len()
+        });
+        let chain = st.chain.as_ref().map_or(0, |c| {
+            let gdn: usize = c
+                .gdn
+                .iter()
+                .flatten()
+                .map(|g| g.conv.len() + g.recurrent.len() + g.qkv.len() + g.beta.len() + g.g.len())
+                .sum();
+            let opt = |b: &Option<CudaSlice<f32>>| b.as_ref().map_or(0, |b| b.len());
+            gdn + opt(&c.ple_conv)
+                + opt(&c.ple_nrm)
+                + c.banks.len()
+                + c.coverage.len()
+                + c.ids.len()
+                + c.ple_rows.len()
+                + c.logits.len()
+        });
+        // f32 and i32 buffers alike: four bytes a value.
+        4 * (layers + ple + fixed + mtp + chain)
     }
 
     /// Marks device buffers as rewritten outside the kernels, so no cached 8-bit activation is reused across it.

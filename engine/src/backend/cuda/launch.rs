@@ -53,6 +53,26 @@ impl LaunchFlags {
     }
 }
 
+/// One sequence's rows in a pass over the rows of several sequences (`CudaModel::forward_batch`; a single
+/// forward is one of them covering every row): its part `st` of the state a block keeps per sequence, its first
+/// row `r0` and row count `n` in the pass's `[rows, ..]` buffers, the device address of its position (`pos_dev`,
+/// an `i32`: the position its first row takes) and its token capacity.
+#[derive(Clone, Copy)]
+pub(crate) struct Seq<'a, T> {
+    pub(crate) st: &'a T,
+    pub(crate) r0: usize,
+    pub(crate) n: usize,
+    pub(crate) pos_dev: u64,
+    pub(crate) capacity: usize,
+}
+
+impl<T> Seq<'_, T> {
+    /// The device address of this sequence's first row in a buffer of rows of `width` f32 (or i32) values.
+    pub(crate) fn row(&self, buf: u64, width: usize) -> u64 {
+        buf + (self.r0 * width * 4) as u64
+    }
+}
+
 /// Accumulated wall time per phase of the forward pass, for `nebula bench model`'s breakdown.
 #[derive(Default)]
 pub(crate) struct PhaseTimes {

@@ -7,11 +7,12 @@ use nebula_kernels::cudarc::driver::CudaSlice;
 use super::CudaError;
 use super::device::Arg;
 use super::gemv::Acts;
-use super::launch::Launch;
+use super::launch::{Launch, Seq};
 use super::memory::zeros;
 use super::weights::{DevMatrix, MatRef, Uploader};
 use crate::gguf::GgmlType;
 use crate::model::GateActivation;
+use crate::model::config::ModelConfig;
 use crate::model::linear_attn::GatedDeltaNet;
 
 /// One Gated DeltaNet token mixer on the device (`crate::model::linear_attn::GatedDeltaNet`).
@@ -73,11 +74,14 @@ fn gdn_gate_args(p: [u64; 7], nv: usize, d: usize) -> [Arg; 9] {
 impl GdnState {
     /// A zeroed state for the model's shapes.
     pub(crate) fn new(ctx: &Launch) -> Result<Self, CudaError> {
-        let cfg = &ctx.cfg;
-        Ok(Self {
-            conv: zeros(&ctx.dev, (cfg.ssm_conv_kernel - 1) * cfg.ssm_conv_dim())?,
-            recurrent: zeros(&ctx.dev, cfg.ssm_v_heads * cfg.ssm_head_dim * cfg.ssm_head_dim)?,
-        })
+        let [conv, recurrent] = Self::lens(&ctx.cfg);
+        Ok(Self { conv: zeros(&ctx.dev, conv)?, recurrent: zeros(&ctx.dev, recurrent)? })
+    }
+
+    /// The f32 values of the conv and recurrent state, as allocated (at least one each).
+    pub(crate) fn lens(cfg: &ModelConfig) -> [usize; 2] {
+        [(cfg.ssm_conv_kernel - 1) * cfg.ssm_conv_dim(), cfg.ssm_v_heads * cfg.ssm_head_dim * cfg.ssm_head_dim]
+            .map(|v| v.max(1))
     }
 }
 
@@ -143,14 +147,17 @@ impl DevGatedDeltaNet {
         Ok((qkv, z))
     }
 
-    /// Gated DeltaNet for `n` tokens `m`, updating the layer's conv and recurrent state in place. With `rec`
-    /// (a verify pass), the recurrences' inputs are copied there: pre-conv `qkv` `[n, C]`, `beta` and `g` `[n, Hv]`.
-    pub(crate) fn forward(
+    /// Gated DeltaNet over the `n` rows `m` of several sequences (`seqs` cover the rows in order, each with its
+    /// own conv and recurrent state): the input projections, gates, gated norm and output projection over all
+    /// rows at once, the conv and the delta-rule recurrence per sequence, updating each state in place. Returns
+    /// the output `[n, d]`. With `rec` (a verify pass, one sequence), the recurrences' inputs are copied there:
+    /// pre-conv `qkv` `[n, C]`, `beta` and `g` `[n, Hv]`.
+    pub(crate) fn forward_seqs(
         &self,
         ctx: &Launch,
-        st: &GdnState,
         m: u64,
         n: usize,
+        seqs: &[Seq<'_, GdnState>],
         rec: Option<GdnRecording>,
     ) -> Result<u64, CudaError> {
         let g = self;
@@ -196,8 +203,15 @@ impl DevGatedDeltaNet {
         if let Some(r) = rec {
             ctx.dtod(r.qkv, qkv, n * c)?;
         }
-        let gates = fused.then(|| [m, g.in_proj_b.view(dev).ptr, g.in_proj_a.view(dev).ptr, a_neg_exp, dt_bias]);
-        let o = g.recurrence(ctx, st, qkv, beta, gg, n, gates)?;
+        let o = ctx.tmp(n * nv * dk)?;
+        for s in seqs {
+            // The fused gates read the sequence's own rows of the block input.
+            let gates = fused.then(|| {
+                [s.row(m, cfg.hidden), g.in_proj_b.view(dev).ptr, g.in_proj_a.view(dev).ptr, a_neg_exp, dt_bias]
+            });
+            let (qkv_s, beta_s, gg_s) = (s.row(qkv, c), s.row(beta, nv), s.row(gg, nv));
+            g.recurrence_into(ctx, s.st, qkv_s, beta_s, gg_s, s.n, gates, s.row(o, nv * dk))?;
+        }
         if let Some(r) = rec {
             // The recurrence reads beta and g without writing them.
             ctx.dtod(r.beta, beta, n * nv)?;
@@ -238,12 +252,31 @@ impl DevGatedDeltaNet {
         n: usize,
         gates: Option<[u64; 5]>,
     ) -> Result<u64, CudaError> {
+        let cfg = &ctx.cfg;
+        let o = ctx.tmp(n * cfg.ssm_v_heads * cfg.ssm_head_dim)?;
+        self.recurrence_into(ctx, st, qkv, beta, gg, n, gates, o)?;
+        Ok(o)
+    }
+
+    /// [`Self::recurrence`] writing the per-head outputs into `o` (`[n, Hv * dk]`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn recurrence_into(
+        &self,
+        ctx: &Launch,
+        st: &GdnState,
+        qkv: u64,
+        beta: u64,
+        gg: u64,
+        n: usize,
+        gates: Option<[u64; 5]>,
+        o: u64,
+    ) -> Result<(), CudaError> {
         let dev = &ctx.dev;
         let cfg = &ctx.cfg;
         let g = self;
         let GdnState { conv, recurrent } = st;
         let (nk, nv, dk) = (cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_head_dim);
-        let (vd, c) = (nv * dk, cfg.ssm_conv_dim());
+        let c = cfg.ssm_conv_dim();
         let conv_args = [Arg::Ptr(qkv), Arg::Ptr(ctx.addr(conv, 0)), Arg::Ptr(ctx.addr(&g.conv1d, 0))];
         let shape = [Arg::I32(n as i32), Arg::I32(c as i32), Arg::I32(cfg.ssm_conv_kernel as i32)];
         match gates {
@@ -255,7 +288,6 @@ impl DevGatedDeltaNet {
             }
         }
         // The q/k L2 norms (q scaled by 1/sqrt(dk)) happen inside the recurrence kernel.
-        let o = ctx.tmp(n * vd)?;
         let kernel = match dk {
             128 => "gdn_recurrent_128",
             64 => "gdn_recurrent_64",
@@ -284,6 +316,6 @@ impl DevGatedDeltaNet {
                 Arg::I32(c as i32),
             ],
         )?;
-        Ok(o)
+        Ok(())
     }
 }

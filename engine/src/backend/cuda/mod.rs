@@ -17,6 +17,7 @@
 //! device-resident expert stack without a host round trip, larger batches group tokens by expert.
 
 mod backend;
+mod batch;
 mod chain;
 mod checkpoint;
 mod device;
@@ -55,7 +56,7 @@ use head::TokenHead;
 use hybrid::Hybrid;
 use hybrid::policy::HybridPolicy;
 use hyper_connection::DevGatedResidual;
-use launch::Launch;
+use launch::{Launch, Seq};
 use linear_attn::{DevGatedDeltaNet, GdnState};
 use memory::zeros;
 use moe::DevSparseMoe;
@@ -108,6 +109,23 @@ pub(crate) struct DevDecoderLayer {
     pub(crate) mixer: DevTokenMixer,
     pub(crate) mlp_hyper_connection: DevGatedResidual,
     pub(crate) mlp: DevSparseMoe,
+}
+
+/// A sequence's rows in a pass ([`CudaModel::launch_layers`]): its state, its first row and row count in the
+/// pass's buffers, and the device address of its position (`st.pos_dev`).
+#[derive(Clone, Copy)]
+pub(crate) struct PassSeq<'a> {
+    pub(crate) st: &'a CudaState,
+    pub(crate) r0: usize,
+    pub(crate) n: usize,
+    pub(crate) pos_dev: u64,
+}
+
+impl<'a> PassSeq<'a> {
+    /// The sequence's rows with `part`, a block's part of its state.
+    fn part<T>(&self, part: &'a T) -> Seq<'a, T> {
+        Seq { st: part, r0: self.r0, n: self.n, pos_dev: self.pos_dev, capacity: self.st.max_len }
+    }
 }
 
 /// The model on the GPU.
@@ -400,6 +418,30 @@ impl CudaModel {
         })
     }
 
+    /// Bytes of every buffer [`Self::new_state_with`] allocates for `max_len` tokens (`draft` as there): device
+    /// memory (each layer's caches or recurrent state, the PLE conv history, the position, the decode step's
+    /// token, PLE rows, logits and argmax, the MTP cache, banks and draft buffers) and host memory (the PLE n-gram
+    /// context). A verify pass adds its chain buffers to a state later, on its first chain.
+    pub fn state_alloc_bytes(&self, max_len: usize, draft: bool) -> crate::backend::HeldBytes {
+        let cfg = &self.config;
+        let mut values = 0usize;
+        for l in &self.layers {
+            values += match &l.mixer {
+                DevTokenMixer::LinearAttention(_) => GdnState::lens(cfg).iter().sum::<usize>(),
+                DevTokenMixer::SelfAttention(a) => a.cache_lens(cfg, max_len).iter().sum::<usize>(),
+            };
+        }
+        let ple = self.layers.iter().find_map(|l| l.ple.as_ref());
+        values += ple.map_or(0, |p| p.conv_len(cfg));
+        // pos_dev, then the step buffers: token, PLE rows, logits, argmax.
+        values += 1 + 1 + ple.map_or(1, |p| p.cfg.n_heads()) + cfg.vocab.max(1) + 1;
+        let mtp = match (&self.mtp, draft) {
+            (Some(m), true) => m.state_bytes(cfg, max_len),
+            _ => 0,
+        };
+        crate::backend::HeldBytes { device: 4 * values + mtp, host: ple.map_or(0, |p| 4 * p.context_len()) }
+    }
+
     /// A plain decode step that consumes `token` and returns the argmax of its logits (masked vocabulary rows
     /// excluded; ties to the lower id; `None` when every logit is `-inf` or NaN), chosen on the device: one
     /// 4-byte copy instead of the `[vocab]` logits. Greedy decoding without penalties, grammar or log-probabilities
@@ -462,64 +504,119 @@ impl CudaModel {
         rec: Option<&chain::ChainBufs>,
     ) -> Result<u64, CudaError> {
         let ctx = &self.launch;
+        let dim = self.config.hc_dim();
+        let seq = PassSeq { st, r0: 0, n, pos_dev: ptr(&st.pos_dev, ctx.dev.stream(), 0) };
+        let x = self.launch_layers(&[seq], n, ids, ple_rows, ple_emb, rec)?;
+        if let Some(r) = rec {
+            ctx.dtod(r.banks_rec(ctx), x, n * dim)?;
+        }
+        if rows > 0 {
+            self.launch_head(x + (r0 * dim * 4) as u64, rows, logits)?;
+        }
+        Ok(x)
+    }
+
+    /// The embedding and every decoder layer over the `n` rows of the sequences `seqs` (which cover the rows in
+    /// order; ids and PLE rows of all of them already on the device, each position in its `pos_dev`): the
+    /// row-wise work of each block over all rows at once, the sequence mixing (Gated DeltaNet conv and
+    /// recurrence, attention over each sequence's own cache, the PLE conv) per sequence. Returns the address of
+    /// the pre-mixer banks `[n, S*d]`. With `rec` (a verify pass, one sequence) the states are saved first and
+    /// the recurrences' inputs recorded. Issues no host synchronisation (but hybrid layers').
+    fn launch_layers(
+        &self,
+        seqs: &[PassSeq<'_>],
+        n: usize,
+        ids: u64,
+        ple_rows: u64,
+        ple_emb: Option<u64>,
+        rec: Option<&chain::ChainBufs>,
+    ) -> Result<u64, CudaError> {
+        let ctx = &self.launch;
         let cfg = &self.config;
         let dev = &ctx.dev;
         let (s, d) = (cfg.hc_count, cfg.hidden);
         let dim = s * d;
-        let pos_dev = ptr(&st.pos_dev, dev.stream(), 0);
         dev.set_pass_tokens(n);
-        if let Some(r) = rec {
-            self.save_chain_states(st, r)?;
+        if let (Some(r), [seq]) = (rec, seqs) {
+            self.save_chain_states(seq.st, r)?;
         }
         ctx.phase("start")?;
         // X_0 = [e; e; ...; e].
         let x = ctx.tmp(n * dim)?;
         ctx.get_rows(&self.head.embed_tokens, ids, n, x, dim, s)?;
         ctx.phase("embedding")?;
-        for (li, (layer, ls)) in self.layers.iter().zip(&st.layers).enumerate() {
+        // The hybrid CPU path's pinned buffers hold `cpu_path_rows` rows: an exact-rows pass (which always takes
+        // that path) over more runs its MoE in row chunks; every other pass is within them (`HybridPolicy::path`).
+        let moe_rows = match &self.hybrid {
+            Some(h) if ctx.exact() => h.policy.cpu_path_rows(),
+            _ => n,
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
             // A layer's temporaries are dead once its output is in `x`: the next layer reuses their memory, so a
             // pass needs one layer's worth of scratch, not the sum over layers.
             let mark = ctx.arena_mark();
             if let Some(ple) = &layer.ple {
-                let ps = st.ple.as_ref().expect("PLE state exists with a PLE layer");
-                ple.forward(ctx, &ps.conv, x, ple_rows, ple_emb, n, rec.and_then(|r| r.ple_rec(ctx)))?;
+                let convs: Vec<_> = seqs
+                    .iter()
+                    .map(|q| q.part(&q.st.ple.as_ref().expect("PLE state exists with a PLE layer").conv))
+                    .collect();
+                ple.forward_seqs(ctx, &convs, x, ple_rows, ple_emb, n, rec.and_then(|r| r.ple_rec(ctx)))?;
                 ctx.phase("ple")?;
             }
             let mixed = layer.attn_hyper_connection.forward(ctx, x, n, Some(layer.mixer.input_type()), None)?;
             ctx.phase("hyper-connections")?;
-            let y = match (&layer.mixer, ls) {
-                (DevTokenMixer::LinearAttention(g), LayerState::LinearAttention(gs)) => {
-                    let y = g.forward(ctx, gs, mixed.mixed, n, rec.and_then(|r| r.gdn_rec(ctx, li)))?;
+            let y = match &layer.mixer {
+                DevTokenMixer::LinearAttention(g) => {
+                    let states: Vec<_> = seqs
+                        .iter()
+                        .map(|q| match &q.st.layers[li] {
+                            LayerState::LinearAttention(gs) => q.part(gs),
+                            LayerState::Attention(_) => unreachable!("state follows the layer kinds"),
+                        })
+                        .collect();
+                    let y = g.forward_seqs(ctx, mixed.mixed, n, &states, rec.and_then(|r| r.gdn_rec(ctx, li)))?;
                     ctx.phase("gated deltanet")?;
                     y
                 }
-                (DevTokenMixer::SelfAttention(a), LayerState::Attention(at)) => {
-                    let y = a.forward(ctx, at, mixed.mixed, n, pos_dev, st.max_len)?;
+                DevTokenMixer::SelfAttention(a) => {
+                    let states: Vec<_> = seqs
+                        .iter()
+                        .map(|q| match &q.st.layers[li] {
+                            LayerState::Attention(at) => q.part(at),
+                            LayerState::LinearAttention(_) => unreachable!("state follows the layer kinds"),
+                        })
+                        .collect();
+                    let y = a.forward_seqs(ctx, mixed.mixed, n, &states)?;
                     ctx.phase("attention + qsa")?;
                     y
                 }
-                _ => unreachable!("state follows the layer kinds"),
             };
             let a = mixed.inject.expect("layers inject");
             let mixed = layer.mlp_hyper_connection.forward(ctx, x, n, Some(layer.mlp.input_type()), Some((y, a)))?;
             ctx.phase("hyper-connections")?;
             let host = self.hybrid.as_ref().map(|h| (h, li));
-            layer.mlp.forward(ctx, host, mixed.mixed, n, Some((x, mixed.inject.expect("layers inject"))))?;
+            let inject = mixed.inject.expect("layers inject");
+            let mut c0 = 0;
+            while c0 < n {
+                let c = moe_rows.min(n - c0);
+                let res = Some((x + (c0 * dim * 4) as u64, inject + (c0 * s * 4) as u64));
+                layer.mlp.forward(ctx, host, mixed.mixed + (c0 * d * 4) as u64, c, res)?;
+                c0 += c;
+            }
             ctx.phase("moe")?;
             ctx.arena_release(mark);
         }
-        if let Some(r) = rec {
-            ctx.dtod(r.banks_rec(ctx), x, n * dim)?;
-        }
-        if rows == 0 {
-            return Ok(x);
-        }
-        let last = x + (r0 * dim * 4) as u64;
-        let h = self.hyper_connection_mixer.forward(ctx, last, rows, Some(self.head.lm_head.ty), None)?;
-        ctx.matmul(self.head.lm_head.view(dev), h.mixed, rows, logits)?;
-        ctx.phase("head")?;
-        self.head.mask_logits(ctx, logits, rows)?;
         Ok(x)
+    }
+
+    /// The final hyper-connection mixer and the output head over `rows` pre-mixer banks at `banks` (`[rows,
+    /// S*d]`): their masked logits into `logits` (`[rows, vocab]`).
+    fn launch_head(&self, banks: u64, rows: usize, logits: u64) -> Result<(), CudaError> {
+        let ctx = &self.launch;
+        let h = self.hyper_connection_mixer.forward(ctx, banks, rows, Some(self.head.lm_head.ty), None)?;
+        ctx.matmul(self.head.lm_head.view(&ctx.dev), h.mixed, rows, logits)?;
+        ctx.phase("head")?;
+        self.head.mask_logits(ctx, logits, rows)
     }
 
     /// Runs `tokens` through the model on the GPU, continuing `st`, and returns the logits asked for
@@ -549,19 +646,41 @@ impl CudaModel {
         let out = self.forward_inner(st, tokens, want, rec);
         ctx.exact_rows.store(false, Relaxed);
         ctx.coverage_out.store(0, Relaxed);
-        // A failed CPU job of hybrid decode (an SSD read error) fails the call; its state must be discarded.
+        self.settle(out)
+    }
+
+    /// The outcome of a call that ran passes: a failed CPU job of hybrid decode (an SSD read error) fails it (its
+    /// states must be discarded), and after any failure the stream is drained so no enqueued wait on the CPU
+    /// thread outlives the call.
+    fn settle<T>(&self, out: Result<T, CudaError>) -> Result<T, CudaError> {
+        let stream = self.launch.dev.stream();
         if let Some(e) = self.hybrid.as_ref().and_then(|h| h.cpu.as_ref()).and_then(|c| c.take_error()) {
             if out.is_err() {
                 // The stream may still hold work that waits on the CPU thread, which signals even on errors.
-                let _ = ctx.dev.stream().synchronize();
+                let _ = stream.synchronize();
             }
             return Err(e.into());
         }
         if out.is_err() && self.hybrid.is_some() {
             // Let every enqueued wait drain (the CPU thread signals each job) before the next call.
-            let _ = ctx.dev.stream().synchronize();
+            let _ = stream.synchronize();
         }
         out
+    }
+
+    /// Hybrid: the n-gram table stays on the host; the rows `ple_rows` a pass reads are decoded there and
+    /// uploaded (`[rows, head_dim]`: 10 KiB a token for the real model). `None` for an all-GPU model (its table is
+    /// on the device) or without rows.
+    fn upload_ngram_rows(&self, ple_rows: &[i32]) -> Result<Option<CudaSlice<f32>>, CudaError> {
+        let Some(h) = self.hybrid.as_ref().filter(|_| !ple_rows.is_empty()) else { return Ok(None) };
+        let rows: Vec<u64> = ple_rows.iter().map(|&r| r as u64).collect();
+        Ok(match h.host.gather_ngram_rows(&rows)? {
+            Some(emb) => {
+                h.stats.pcie_bytes.fetch_add((emb.len() * 4) as u64, Ordering::Relaxed);
+                Some(self.launch.dev.stream().clone_htod(&emb)?)
+            }
+            None => None,
+        })
     }
 
     fn forward_inner(
@@ -578,13 +697,8 @@ impl CudaModel {
             h.step_started(ctx.dev.stream())?;
         }
         let dev = &ctx.dev;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
-            return Err(ModelError::TokenOutOfRange { token: bad, vocab: cfg.vocab }.into());
-        }
+        self.check_tokens(st, tokens)?;
         let needed = st.pos + tokens.len();
-        if needed > st.max_len {
-            return Err(ModelError::ContextOverflow { needed, limit: st.max_len }.into());
-        }
         let n = tokens.len();
         if n == 0 {
             return Ok(Vec::new());
@@ -594,22 +708,8 @@ impl CudaModel {
             (Some(ple), Some(ps)) => ple.ngram_rows(ps, tokens)?,
             _ => Vec::new(),
         };
-        // Hybrid: the n-gram table stays on the host; the rows this pass reads are decoded there and uploaded
-        // (n x heads rows of head_dim values: 10 KiB a token for the real model). Kept alive until the pass is
-        // queued; the free is stream-ordered.
-        let ple_emb: Option<CudaSlice<f32>> = match &self.hybrid {
-            Some(h) if !ple_rows.is_empty() => {
-                let rows: Vec<u64> = ple_rows.iter().map(|&r| r as u64).collect();
-                match h.host.gather_ngram_rows(&rows)? {
-                    Some(emb) => {
-                        h.stats.pcie_bytes.fetch_add((emb.len() * 4) as u64, Ordering::Relaxed);
-                        Some(stream.clone_htod(&emb)?)
-                    }
-                    None => None,
-                }
-            }
-            _ => None,
-        };
+        // Kept alive until the pass is queued; the free is stream-ordered.
+        let ple_emb = self.upload_ngram_rows(&ple_rows)?;
         let ple_emb_ptr = ple_emb.as_ref().map(|e| ptr(e, &stream, 0));
         stream.memcpy_htod(&[st.pos as i32], &mut st.pos_dev)?;
         let pos0 = st.pos;

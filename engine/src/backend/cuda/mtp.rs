@@ -21,6 +21,7 @@ use super::moe::DevSparseMoe;
 use super::self_attn::{AttnState, DevAttention};
 use super::weights::{DevMatrix, Uploader};
 use crate::model::Qwen4Exp;
+use crate::model::config::ModelConfig;
 
 /// The MTP block on the device (`crate::model::mtp::MtpBlock`).
 pub(crate) struct DevMtpBlock {
@@ -100,6 +101,13 @@ impl DevMtpBlock {
             draft_positions: dev.stream().alloc_zeros::<i32>(MAX_CHAIN_ROWS)?,
             graphs: (0..MAX_CHAIN_ROWS).map(|_| (None, 0)).collect(),
         })
+    }
+
+    /// Device bytes of [`Self::new_state`] for `max_len` tokens: the attention cache, the two banks, the draft
+    /// ids and positions.
+    pub(crate) fn state_bytes(&self, cfg: &ModelConfig, max_len: usize) -> usize {
+        let attn: usize = self.self_attn.cache_lens(cfg, max_len).iter().sum();
+        4 * (attn + 2 * cfg.hc_dim().max(1) + (MAX_CHAIN_ROWS + 1) + MAX_CHAIN_ROWS)
     }
 
     /// The MTP block over `n` rows (`crate::model::mtp::MtpBlock::forward`; `host` the hybrid half and the

@@ -6,10 +6,10 @@ use nebula_kernels::cudarc::driver::CudaSlice;
 
 use super::CudaError;
 use super::device::Arg;
-use super::launch::Launch;
+use super::launch::{Launch, Seq};
 use super::memory::zeros;
 use super::weights::{DevMatrix, Uploader};
-use crate::model::config::PleConfig;
+use crate::model::config::{ModelConfig, PleConfig};
 use crate::model::ple::PleLayer;
 
 /// The PLE block on the device (`crate::model::ple::PleLayer`).
@@ -62,9 +62,19 @@ impl DevPle {
     /// A fresh state: the context all end-of-text, the conv history zero.
     pub(crate) fn new_state(&self, ctx: &Launch) -> Result<DevPleState, CudaError> {
         Ok(DevPleState {
-            context: vec![self.cfg.eos_token_id; self.cfg.ngram_size - 1],
-            conv: zeros(&ctx.dev, self.cfg.conv_state_len() * ctx.cfg.hc_dim())?,
+            context: vec![self.cfg.eos_token_id; self.context_len()],
+            conv: zeros(&ctx.dev, self.conv_len(&ctx.cfg))?,
         })
+    }
+
+    /// Tokens of a state's host-side n-gram context.
+    pub(crate) fn context_len(&self) -> usize {
+        self.cfg.ngram_size - 1
+    }
+
+    /// The f32 values of a state's conv history, as allocated (at least one).
+    pub(crate) fn conv_len(&self, cfg: &ModelConfig) -> usize {
+        (self.cfg.conv_state_len() * cfg.hc_dim()).max(1)
     }
 
     /// Table rows of the PLE hash heads for `tokens`, advancing the host-side n-gram context of `st`.
@@ -88,13 +98,16 @@ impl DevPle {
             .collect()
     }
 
-    /// The PLE block on `x`: the n-gram rows `rows` gathered from the device table, or, in hybrid mode, `emb`
-    /// (the rows already decoded on the host and uploaded, `[n, heads * head_dim]`).
+    /// The PLE block over the `n` rows of several sequences (`seqs` cover the rows in order, each with its own
+    /// conv history): the n-gram rows, projections, gate and norms over all rows at once, the causal conv per
+    /// sequence, then the residual add into `x`. The n-gram rows `rows` of all `n` rows are gathered from the
+    /// device table, or, in hybrid mode, are `emb` (decoded on the host and uploaded, `[n, heads * head_dim]`);
+    /// `rec` (a verify pass, one sequence) receives the conv inputs.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn forward(
+    pub(crate) fn forward_seqs(
         &self,
         ctx: &Launch,
-        conv_state: &CudaSlice<f32>,
+        seqs: &[Seq<'_, CudaSlice<f32>>],
         x: u64,
         rows: u64,
         emb: Option<u64>,
@@ -138,7 +151,9 @@ impl DevPle {
         if let Some(r) = rec {
             ctx.dtod(r, nrm, n * dim)?;
         }
-        ple.conv_rows(ctx, conv_state, nrm, u, n)?;
+        for q in seqs {
+            ple.conv_rows(ctx, q.st, q.row(nrm, dim), q.row(u, dim), q.n)?;
+        }
         dev.launch_1d("add_inplace", n * dim, &[Arg::Ptr(x), Arg::Ptr(u), Arg::I64((n * dim) as i64)])?;
         Ok(())
     }

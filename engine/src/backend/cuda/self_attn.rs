@@ -8,10 +8,11 @@ use nebula_kernels::cudarc::driver::CudaSlice;
 use super::CudaError;
 use super::device::Arg;
 use super::gemv::GEMV_MAX_TOKENS;
-use super::launch::Launch;
+use super::launch::{Launch, Seq};
 use super::memory::zeros;
 use super::weights::{DevMatrix, Uploader};
 use crate::gguf::GgmlType;
+use crate::model::config::ModelConfig;
 use crate::model::self_attn::Attention;
 
 /// Key splits per query of decode attention (flash-decoding); parts are merged by `attention_combine`.
@@ -82,16 +83,23 @@ impl DevAttention {
 
     /// An empty cache for `max_len` tokens: K and V, and with the QSA indexer its raw and block-pooled keys.
     pub(crate) fn new_state(&self, ctx: &Launch, max_len: usize) -> Result<AttnState, CudaError> {
-        let (cfg, dev) = (&ctx.cfg, &ctx.dev);
+        let dev = &ctx.dev;
+        let [k, v, index_k, pooled] = self.cache_lens(&ctx.cfg, max_len);
+        Ok(AttnState {
+            k: zeros(dev, k)?,
+            v: zeros(dev, v)?,
+            index_k: zeros(dev, index_k)?,
+            pooled: zeros(dev, pooled)?,
+        })
+    }
+
+    /// The f32 values of each buffer of [`Self::new_state`] for `max_len` tokens, as allocated (at least one
+    /// each): K, V, the indexer's raw keys, its pooled blocks.
+    pub(crate) fn cache_lens(&self, cfg: &ModelConfig, max_len: usize) -> [usize; 4] {
         let kvw = cfg.n_head_kv * cfg.head_dim;
         let (ihd, blocks) =
             self.indexer.as_ref().map_or((0, 1), |i| (cfg.indexer.head_dim, max_len / i.compress_ratio.max(1) + 1));
-        Ok(AttnState {
-            k: zeros(dev, max_len * kvw)?,
-            v: zeros(dev, max_len * kvw)?,
-            index_k: zeros(dev, max_len * ihd)?,
-            pooled: zeros(dev, blocks * ihd)?,
-        })
+        [max_len * kvw, max_len * kvw, max_len * ihd, blocks * ihd].map(|v| v.max(1))
     }
 
     /// Gated attention for `n` tokens at the position in `pos_dev`; `capacity` is the state's token capacity
@@ -105,10 +113,39 @@ impl DevAttention {
         pos_dev: u64,
         capacity: usize,
     ) -> Result<u64, CudaError> {
+        self.forward_seqs(ctx, m, n, &[Seq { st, r0: 0, n, pos_dev, capacity }])
+    }
+
+    /// Gated attention over the `n` rows `m` of several sequences (`seqs` cover the rows in order, each with its
+    /// own cache and position): the projections, norms, gate and output projection over all rows at once, rope,
+    /// the cache writes, the QSA selection and the attention itself per sequence. Returns the output `[n, d]`.
+    pub(crate) fn forward_seqs(
+        &self,
+        ctx: &Launch,
+        m: u64,
+        n: usize,
+        seqs: &[Seq<'_, AttnState>],
+    ) -> Result<u64, CudaError> {
+        let cfg = &ctx.cfg;
+        let rows = self.project(ctx, m, n)?;
+        let out = ctx.tmp(n * cfg.n_head * cfg.head_dim)?;
+        for s in seqs {
+            self.attend(ctx, s, &rows, out)?;
+        }
+        let dev = &ctx.dev;
+        let width = n * cfg.n_head * cfg.head_dim;
+        dev.launch_1d("mul_sigmoid", width, &[Arg::Ptr(out), Arg::Ptr(rows.gate), Arg::I64(width as i64)])?;
+        let y = ctx.tmp(n * cfg.hidden)?;
+        ctx.matmul(self.o_proj.view(dev), out, n, y)?;
+        Ok(y)
+    }
+
+    /// The row-wise part of attention for `n` rows `m`: the q/gate, k, v (and indexer q, k) projections and the
+    /// per-head RMS norms, before rope.
+    fn project(&self, ctx: &Launch, m: u64, n: usize) -> Result<AttnRows, CudaError> {
         let dev = &ctx.dev;
         let cfg = &ctx.cfg;
         let at = self;
-        let AttnState { k: kc, v: vc, index_k: raw, pooled } = st;
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
         let kvw = nkv * hd;
         let pq = ctx.tmp(n * nh * hd * 2)?;
@@ -121,12 +158,39 @@ impl DevAttention {
             &[Arg::Ptr(pq), Arg::Ptr(q), Arg::Ptr(gate), Arg::I32(n as i32), Arg::I32(nh as i32), Arg::I32(hd as i32)],
         )?;
         ctx.rms_norm(q, ctx.addr(&at.q_norm, 0), q, n * nh, hd, 1)?;
-        ctx.rope(q, n, nh, nh * hd, hd, pos_dev)?;
         let kn = ctx.tmp(n * kvw)?;
         let vn = ctx.tmp(n * kvw)?;
         ctx.matmul(at.k_proj.view(dev), m, n, kn)?;
         ctx.matmul(at.v_proj.view(dev), m, n, vn)?;
         ctx.rms_norm(kn, ctx.addr(&at.k_norm, 0), kn, n * nkv, hd, 1)?;
+        let (mut qi, mut kr) = (0, 0);
+        if let Some(ix) = &at.indexer {
+            let ic = cfg.indexer;
+            let (nih, ihd) = (ic.n_heads, ic.head_dim);
+            qi = ctx.tmp(n * nih * ihd)?;
+            ctx.matmul(ix.q_proj.view(dev), m, n, qi)?;
+            ctx.rms_norm(qi, ctx.addr(&ix.q_norm, 0), qi, n * nih, ihd, 1)?;
+            kr = ctx.tmp(n * ihd)?;
+            ctx.matmul(ix.k_proj.view(dev), m, n, kr)?;
+        }
+        Ok(AttnRows { q, gate, kn, vn, qi, kr })
+    }
+
+    /// The per-sequence part of attention for the rows of `s`: rope at the sequence's positions, the K/V (and
+    /// indexer key) cache writes, the QSA block selection and the attention over the sequence's own cache, into
+    /// the sequence's rows of `out` (`[rows, n_head * head_dim]`).
+    fn attend(&self, ctx: &Launch, s: &Seq<'_, AttnState>, rows: &AttnRows, out: u64) -> Result<(), CudaError> {
+        let dev = &ctx.dev;
+        let cfg = &ctx.cfg;
+        let at = self;
+        let AttnState { k: kc, v: vc, index_k: raw, pooled } = s.st;
+        let (n, pos_dev, capacity) = (s.n, s.pos_dev, s.capacity);
+        let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
+        let kvw = nkv * hd;
+        let q = s.row(rows.q, nh * hd);
+        let (kn, vn) = (s.row(rows.kn, kvw), s.row(rows.vn, kvw));
+        let out = s.row(out, nh * hd);
+        ctx.rope(q, n, nh, nh * hd, hd, pos_dev)?;
         ctx.rope(kn, n, nkv, kvw, hd, pos_dev)?;
         for (src, dst) in [(kn, kc), (vn, vc)] {
             dev.launch_1d(
@@ -146,12 +210,9 @@ impl DevAttention {
         if let Some(ix) = &at.indexer {
             let ic = cfg.indexer;
             let (nih, ihd, r) = (ic.n_heads, ic.head_dim, ix.compress_ratio);
-            let qi = ctx.tmp(n * nih * ihd)?;
-            ctx.matmul(ix.q_proj.view(dev), m, n, qi)?;
-            ctx.rms_norm(qi, ctx.addr(&ix.q_norm, 0), qi, n * nih, ihd, 1)?;
+            let qi = s.row(rows.qi, nih * ihd);
+            let kr = s.row(rows.kr, ihd);
             ctx.rope(qi, n, nih, nih * ihd, ihd, pos_dev)?;
-            let kr = ctx.tmp(n * ihd)?;
-            ctx.matmul(ix.k_proj.view(dev), m, n, kr)?;
             dev.launch_1d(
                 "copy_rows_at",
                 n * ihd,
@@ -222,7 +283,6 @@ impl DevAttention {
             )?;
             selection = Some((sel, count, cap));
         }
-        let out = ctx.tmp(n * nh * hd)?;
         let (sp, cp, cap) = selection.unwrap_or((0, 0, 0));
         // Both attention kernels take the query, the caches and the key list first, the head shape last; the
         // output in between (the decode split writes partial sums).
@@ -269,9 +329,19 @@ impl DevAttention {
                 dev.launch("attention", ((n * nh) as u32, 1, 1), 128, &args)?;
             }
         }
-        dev.launch_1d("mul_sigmoid", n * nh * hd, &[Arg::Ptr(out), Arg::Ptr(gate), Arg::I64((n * nh * hd) as i64)])?;
-        let y = ctx.tmp(n * cfg.hidden)?;
-        ctx.matmul(at.o_proj.view(dev), out, n, y)?;
-        Ok(y)
+        Ok(())
     }
+}
+
+/// The row-wise outputs of attention's projections (device addresses of arena temporaries, rows in pass order):
+/// the normed queries `[rows, n_head * head_dim]` and the output gate (same shape), the normed keys and the
+/// values `[rows, n_head_kv * head_dim]`, and with the QSA indexer its normed queries `[rows, heads * head_dim]`
+/// and raw keys `[rows, head_dim]` (0 without one).
+struct AttnRows {
+    q: u64,
+    gate: u64,
+    kn: u64,
+    vn: u64,
+    qi: u64,
+    kr: u64,
 }
