@@ -240,6 +240,12 @@ fn expand_names(src: &str) -> Vec<String> {
     out
 }
 
+/// Every kernel name the sources define (macro families expanded), as [`Gpu::open`] loads them: for checks that
+/// the names a launch asks for exist, on machines without a GPU.
+pub fn all_kernel_names() -> Vec<String> {
+    SOURCES.iter().flat_map(|(_, src)| expand_names(src)).collect()
+}
+
 /// `NEBULA_CUDA_CARVEOUT`: the preferred shared-memory carve-out, in percent of the SM's unified L1/shared
 /// memory (0-100), given to every kernel at load (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`); unset
 /// or empty leaves the driver's per-kernel choice. Errors: anything but an integer 0-100, naming the variable.
@@ -472,6 +478,23 @@ mod tests {
                 panic!("{e}");
             }
         }
+    }
+
+    /// NVRTC gets each source with its headers inlined once each, recursively (lowbit.cuh includes common.cuh,
+    /// already inlined by gemv.cu), and no `#include` of ours left.
+    #[test]
+    fn headers_are_inlined_once_for_nvrtc() {
+        let gemv = SOURCES.iter().find(|(s, _)| *s == "gemv").unwrap().1;
+        let full = inline_includes(gemv, &mut Vec::new());
+        for (name, _) in HEADERS {
+            assert!(!full.contains(&format!("#include \"{name}\"")), "{name} left as an include");
+        }
+        assert_eq!(full.matches("__device__ const unsigned long long iq2xxs_grid[256]").count(), 1);
+        assert_eq!(full.matches("struct Block<T_Q4_0>").count(), 1);
+        assert!(full.contains("struct QRaw<T_IQ1_S>"));
+        let norm = SOURCES.iter().find(|(s, _)| *s == "norm_rope").unwrap().1;
+        let full = inline_includes(norm, &mut Vec::new());
+        assert!(full.contains("__device__ __forceinline__ float warp_sum") && !full.contains("iq2xxs_grid"));
     }
 
     #[test]

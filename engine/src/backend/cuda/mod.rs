@@ -25,6 +25,8 @@ mod graphs;
 mod head;
 pub mod hybrid;
 mod hyper_connection;
+#[cfg(test)]
+mod kernel_tests;
 mod launch;
 mod linear_attn;
 mod memory;
