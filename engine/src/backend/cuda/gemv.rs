@@ -70,7 +70,9 @@ pub(crate) struct Pro {
 /// `moe_groupedq_*`, `moe_groupedmma_*`), whatever the tuning: see [`Launch::q8_block`].
 pub(crate) fn q8_type_block(ty: GgmlType) -> Option<usize> {
     match ty {
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::IQ4_NL | GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::MXFP4 => Some(32),
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::IQ4_NL | GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::MXFP4 => {
+            Some(32)
+        }
         GgmlType::Q4_K | GgmlType::IQ2_XXS | GgmlType::IQ3_XXS | GgmlType::IQ3_S | GgmlType::IQ1_S => Some(256),
         _ => None,
     }

@@ -170,7 +170,10 @@ fn check(what: &str, m: &Matrix, got: &[f32], x: &[f32], n: usize, which: impl F
     let cpu64: Vec<f64> = cpu.iter().map(|&v| v as f64).collect();
     let vs_cpu = worst(got, &cpu64, &scale, which);
     let vs_exact = worst(got, &exact, &scale, which);
-    println!("{:8} {what}: vs CPU kernel {vs_cpu:.2e} S, vs f64 of the CPU-decoded weights {vs_exact:.2e} S", ty.name());
+    println!(
+        "{:8} {what}: vs CPU kernel {vs_cpu:.2e} S, vs f64 of the CPU-decoded weights {vs_exact:.2e} S",
+        ty.name()
+    );
     if q8_type_block(ty).is_some() {
         assert!(vs_cpu <= TOL_SAME_INT, "{} {what}: {vs_cpu:.3e} S from the CPU kernel", ty.name());
     } else {
@@ -241,7 +244,9 @@ fn kernel_types_expert_products_match_the_cpu() {
                         continue;
                     }
                     let xt = &x[(s / k) * cols..(s / k + 1) * cols];
-                    check(&format!("{what} slot {s}"), &ms[ex as usize], &got[s * rows..(s + 1) * rows], xt, 1, |_| true);
+                    check(&format!("{what} slot {s}"), &ms[ex as usize], &got[s * rows..(s + 1) * rows], xt, 1, |_| {
+                        true
+                    });
                 }
             };
             if n <= 8 {
@@ -335,8 +340,12 @@ fn kernel_types_gather_and_dequantize_match_the_cpu() {
         let f = upload(&ctx, &vec![0f32; rows * cols]);
         let b = upload(&ctx, &vec![0u16; rows * cols]);
         let (fp, bp) = (ptr(&f, ctx.dev.stream(), 0), ptr(&b, ctx.dev.stream(), 0));
-        ctx.dev.launch_1d(&format!("dequant_f32_{sfx}"), rows * cols / 32, &[&shape[..], &[Arg::Ptr(fp)]].concat()).unwrap();
-        ctx.dev.launch_1d(&format!("dequant_bf16_{sfx}"), rows * cols / 32, &[&shape[..], &[Arg::Ptr(bp)]].concat()).unwrap();
+        ctx.dev
+            .launch_1d(&format!("dequant_f32_{sfx}"), rows * cols / 32, &[&shape[..], &[Arg::Ptr(fp)]].concat())
+            .unwrap();
+        ctx.dev
+            .launch_1d(&format!("dequant_bf16_{sfx}"), rows * cols / 32, &[&shape[..], &[Arg::Ptr(bp)]].concat())
+            .unwrap();
         let got = download(&ctx, &f);
         let mut got_b = vec![0u16; rows * cols];
         ctx.dev.stream().memcpy_dtoh(&b, &mut got_b).unwrap();
@@ -347,6 +356,10 @@ fn kernel_types_gather_and_dequantize_match_the_cpu() {
                 assert_eq!(got_b[i], f32_to_bf16_bits(cpu[i]), "{} dequant_bf16: value {i}", ty.name());
             }
         }
-        println!("{:8} get_rows and dequantize (f32, bf16): {}", ty.name(), if exact { "bit-exact" } else { "within 1e-6" });
+        println!(
+            "{:8} get_rows and dequantize (f32, bf16): {}",
+            ty.name(),
+            if exact { "bit-exact" } else { "within 1e-6" }
+        );
     }
 }
