@@ -2,7 +2,8 @@
 //! prefill matmuls (tensor cores or dequantized f32 cuBLAS), routed-expert GEMVs, the grouped expert kernels
 //! (int8 MMA, dp4a, f32), row gather and dequantization, each through the launch helpers the model uses. The
 //! GPU tests are `#[ignore]` without a GPU: `cargo test --release -p nebula-engine -- --ignored
-//! --test-threads 1 kernel_types` (or the carried library test binary with the same arguments).
+//! --test-threads 1 kernel_types` (or the carried library test binary with the same arguments and
+//! `NEBULA_REPO_ROOT` set to the repository, which holds the demo model whose shapes they borrow).
 //!
 //! Weights: `quant::synthetic_blocks` (every bit field random, the block scales set, varied by row) so each
 //! format's whole layout is read. Activations: uniform in [-1, 1) times a factor varying by 32-block.
@@ -103,7 +104,10 @@ fn launch() -> Launch {
     let tuning = crate::tuning::Tuning::from_env().expect("the NEBULA_* tuning variables parse").cuda;
     let gpu = Gpu::open(0).expect("a GPU");
     let dev = Dev::new(gpu, &tuning).expect("the device opens");
-    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/nebula-demo.gguf");
+    // The repository root: NEBULA_REPO_ROOT where the test binary runs away from its build tree (a GPU machine).
+    let root = std::env::var_os("NEBULA_REPO_ROOT")
+        .map_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."), std::path::PathBuf::from);
+    let path = root.join("models/nebula-demo.gguf");
     let mut cfg = ModelConfig::from_gguf(&GgufFile::open(&path).expect("the demo model")).expect("its config");
     cfg.n_expert = 8;
     cfg.n_expert_used = 2;
