@@ -168,8 +168,8 @@ pub struct CudaTuning {
     pub graphs: bool,
     /// Profiling (`NEBULA_CUDA_PROFILE`).
     pub profile: CudaProfile,
-    /// 8-bit activations for the GEMVs of Q8_0, Q4_0, IQ4_NL and Q4_K weights (integer dot products, as the CPU
-    /// kernels do); off (`NEBULA_CUDA_Q8=0`) keeps f32 activations for every type.
+    /// 8-bit activations for the GEMVs of Q8_0, Q4_0, Q4_1, Q5_1, MXFP4, IQ4_NL, Q4_K, IQ1_S, IQ2_XXS, IQ3_XXS and
+    /// IQ3_S weights (integer dot products, as the CPU kernels do); off (`NEBULA_CUDA_Q8=0`) keeps f32 activations for every type.
     pub q8_activations: bool,
     /// Down projections and hyper-connection up projections compute and quantize their input themselves (a GEMV
     /// prologue) instead of after a SiLU or `hc_acts` kernel (`NEBULA_CUDA_GEMV_PROLOGUE=1`). It takes 48 launches

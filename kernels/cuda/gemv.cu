@@ -7,6 +7,7 @@
 // than a warp, through shared memory in warp order, so each row is one fixed-order sum (deterministic, and the
 // same whatever NT: a row's value does not depend on how many tokens share the launch).
 #include "common.cuh"
+#include "lowbit.cuh"
 
 // Sums acc[t] over the `lanes` threads of each row group (lanes a power of two, at most 256, dividing blockDim.x,
 // uniform over the block): a shuffle tree inside the warp, then for groups wider than a warp the warps' partial
@@ -166,6 +167,18 @@ GEMV(q4_k, T_Q4_K)
 GEMV(q5_k, T_Q5_K)
 GEMV(q6_k, T_Q6_K)
 GEMV(iq4_xs, T_IQ4_XS)
+GEMV(q4_1, T_Q4_1)
+GEMV(q5_1, T_Q5_1)
+GEMV(mxfp4, T_MXFP4)
+GEMV(q2_k, T_Q2_K)
+GEMV(q3_k, T_Q3_K)
+GEMV(iq1_s, T_IQ1_S)
+GEMV(iq1_m, T_IQ1_M)
+GEMV(iq2_xxs, T_IQ2_XXS)
+GEMV(iq2_xs, T_IQ2_XS)
+GEMV(iq2_s, T_IQ2_S)
+GEMV(iq3_xxs, T_IQ3_XXS)
+GEMV(iq3_s, T_IQ3_S)
 
 // out[t][copy*cols + i] = row ids[t] of W for copy in [0, copies): embedding and n-gram table lookups.
 template <int T>
@@ -201,6 +214,18 @@ GET_ROWS(q4_k, T_Q4_K)
 GET_ROWS(q5_k, T_Q5_K)
 GET_ROWS(q6_k, T_Q6_K)
 GET_ROWS(iq4_xs, T_IQ4_XS)
+GET_ROWS(q4_1, T_Q4_1)
+GET_ROWS(q5_1, T_Q5_1)
+GET_ROWS(mxfp4, T_MXFP4)
+GET_ROWS(q2_k, T_Q2_K)
+GET_ROWS(q3_k, T_Q3_K)
+GET_ROWS(iq1_s, T_IQ1_S)
+GET_ROWS(iq1_m, T_IQ1_M)
+GET_ROWS(iq2_xxs, T_IQ2_XXS)
+GET_ROWS(iq2_xs, T_IQ2_XS)
+GET_ROWS(iq2_s, T_IQ2_S)
+GET_ROWS(iq3_xxs, T_IQ3_XXS)
+GET_ROWS(iq3_s, T_IQ3_S)
 
 // Element paths for plain float rows of any width (n-gram tables and weights narrower than 32 or not a multiple).
 template <int T>
@@ -306,6 +331,18 @@ GROUPED(q4_k, T_Q4_K)
 GROUPED(q5_k, T_Q5_K)
 GROUPED(q6_k, T_Q6_K)
 GROUPED(iq4_xs, T_IQ4_XS)
+GROUPED(q4_1, T_Q4_1)
+GROUPED(q5_1, T_Q5_1)
+GROUPED(mxfp4, T_MXFP4)
+GROUPED(q2_k, T_Q2_K)
+GROUPED(q3_k, T_Q3_K)
+GROUPED(iq1_s, T_IQ1_S)
+GROUPED(iq1_m, T_IQ1_M)
+GROUPED(iq2_xxs, T_IQ2_XXS)
+GROUPED(iq2_xs, T_IQ2_XS)
+GROUPED(iq2_s, T_IQ2_S)
+GROUPED(iq3_xxs, T_IQ3_XXS)
+GROUPED(iq3_s, T_IQ3_S)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Quantized-activation GEMV ("q8 path"), the way ggml pairs weights with activations (engine/src/quant/acts.rs):
@@ -450,6 +487,9 @@ struct QRaw<T_Q4_K> {
         }
     }
 };
+
+// The low-bit types with one scale per 32-value chunk (Q4_1, Q5_1, MXFP4, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S).
+#include "lowbit_q8.cuh"
 
 // The decoded task t of a row (QRaw's load, then decode).
 template <int T, int C>
@@ -736,6 +776,13 @@ GEMVQ(q8_0, T_Q8_0)
 GEMVQ(q4_0, T_Q4_0)
 GEMVQ(iq4_nl, T_IQ4_NL)
 GEMVQ(q4_k, T_Q4_K)
+GEMVQ(q4_1, T_Q4_1)
+GEMVQ(q5_1, T_Q5_1)
+GEMVQ(mxfp4, T_MXFP4)
+GEMVQ(iq2_xxs, T_IQ2_XXS)
+GEMVQ(iq3_xxs, T_IQ3_XXS)
+GEMVQ(iq3_s, T_IQ3_S)
+GEMVQ(iq1_s, T_IQ1_S)
 
 // Decode GEMVs of one token whose blocks compute and quantize their own input (quantize_prologue: x2 set,
 // silu(x) * x2; x2 null, silu(x * scale) and the injection weights into aux): gemvqp_* (dense) and moe_gemvqp_*
@@ -762,6 +809,13 @@ GEMVQP(q8_0, T_Q8_0)
 GEMVQP(q4_0, T_Q4_0)
 GEMVQP(iq4_nl, T_IQ4_NL)
 GEMVQP(q4_k, T_Q4_K)
+GEMVQP(q4_1, T_Q4_1)
+GEMVQP(q5_1, T_Q5_1)
+GEMVQP(mxfp4, T_MXFP4)
+GEMVQP(iq2_xxs, T_IQ2_XXS)
+GEMVQP(iq3_xxs, T_IQ3_XXS)
+GEMVQP(iq3_s, T_IQ3_S)
+GEMVQP(iq1_s, T_IQ1_S)
 
 // Routed experts, prefill, on 8-bit activations: as moe_grouped (blockIdx.y = expert e, its slots
 // perm[offsets[e] .. offsets[e+1]] 8 at a time) with each weight task decoded once per 8 slots and multiplied by
@@ -829,6 +883,13 @@ GROUPEDQ(q8_0, T_Q8_0)
 GROUPEDQ(q4_0, T_Q4_0)
 GROUPEDQ(iq4_nl, T_IQ4_NL)
 GROUPEDQ(q4_k, T_Q4_K)
+GROUPEDQ(q4_1, T_Q4_1)
+GROUPEDQ(q5_1, T_Q5_1)
+GROUPEDQ(mxfp4, T_MXFP4)
+GROUPEDQ(iq2_xxs, T_IQ2_XXS)
+GROUPEDQ(iq3_xxs, T_IQ3_XXS)
+GROUPEDQ(iq3_s, T_IQ3_S)
+GROUPEDQ(iq1_s, T_IQ1_S)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Routed experts, prefill, on tensor cores (sm_80+): the integer products of moe_groupedq (8-bit weights decoded
@@ -1108,3 +1169,10 @@ GROUPEDMMA(q8_0, T_Q8_0)
 GROUPEDMMA(q4_0, T_Q4_0)
 GROUPEDMMA(iq4_nl, T_IQ4_NL)
 GROUPEDMMA(q4_k, T_Q4_K)
+GROUPEDMMA(q4_1, T_Q4_1)
+GROUPEDMMA(q5_1, T_Q5_1)
+GROUPEDMMA(mxfp4, T_MXFP4)
+GROUPEDMMA(iq2_xxs, T_IQ2_XXS)
+GROUPEDMMA(iq3_xxs, T_IQ3_XXS)
+GROUPEDMMA(iq3_s, T_IQ3_S)
+GROUPEDMMA(iq1_s, T_IQ1_S)

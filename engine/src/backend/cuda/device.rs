@@ -49,6 +49,18 @@ pub(crate) fn type_suffix(ty: GgmlType) -> Result<&'static str, GpuError> {
         GgmlType::Q5_K => "q5_k",
         GgmlType::Q6_K => "q6_k",
         GgmlType::IQ4_XS => "iq4_xs",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::MXFP4 => "mxfp4",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q3_K => "q3_k",
+        GgmlType::IQ1_S => "iq1_s",
+        GgmlType::IQ1_M => "iq1_m",
+        GgmlType::IQ2_XXS => "iq2_xxs",
+        GgmlType::IQ2_XS => "iq2_xs",
+        GgmlType::IQ2_S => "iq2_s",
+        GgmlType::IQ3_XXS => "iq3_xxs",
+        GgmlType::IQ3_S => "iq3_s",
         other => return Err(GpuError::UnsupportedType { type_name: other.name().to_string(), tensor: None }),
     })
 }

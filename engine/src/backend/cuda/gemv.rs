@@ -66,15 +66,26 @@ pub(crate) struct Pro {
     pub(crate) aux_n: usize,
 }
 
+/// The activation block of the types with 8-bit GEMV kernels (`gemvq_*`, `moe_gemvq_*`, `gemvqp_*`,
+/// `moe_groupedq_*`, `moe_groupedmma_*`), whatever the tuning: see [`Launch::q8_block`].
+pub(crate) fn q8_type_block(ty: GgmlType) -> Option<usize> {
+    match ty {
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::IQ4_NL | GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::MXFP4 => {
+            Some(32)
+        }
+        GgmlType::Q4_K | GgmlType::IQ2_XXS | GgmlType::IQ3_XXS | GgmlType::IQ3_S | GgmlType::IQ1_S => Some(256),
+        _ => None,
+    }
+}
+
 impl Launch {
     /// The activation block of the 8-bit GEMV path for weights of type `ty` with `cols` columns (32 for the
-    /// 32-value formats, 256 for Q4_K, as `engine/src/quant/acts.rs` pairs them), or `None` for f32 activations.
+    /// 32-value formats, 256 for the 256-value super-blocks, as `engine/src/quant/acts.rs` pairs them), or `None`
+    /// for f32 activations: the types whose 32-value chunks have one scale each (gemv.cu `QRaw`,
+    /// kernels/cuda/lowbit_q8.cuh). Q2_K, Q3_K, IQ1_M, IQ2_XS and IQ2_S (a scale per 16 values), Q5_0, Q5_K, Q6_K
+    /// and IQ4_XS multiply f32 activations.
     pub(crate) fn q8_block(&self, ty: GgmlType, cols: usize) -> Option<usize> {
-        let blk = match ty {
-            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::IQ4_NL => 32,
-            GgmlType::Q4_K => 256,
-            _ => return None,
-        };
+        let blk = q8_type_block(ty)?;
         (self.flags.q8_acts && cols.is_multiple_of(blk)).then_some(blk)
     }
 

@@ -20,7 +20,8 @@ use crate::tuning::{CudaFusions, CudaProfile, CudaTuning};
 pub(crate) struct LaunchFlags {
     /// Decode steps replay as CUDA Graphs (never in hybrid mode, never while profiling).
     pub(crate) graphs: bool,
-    /// 8-bit activations for the GEMVs of Q8_0, Q4_0, IQ4_NL and Q4_K weights ([`CudaTuning::q8_activations`]).
+    /// 8-bit activations for the GEMVs of the types with an integer path (`Launch::q8_block`)
+    /// ([`CudaTuning::q8_activations`]).
     pub(crate) q8_acts: bool,
     /// Down projections and hyper-connection up projections compute and quantize their input themselves
     /// (`Acts::Pro`) ([`CudaTuning::gemv_prologue`]).

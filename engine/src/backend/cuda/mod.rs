@@ -26,6 +26,8 @@ mod graphs;
 mod head;
 pub mod hybrid;
 mod hyper_connection;
+#[cfg(test)]
+mod kernel_tests;
 mod launch;
 mod linear_attn;
 mod memory;

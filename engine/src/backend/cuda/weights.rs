@@ -264,13 +264,18 @@ mod tests {
     use crate::gguf::GgmlType;
     use crate::quant::{Matrix, WeightBytes};
 
-    /// A tensor of a type the kernels do not cover is refused at upload with the type and the tensor named (no
-    /// GPU needed: the check runs before anything is copied).
+    /// Every type the CPU reads has CUDA kernels, so every matrix passes the type check; a type without kernels
+    /// (none a `Matrix` can hold now) is refused with the type named, before anything is copied (no GPU needed).
     #[test]
-    fn a_weight_type_without_kernels_is_named_with_its_tensor() {
-        let q5_1 = Matrix::new(GgmlType::Q5_1, 1, 32, WeightBytes::from_vec(vec![0; 24])).unwrap();
-        let e = Uploader::check_shape(&q5_1, "blk.3.ffn_down_exps").unwrap_err().to_string();
-        assert_eq!(e, "the CUDA backend has no kernels for weight type Q5_1 (tensor blk.3.ffn_down_exps)");
+    fn every_cpu_type_passes_the_upload_check_and_others_are_named() {
+        for ty in crate::quant::SUPPORTED {
+            let cols = ty.block_size().max(32);
+            let bytes = vec![0u8; crate::quant::row_bytes(ty, cols).unwrap()];
+            let m = Matrix::new(ty, 1, cols, WeightBytes::from_vec(bytes)).unwrap();
+            Uploader::check_shape(&m, "blk.3.ffn_down_exps").unwrap_or_else(|e| panic!("{}: {e}", ty.name()));
+        }
+        let e = super::type_suffix(GgmlType::TQ1_0).unwrap_err().to_string();
+        assert_eq!(e, "the CUDA backend has no kernels for weight type TQ1_0");
         let f32_odd = Matrix::new(GgmlType::F32, 1, 6, WeightBytes::from_vec(vec![0; 24])).unwrap();
         let e = Uploader::check_shape(&f32_odd, "output").unwrap_err().to_string();
         assert!(e.contains("output") && e.contains("rows of 6 values"), "{e}");

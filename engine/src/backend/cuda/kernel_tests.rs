@@ -1,0 +1,402 @@
+//! The block-type kernels against the CPU kernels on the same bytes, for every type the CPU reads: decode GEMVs,
+//! prefill matmuls (tensor cores or dequantized f32 cuBLAS), routed-expert GEMVs, the grouped expert kernels
+//! (int8 MMA, dp4a, f32), row gather and dequantization, each through the launch helpers the model uses. The
+//! GPU tests are `#[ignore]` without a GPU: `cargo test --release -p nebula-engine -- --ignored
+//! --test-threads 1 kernel_types` (or the carried library test binary with the same arguments and
+//! `NEBULA_REPO_ROOT` set to the repository, which holds the demo model whose shapes they borrow).
+//!
+//! Weights: `quant::synthetic_blocks` (every bit field random, the block scales set, varied by row) so each
+//! format's whole layout is read. Activations: uniform in [-1, 1) times a factor varying by 32-block.
+//!
+//! Bounds, per output value, relative to `S = sum_i |w_i x_i|` (w from the CPU decoder, x the f32 activations),
+//! which a wrong decode misses by orders of magnitude:
+//! - types with an 8-bit path ([`q8_type_block`]: Q8_0, Q4_0, Q4_1, Q5_1, MXFP4, IQ4_NL, Q4_K, IQ1_S, IQ2_XXS,
+//!   IQ3_XXS, IQ3_S): against the CPU kernel (`Matrix::matmul`, same 8-bit activations, same integer dot
+//!   products; only the f32 sums of the block terms differ in order): `2e-5 S`;
+//! - the f32-activation types (Q5_0, Q5_K, Q6_K, IQ4_XS, Q2_K, Q3_K, IQ1_M, IQ2_XS, IQ2_S): against the f64 dot
+//!   of the CPU-decoded weights with the f32 activations, `3e-5 S` (f32 accumulation), and against the CPU kernel
+//!   (which rounds the activations to 8 bits: at most half a step of 1/127 of a block's largest value each)
+//!   `2e-2 S`;
+//! - row gather and dequantization of the new types: bit for bit the CPU decoder's values (same f32 operations,
+//!   unfused), the bf16 copy its round-to-nearest-even.
+
+use nebula_kernels::Gpu;
+use nebula_kernels::cudarc::driver::CudaSlice;
+use rand::{Rng, SeedableRng};
+
+use super::device::{Arg, Dev, ptr, type_suffix};
+use super::gemv::{Acts, q8_type_block};
+use super::launch::Launch;
+use super::weights::Uploader;
+use crate::gguf::{GgmlType, GgufFile};
+use crate::model::config::ModelConfig;
+use crate::quant::{Matrix, SUPPORTED, WeightBytes, f32_to_bf16_bits, synthetic_blocks};
+
+/// The types added with the low-bit kernels: their gather and dequantization are bit-exact with the CPU decoder.
+const LOW_BIT: [GgmlType; 12] = [
+    GgmlType::Q4_1,
+    GgmlType::Q5_1,
+    GgmlType::MXFP4,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
+];
+
+/// The quantized types under test: the low-bit ones and, as controls, the types that had kernels before.
+fn types() -> Vec<GgmlType> {
+    let mut t = LOW_BIT.to_vec();
+    t.extend([
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::IQ4_NL,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_XS,
+    ]);
+    t
+}
+
+const TOL_SAME_INT: f64 = 2e-5;
+const TOL_F32: f64 = 3e-5;
+const TOL_VS_8BIT: f64 = 2e-2;
+
+/// Every launch name the helpers form for a type exists in the kernel sources, for every type the CPU reads (no
+/// GPU needed: a missing instantiation would otherwise fail only when a model of that type runs).
+#[test]
+fn every_cpu_type_has_each_kernel_a_launch_asks_for() {
+    let names = nebula_kernels::all_kernel_names();
+    for ty in SUPPORTED {
+        let sfx = type_suffix(ty).unwrap();
+        let mut want: Vec<String> = [1, 2, 4, 8].iter().map(|c| format!("gemv_{sfx}_{c}")).collect();
+        want.extend([
+            format!("moe_gemv_{sfx}"),
+            format!("dequant_f32_{sfx}"),
+            format!("dequant_bf16_{sfx}"),
+            format!("moe_grouped_{sfx}"),
+        ]);
+        if ty.block_size() > 1 {
+            want.push(format!("get_rows_{sfx}"));
+        } else {
+            want.extend([format!("get_rows_{sfx}"), format!("get_rows_elem_{sfx}"), format!("dequant_elem_f32_{sfx}")]);
+        }
+        if q8_type_block(ty).is_some() {
+            want.extend([1, 2, 4, 8].iter().map(|c| format!("gemvq_{sfx}_{c}")));
+            for k in ["gemvqd", "moe_gemvq", "gemvqp", "moe_gemvqp", "moe_groupedq", "moe_groupedmma"] {
+                want.push(format!("{k}_{sfx}"));
+            }
+        }
+        for w in want {
+            assert!(names.contains(&w), "{}: no kernel {w}", ty.name());
+        }
+    }
+}
+
+/// The launch context of these tests: GPU 0, the demo model's shapes with 8 experts, 2 per token.
+fn launch() -> Launch {
+    let tuning = crate::tuning::Tuning::from_env().expect("the NEBULA_* tuning variables parse").cuda;
+    let gpu = Gpu::open(0).expect("a GPU");
+    let dev = Dev::new(gpu, &tuning).expect("the device opens");
+    // The repository root: NEBULA_REPO_ROOT where the test binary runs away from its build tree (a GPU machine).
+    let root = std::env::var_os("NEBULA_REPO_ROOT")
+        .map_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."), std::path::PathBuf::from);
+    let path = root.join("models/nebula-demo.gguf");
+    let mut cfg = ModelConfig::from_gguf(&GgufFile::open(&path).expect("the demo model")).expect("its config");
+    cfg.n_expert = 8;
+    cfg.n_expert_used = 2;
+    Launch::new(dev, cfg, &tuning)
+}
+
+/// `rows x cols` weights of `ty`: synthetic blocks, row `r` with block scale 0.02 (1 + (r % 5) / 4).
+fn weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Matrix {
+    let per_row = cols / ty.block_size();
+    let mut bytes = Vec::new();
+    for r in 0..rows {
+        let scale = 0.02 * (1.0 + (r % 5) as f32 / 4.0);
+        bytes.extend(synthetic_blocks(ty, per_row, scale, seed.wrapping_mul(1000).wrapping_add(r as u64)));
+    }
+    Matrix::new(ty, rows, cols, WeightBytes::from_vec(bytes)).expect("valid synthetic weights")
+}
+
+/// `n x cols` activations, uniform in [-1, 1) times 1, 2 or 3 by 32-block.
+fn activations(n: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    (0..n * cols).map(|i| rng.random_range(-1.0f32..1.0) * (1 + (i / 32) % 3) as f32).collect()
+}
+
+fn upload<T: nebula_kernels::cudarc::driver::DeviceRepr>(ctx: &Launch, v: &[T]) -> CudaSlice<T> {
+    ctx.dev.stream().clone_htod(v).expect("upload")
+}
+
+fn download(ctx: &Launch, buf: &CudaSlice<f32>) -> Vec<f32> {
+    let mut out = vec![0f32; buf.len()];
+    ctx.dev.stream().memcpy_dtoh(buf, &mut out).expect("download");
+    ctx.dev.stream().synchronize().expect("the stream completes");
+    out
+}
+
+/// (f64 dot, S = sum |w x|) of every (token, row): `[n][rows]`.
+fn reference(m: &Matrix, x: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
+    let w = m.to_f32();
+    let (rows, cols) = (m.rows(), m.cols());
+    let (mut y, mut s) = (vec![0f64; n * rows], vec![0f64; n * rows]);
+    for t in 0..n {
+        for r in 0..rows {
+            let (wr, xt) = (&w[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+            y[t * rows + r] = wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
+            s[t * rows + r] = wr.iter().zip(xt).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+        }
+    }
+    (y, s)
+}
+
+/// The largest |got - want| / S.
+fn worst(got: &[f32], want: &[f64], scale: &[f64]) -> f64 {
+    (0..got.len()).fold(0f64, |m, i| {
+        assert!(got[i].is_finite(), "value {i} is {}", got[i]);
+        m.max((got[i] as f64 - want[i]).abs() / scale[i].max(1e-30))
+    })
+}
+
+/// Checks `got` (`[n][rows]` of `m . x`) against the CPU: the bound of the type's path (module doc).
+/// Prints the figures when `print`.
+fn check(what: &str, m: &Matrix, got: &[f32], x: &[f32], n: usize, print: bool) {
+    let ty = m.ggml_type();
+    let (exact, scale) = reference(m, x, n);
+    let mut cpu = vec![0f32; n * m.rows()];
+    m.matmul(x, n, &mut cpu);
+    let cpu64: Vec<f64> = cpu.iter().map(|&v| v as f64).collect();
+    let vs_cpu = worst(got, &cpu64, &scale);
+    let vs_exact = worst(got, &exact, &scale);
+    if print {
+        println!(
+            "{:8} {what}: vs CPU kernel {vs_cpu:.2e} S, vs f64 of the CPU-decoded weights {vs_exact:.2e} S",
+            ty.name()
+        );
+    }
+    if q8_type_block(ty).is_some() {
+        assert!(vs_cpu <= TOL_SAME_INT, "{} {what}: {vs_cpu:.3e} S from the CPU kernel", ty.name());
+    } else {
+        assert!(vs_exact <= TOL_F32, "{} {what}: {vs_exact:.3e} S from the exact product", ty.name());
+        assert!(vs_cpu <= TOL_VS_8BIT, "{} {what}: {vs_cpu:.3e} S from the CPU kernel", ty.name());
+    }
+}
+
+/// Dense products through `Launch::matmul`: decode GEMVs for 1, 2, 5 and 8 tokens (every token-count kernel),
+/// and 40-token prefill matmuls with tensor cores on and off.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-engine -- --ignored kernel_types"]
+fn kernel_types_dense_products_match_the_cpu() {
+    let mut ctx = launch();
+    let (rows, cols) = (200, 1024);
+    for (k, ty) in types().into_iter().enumerate() {
+        let m = weights(ty, rows, cols, 10 + k as u64);
+        let dm = Uploader { dev: &ctx.dev, bytes: 0 }.matrix(&m, "test.weight").unwrap();
+        for (n, mma) in [(1, true), (2, true), (5, true), (8, true), (40, true), (40, false)] {
+            ctx.flags.tensor_cores = mma && ctx.dev.gpu.capability.0 >= 8;
+            ctx.arena_reset().unwrap();
+            let x = activations(n, cols, 100 + n as u64);
+            let xb = upload(&ctx, &x);
+            let yb = upload(&ctx, &vec![0f32; n * rows]);
+            let (xp, yp) = (ptr(&xb, ctx.dev.stream(), 0), ptr(&yb, ctx.dev.stream(), 0));
+            ctx.matmul(dm.view(&ctx.dev), xp, n, yp).unwrap();
+            let label = if n <= 8 { format!("GEMV n={n}") } else { format!("matmul n={n} tensor cores {mma}") };
+            check(&label, &m, &download(&ctx, &yb), &x, n, true);
+        }
+    }
+}
+
+/// Routed experts: the decode GEMVs (`Launch::moe_gemv`, gate and up in one launch on 8-bit activations) and the
+/// grouped prefill kernels (`Launch::moe_grouped`: int8 MMA, dp4a or f32), including a launch over a subset of
+/// experts mapped by `slot_expert` (hybrid streaming).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-engine -- --ignored kernel_types"]
+fn kernel_types_expert_products_match_the_cpu() {
+    let mut ctx = launch();
+    let (e, k, rows, cols) = (8usize, 2usize, 96usize, 512usize);
+    for (ti, ty) in types().into_iter().enumerate() {
+        let gate: Vec<Matrix> = (0..e).map(|j| weights(ty, rows, cols, 1000 + 20 * ti as u64 + j as u64)).collect();
+        let up: Vec<Matrix> = (0..e).map(|j| weights(ty, rows, cols, 5000 + 20 * ti as u64 + j as u64)).collect();
+        let mut up_ = Uploader { dev: &ctx.dev, bytes: 0 };
+        let gs = up_.stack(&gate.iter().collect::<Vec<_>>(), &gate[0], "test.gate_exps").unwrap();
+        let us = up_.stack(&up.iter().collect::<Vec<_>>(), &up[0], "test.up_exps").unwrap();
+        // Two experts uploaded in the order (5, 2), for the slot_expert launch.
+        let sub = up_.stack(&[&gate[5], &gate[2]], &gate[0], "test.gate_exps").unwrap();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7 + ti as u64);
+        for n in [3usize, 40] {
+            ctx.arena_reset().unwrap();
+            let slots = n * k;
+            // Two distinct experts per token, as the router picks them.
+            let mut ids = Vec::with_capacity(slots);
+            for _ in 0..n {
+                let a = rng.random_range(0..e as i32);
+                ids.extend([a, (a + rng.random_range(1..e as i32)) % e as i32]);
+            }
+            let x = activations(n, cols, 300 + n as u64);
+            let xb = upload(&ctx, &x);
+            let xp = ptr(&xb, ctx.dev.stream(), 0);
+            let idb = upload(&ctx, &ids);
+            let idp = ptr(&idb, ctx.dev.stream(), 0);
+            // Per slot: the CPU product of its expert with its token's row, checked on that slot's rows.
+            let check_slots = |what: &str, ms: &[Matrix], got: &[f32], only: &[i32]| {
+                let mut shown = false;
+                for (s, &ex) in ids.iter().enumerate() {
+                    if !only.is_empty() && !only.contains(&ex) {
+                        continue;
+                    }
+                    let xt = &x[(s / k) * cols..(s / k + 1) * cols];
+                    let y = &got[s * rows..(s + 1) * rows];
+                    check(&format!("{what} (slot {s} shown, every slot checked)"), &ms[ex as usize], y, xt, 1, !shown);
+                    shown = true;
+                }
+            };
+            if n <= 8 {
+                let xa = ctx.acts(ty, xp, n, cols).unwrap();
+                let (y0, y1) = (upload(&ctx, &vec![0f32; slots * rows]), upload(&ctx, &vec![0f32; slots * rows]));
+                let (p0, p1) = (ptr(&y0, ctx.dev.stream(), 0), ptr(&y1, ctx.dev.stream(), 0));
+                ctx.moe_gemv(&gs, Some(&us), idp, slots, xa, cols, k, (p0, p1), None).unwrap();
+                check_slots("MoE GEMV gate", &gate, &download(&ctx, &y0), &[]);
+                check_slots("MoE GEMV up", &up, &download(&ctx, &y1), &[]);
+                continue;
+            }
+            // Grouped by expert, as moe_sort orders them: offsets[e] .. offsets[e + 1] index perm.
+            let mut perm: Vec<i32> = (0..slots as i32).collect();
+            perm.sort_by_key(|&s| (ids[s as usize], s));
+            let mut offsets = vec![0i32; e + 1];
+            for &ex in &ids {
+                offsets[ex as usize + 1] += 1;
+            }
+            for j in 0..e {
+                offsets[j + 1] += offsets[j];
+            }
+            let (ob, pb) = (upload(&ctx, &offsets), upload(&ctx, &perm));
+            let (op, pp) = (ptr(&ob, ctx.dev.stream(), 0), ptr(&pb, ctx.dev.stream(), 0));
+            let se = upload(&ctx, &[5i32, 2]);
+            let sp = ptr(&se, ctx.dev.stream(), 0);
+            for mma in [true, false] {
+                ctx.flags.tensor_cores = mma && ctx.dev.gpu.capability.0 >= 8;
+                let xa = ctx.acts(ty, xp, n, cols).unwrap();
+                let kernel = match (xa, ctx.flags.tensor_cores) {
+                    (Acts::Q8(..), true) => "int8 MMA",
+                    (Acts::Q8(..), false) => "dp4a",
+                    _ => "f32",
+                };
+                let y = upload(&ctx, &vec![0f32; slots * rows]);
+                let yp = ptr(&y, ctx.dev.stream(), 0);
+                ctx.moe_grouped(gs.view(&ctx.dev), e, 0, op, pp, xa, k, cols, yp, slots).unwrap();
+                check_slots(&format!("grouped {kernel}"), &gate, &download(&ctx, &y), &[]);
+                let y = upload(&ctx, &vec![0f32; slots * rows]);
+                let yp = ptr(&y, ctx.dev.stream(), 0);
+                ctx.moe_grouped(sub.view(&ctx.dev), 2, sp, op, pp, xa, k, cols, yp, slots).unwrap();
+                let got = download(&ctx, &y);
+                check_slots(&format!("grouped {kernel}, experts (5, 2) by slot map"), &gate, &got, &[5, 2]);
+                for (s, &ex) in ids.iter().enumerate() {
+                    if ex != 5 && ex != 2 {
+                        assert!(got[s * rows..(s + 1) * rows].iter().all(|&v| v == 0.0), "slot {s} was written");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Row gather (embeddings, the n-gram table: `Launch::get_rows`, two copies side by side) and dequantization to
+/// f32 and bf16: the CPU decoder's values, bit for bit for the low-bit types (the older types' kernels may fuse a
+/// multiply-add: within 1e-6 of the row's largest value).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-engine -- --ignored kernel_types"]
+fn kernel_types_gather_and_dequantize_match_the_cpu() {
+    let ctx = launch();
+    let (rows, cols) = (64usize, 512usize);
+    for (k, ty) in types().into_iter().enumerate() {
+        ctx.arena_reset().unwrap();
+        let m = weights(ty, rows, cols, 77 + k as u64);
+        let cpu = m.to_f32();
+        let exact = LOW_BIT.contains(&ty);
+        let near = |got: f32, want: f32, r: usize| {
+            let amax = cpu[r * cols..(r + 1) * cols].iter().fold(0f32, |a, v| a.max(v.abs()));
+            if exact { got.to_bits() == want.to_bits() } else { (got - want).abs() <= 1e-6 * amax }
+        };
+        let table = Uploader { dev: &ctx.dev, bytes: 0 }.table(&m, "test.token_embd").unwrap();
+        let ids: Vec<i32> = vec![5, 0, 63, 5, 17];
+        let stride = 2 * cols + 8;
+        let out = upload(&ctx, &vec![0f32; ids.len() * stride]);
+        let idb = upload(&ctx, &ids);
+        let (op, ip) = (ptr(&out, ctx.dev.stream(), 0), ptr(&idb, ctx.dev.stream(), 0));
+        ctx.get_rows(&table, ip, ids.len(), op, stride, 2).unwrap();
+        let got = download(&ctx, &out);
+        for (t, &r) in ids.iter().enumerate() {
+            let r = r as usize;
+            for copy in 0..2 {
+                for c in 0..cols {
+                    let (g, w) = (got[t * stride + copy * cols + c], cpu[r * cols + c]);
+                    assert!(near(g, w, r), "{} get_rows: row {r} col {c}: {g} vs the CPU's {w}", ty.name());
+                }
+            }
+            assert!(got[t * stride + 2 * cols..(t + 1) * stride].iter().all(|&v| v == 0.0), "past the copies");
+        }
+        let sfx = type_suffix(ty).unwrap();
+        let wp = ptr(&table.data, ctx.dev.stream(), 0);
+        let shape = [Arg::Ptr(wp), Arg::I64(m.row_bytes() as i64), Arg::I32(rows as i32), Arg::I32(cols as i32)];
+        let f = upload(&ctx, &vec![0f32; rows * cols]);
+        let b = upload(&ctx, &vec![0u16; rows * cols]);
+        let (fp, bp) = (ptr(&f, ctx.dev.stream(), 0), ptr(&b, ctx.dev.stream(), 0));
+        ctx.dev
+            .launch_1d(&format!("dequant_f32_{sfx}"), rows * cols / 32, &[&shape[..], &[Arg::Ptr(fp)]].concat())
+            .unwrap();
+        ctx.dev
+            .launch_1d(&format!("dequant_bf16_{sfx}"), rows * cols / 32, &[&shape[..], &[Arg::Ptr(bp)]].concat())
+            .unwrap();
+        let got = download(&ctx, &f);
+        let mut got_b = vec![0u16; rows * cols];
+        ctx.dev.stream().memcpy_dtoh(&b, &mut got_b).unwrap();
+        ctx.dev.stream().synchronize().unwrap();
+        for i in 0..rows * cols {
+            assert!(near(got[i], cpu[i], i / cols), "{} dequant_f32: value {i}: {} vs {}", ty.name(), got[i], cpu[i]);
+            if exact {
+                assert_eq!(got_b[i], f32_to_bf16_bits(cpu[i]), "{} dequant_bf16: value {i}", ty.name());
+            }
+        }
+        println!(
+            "{:8} get_rows and dequantize (f32, bf16): {}",
+            ty.name(),
+            if exact { "bit-exact" } else { "within 1e-6" }
+        );
+    }
+}
+
+/// The CUDA grids (kernels/cuda/iq_grids.cuh) hold the CPU's tables row for row (both generated by
+/// `scripts/make_iq_grids.py`; a hand edit or a stale regeneration of one would make the GPU decode differently).
+#[test]
+fn the_cuda_grids_equal_the_cpu_grids() {
+    use crate::quant::grids::*;
+    let header = nebula_kernels::HEADERS.iter().find(|(n, _)| *n == "iq_grids.cuh").expect("the grid header").1;
+    let table = |name: &str| -> Vec<u64> {
+        let start = header.find(&format!(" {name}[")).unwrap_or_else(|| panic!("{name} missing"));
+        let body = &header[start..];
+        let body = &body[body.find('{').unwrap() + 1..body.find('}').unwrap()];
+        body.split(',')
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .map(|v| match v.strip_prefix("0x") {
+                Some(h) => u64::from_str_radix(h, 16).unwrap(),
+                None => v.parse::<i64>().unwrap() as u64,
+            })
+            .collect()
+    };
+    assert_eq!(table("iq2xxs_grid"), IQ2XXS_GRID.to_vec());
+    assert_eq!(table("iq2xs_grid"), IQ2XS_GRID.to_vec());
+    assert_eq!(table("iq2s_grid"), IQ2S_GRID.to_vec());
+    assert_eq!(table("iq1s_grid"), IQ1S_GRID.to_vec());
+    assert_eq!(table("iq3xxs_grid"), IQ3XXS_GRID.iter().map(|&v| v as u64).collect::<Vec<_>>());
+    assert_eq!(table("iq3s_grid"), IQ3S_GRID.iter().map(|&v| v as u64).collect::<Vec<_>>());
+    assert_eq!(table("ksigns_iq2xs"), KSIGNS_IQ2XS.iter().map(|&v| v as u64).collect::<Vec<_>>());
+    assert_eq!(table("kvalues_mxfp4"), KVALUES_MXFP4.iter().map(|&v| v as i64 as u64).collect::<Vec<_>>());
+}
