@@ -556,6 +556,11 @@ pub fn free_disk_bytes(dir: &Path) -> Option<u64> {
 /// The n-gram table's tensor name.
 const NGRAM_TABLE: &str = "per_layer_token_embd.weight";
 
+/// Every tensor `synth` writes for `opts`: name, ggml dims and type, in file order.
+pub fn planned_tensors(opts: &SynthOptions) -> Vec<(String, Vec<u64>, GgmlType)> {
+    plan(opts, Init::NegDecay).into_iter().map(|s| (s.name, s.dims, s.ty)).collect()
+}
+
 /// Bytes of tensor data `synth` writes for `opts` (before any is written: the disk-space check), and the part
 /// of them a sparse n-gram table leaves as a hole.
 pub fn planned_bytes(opts: &SynthOptions) -> (u64, u64) {
