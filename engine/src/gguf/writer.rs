@@ -602,6 +602,31 @@ impl Drop for TensorDataWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hole_reads_as_zeros_and_a_trailing_hole_extends_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.gguf");
+        let mut w = GgufWriter::create(&path, 32).unwrap();
+        w.add_kv("general.architecture", "test").unwrap();
+        w.add_tensor("a", &[8], GgmlType::F32).unwrap();
+        w.add_tensor("hole", &[1 << 20], GgmlType::F32).unwrap();
+        let mut d = w.begin_data().unwrap();
+        d.write_tensor("a", &[7u8; 32]).unwrap();
+        d.begin_tensor("hole").unwrap();
+        d.write_chunk(&[1, 2, 3, 4]).unwrap();
+        assert!(d.write_hole(4 << 20).is_err(), "past the tensor's end");
+        d.write_hole((4 << 20) - 4).unwrap();
+        d.end_tensor().unwrap();
+        d.finish().unwrap();
+        let f = crate::gguf::GgufFile::open(&path).unwrap();
+        let t = f.tensors().find(|t| t.name == "hole").unwrap();
+        let bytes = f.tensor_data(t);
+        assert_eq!(bytes.len(), 4 << 20);
+        assert_eq!(&bytes[..4], &[1, 2, 3, 4]);
+        assert!(bytes[4..].iter().all(|&b| b == 0));
+        assert_eq!(f.tensor_data(f.tensors().next().unwrap()), &[7u8; 32]);
+    }
     use crate::gguf::{GgufFile, ValueType};
 
     fn temp_dir(name: &str) -> PathBuf {

@@ -695,6 +695,55 @@ mod tests {
         assert!(skewed.windows(2).all(|w| w[0] < w[1]), "{skewed:?}");
     }
 
+    /// A small low-bit synth with a sparse n-gram table: every planned tensor in its recipe type, the table a hole
+    /// (zeros, no disk), the other blocks random and readable.
+    #[test]
+    fn a_small_low_bit_synth_writes_valid_blocks_and_a_sparse_table() {
+        use std::os::unix::fs::MetadataExt;
+        let demo = crate::gguf::GgufFile::open(
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/nebula-demo.gguf"),
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("s.gguf");
+        let opts = SynthOptions {
+            layers: 1,
+            experts: 10,
+            vocab: 512,
+            ngram_rows_per_head: 1 << 16,
+            recipe: SynthRecipe::Named(RecipeName::Iq2Xs),
+            routing_skew: false,
+            sparse_ngram: true,
+            ..Default::default()
+        };
+        let report = synth(&out, &opts, &demo).unwrap();
+        let (total, hole) = planned_bytes(&opts);
+        assert_eq!((report.data_bytes, report.sparse_bytes), (total, hole));
+        // 16 heads of ~65.5k rows of 160 IQ4_NL values (the 160-wide fallback of Q2_K is Q4_0: 90 bytes a row).
+        assert!(hole > 16 * 65_536 * 90, "{hole}");
+        // IQ2_XS gate/up (2 x 640 x 740 bytes) and IQ4_NL down (2560 x 360).
+        assert_eq!(report.expert_bytes, 2 * 640 * 740 + 2560 * 360);
+        let meta = std::fs::metadata(&out).unwrap();
+        assert!(meta.blocks() * 512 < meta.len() - hole / 2, "the table is not allocated: {meta:?}");
+        let f = crate::gguf::GgufFile::open(&out).unwrap();
+        let planned = planned_tensors(&opts);
+        assert_eq!(f.tensors().count(), planned.len());
+        for (name, dims, ty) in &planned {
+            let t = f.tensors().find(|t| &t.name == name).unwrap();
+            assert_eq!((&t.dims, t.ggml_type), (dims, *ty), "{name}");
+        }
+        let get = |n: &str| f.tensors().find(|t| t.name == n).unwrap();
+        assert_eq!(get("blk.0.ffn_gate_exps.weight").ggml_type, GgmlType::IQ2_XS);
+        let table = get(NGRAM_TABLE);
+        assert!(f.tensor_data(table).iter().all(|&b| b == 0));
+        let gate = get("blk.0.ffn_gate_exps.weight");
+        let mut v = vec![0f32; 2560];
+        crate::quant::dequantize_row(GgmlType::IQ2_XS, &f.tensor_data(gate)[..740], &mut v).unwrap();
+        let std = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+        assert!((std * (2560f32).sqrt() - 1.0).abs() < 0.15, "row std {std}");
+        assert_eq!(f.metadata().get_u32("general.file_type").unwrap(), 20);
+    }
+
     #[test]
     fn head_sizes_are_distinct_primes_from_the_base() {
         let s = head_sizes(20_000_000, 3);
