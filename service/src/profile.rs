@@ -470,7 +470,9 @@ pub struct Profile {
     pub name: String,
     /// `cuda` or `cpu`.
     pub backend: String,
-    /// `original` (the table's figures), `derived-cpu` (CPU-only rows built from the 8 GB column) or `demo`.
+    /// `original` (the table's figures), `derived-cpu` (CPU-only rows built from the 8 GB column), either with
+    /// `-expert-size` when the tiers were recounted for the model file's expert size ([`Profile::expert_mib`]),
+    /// or `demo`.
     pub source: String,
     /// The model the profile was checked against: a GGUF path, or `demo` for the embedded demo model; absent
     /// when no model was given.
@@ -496,6 +498,11 @@ pub struct Profile {
     pub cuda_visible_devices: Option<String>,
     /// Experts per layer per tier: `gpu`, `ram` (+ `gpu_copies`), `ssd`.
     pub placement: Vec<TierPlacement>,
+    /// Mean MiB of one routed expert of the model file the tiers were recounted for (`expert_size.rs`: the
+    /// table's byte budgets in the file's experts); absent without a model and for Q4_K/IQ4_NL files, whose counts
+    /// are the table's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_mib: Option<f64>,
     /// What detection saw.
     pub detected: Detected,
 }
@@ -753,6 +760,7 @@ pub fn select(table: &ProfileTable, hw: &Hardware, opts: &DetectOptions) -> Resu
             experts_per_layer: table.experts_per_layer,
             cuda_visible_devices,
             placement: Vec::new(),
+            expert_mib: None,
             detected,
         });
     }
@@ -792,6 +800,7 @@ pub fn select(table: &ProfileTable, hw: &Hardware, opts: &DetectOptions) -> Resu
                         gpu_copies: None,
                     },
                 ],
+                expert_mib: None,
                 detected,
             }
         }
@@ -825,6 +834,7 @@ pub fn select(table: &ProfileTable, hw: &Hardware, opts: &DetectOptions) -> Resu
                         gpu_copies: None,
                     },
                 ],
+                expert_mib: None,
                 detected,
             }
         }
@@ -1179,6 +1189,21 @@ pub fn detect(args: &DetectArgs) -> Result<String, DetectError> {
     if let Some(model) = &args.model {
         let m = check_model(model)?;
         profile.model = Some(model.display().to_string());
+        let size = GgufFile::open(model).ok().as_ref().and_then(ExpertSize::of_file);
+        if let Some(size) = size.filter(|s| !s.is_table_mix()) {
+            expert_size::apply(&mut profile, &size);
+            profile.expert_mib = Some((size.mean_bytes / MIB * 1000.0).round() / 1000.0);
+            if !profile.placement.is_empty() {
+                profile.source = format!("{}-expert-size", profile.source);
+            }
+            let _ = writeln!(
+                summary,
+                "experts: {:.3} MiB each ({}), {:.3} MiB in the table's Q4_K/IQ4_NL: tiers recounted",
+                size.mean_bytes / MIB,
+                size.types.iter().map(|t| t.name()).collect::<Vec<_>>().join("/"),
+                size.q4_bytes / MIB
+            );
+        }
         let _ = writeln!(
             summary,
             "model: {} ({} part{}, {}{})",
@@ -1246,6 +1271,9 @@ fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
     std::fs::write(&tmp, text)?;
     std::fs::rename(&tmp, path)
 }
+
+pub mod expert_size;
+pub use expert_size::ExpertSize;
 
 #[cfg(test)]
 mod tests;

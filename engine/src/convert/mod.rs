@@ -47,9 +47,43 @@ pub enum ConvertError {
     /// The tokenizer files could not be turned into GGUF vocabulary arrays.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// The recipe cannot be applied: it needs an importance matrix, or it picks a type the converter's
+    /// quantizers do not write.
+    #[error("recipe: {0}")]
+    Recipe(String),
     /// Writing the GGUF failed.
     #[error(transparent)]
     Gguf(#[from] GgufError),
+}
+
+/// Refuses a recipe that llama.cpp's `llama-quantize` refuses without an importance matrix.
+pub(crate) fn check_recipe(recipe: &QuantRecipe, has_imatrix: bool) -> Result<(), ConvertError> {
+    if let QuantRecipe::Named(r) = recipe
+        && r.requires_imatrix()
+        && !has_imatrix
+    {
+        return Err(ConvertError::Recipe(format!(
+            "'{}' needs an importance matrix (--imatrix FILE), as llama.cpp's llama-quantize does for its \
+             sub-3-bit i-quants; `nebula imatrix` gathers one",
+            r.name()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a planned type the converter cannot write (before anything is written).
+pub(crate) fn check_writable(name: &str, ty: GgmlType) -> Result<(), ConvertError> {
+    if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) || quantize::QUANTIZABLE.contains(&ty) {
+        return Ok(());
+    }
+    let can: Vec<&str> = quantize::QUANTIZABLE.iter().map(|t| t.name()).collect();
+    Err(ConvertError::Recipe(format!(
+        "the recipe picks {} for '{name}', which this converter cannot quantize (it writes {}); convert to \
+         --outtype f32 or bf16 and quantize with llama.cpp's llama-quantize, or use `nebula synth` for a \
+         random-weight file of this mix",
+        ty.name(),
+        can.join(", ")
+    )))
 }
 
 /// Storage type for the weight matrices (1-D tensors, norms, routers and convs are always F32, as llama.cpp's
@@ -180,9 +214,11 @@ pub fn convert(dir: &Path, out: &Path, opts: &ConvertOptions) -> Result<ConvertR
     let has_mtp = opts.include_mtp && ckpt.get("mtp.fc_hidden.weight").is_some();
     let mut plan = plan_tensors(&cfg, &ckpt, &names, opts.out_type, has_mtp)?;
     if let Some(recipe) = &opts.recipe {
-        let ctx = RecipeContext { n_layers: cfg.num_hidden_layers, has_imatrix: opts.imatrix.is_some() };
+        let ctx = RecipeContext { n_layers: cfg.num_hidden_layers, mtp: has_mtp, has_imatrix: opts.imatrix.is_some() };
+        check_recipe(recipe, opts.imatrix.is_some())?;
         for t in plan.iter_mut().filter(|t| t.weight) {
             t.ty = recipe.tensor_type(&t.name, &t.dims, &ctx);
+            check_writable(&t.name, t.ty)?;
         }
     }
 

@@ -14,6 +14,17 @@
 //! | `q8_0` | ggml-org's Q8_0 GGUFs (`convert_hf_to_gguf.py --outtype q8_0`): every weight Q8_0 except the never-quantized indexer (BF16) |
 //! | `ud-q4_k_xl` | Unsloth's UD-Q4_K_XL: expert gate/up Q4_K, expert down Q5_K (stored Q5_1 at 640 wide), n-gram table IQ4_NL and attention Q8_0, as measured from the published file by third parties; the other dense weights Q8_0, an assumption that matches the published size to within 1.5 GiB of 103.7 GiB |
 //! | `iq4_xs` | llama.cpp's `llama-quantize ... IQ4_XS` type selection (`llama_tensor_get_type` in `llama-quant.cpp`): IQ4_XS by default, Q6_K head, Q5_K `attn_v`/`attn_qkv` (grouped-query factor 12 >= 4), Q5_K `ffn_down` in the first eighth of the layers without an importance matrix |
+//! | `q2_k` | `llama-quantize ... Q2_K`: Q2_K by default (token and n-gram embeddings too), Q6_K head, Q4_K `attn_v`/`attn_qkv` (grouped-query factor >= 4), Q3_K `attn_output` and every `ffn_down` (expert, shared and the hyper-connection `hc_ffn_down`); the same with an importance matrix |
+//! | `q3_k_s` | `llama-quantize ... Q3_K_S`: Q3_K everywhere but the Q6_K head (with or without an importance matrix) |
+//! | `q3_k_m` | `llama-quantize ... Q3_K_M`: Q3_K by default, Q6_K head, Q4_K `attn_output`; `attn_v`/`attn_qkv` Q5_K for the first two of them in file order (`blk.0`/`blk.1.attn_qkv`), Q4_K after; `ffn_down` Q5_K in blocks below `blocks / 16`, Q4_K above |
+//! | `iq3_xxs` | `llama-quantize ... IQ3_XXS` (needs an importance matrix, as llama.cpp does: `--imatrix`): IQ3_XXS by default, Q5_K head, IQ3_S token and n-gram embeddings and `attn_output`, Q4_K `attn_v`/`attn_qkv`, IQ2_S `attn_q`/`attn_k`; the no-matrix branch (Q4_K `ffn_down` below `blocks / 8`, Q3_K above) only for `nebula synth` |
+//! | `iq2_xs` | `llama-quantize ... IQ2_XS` (needs an importance matrix): IQ2_XS by default, Q5_K head, Q2_K token and n-gram embeddings, Q4_K `attn_v`/`attn_qkv` (experts >= 4), Q2_K for the first `blocks / 8` `ffn_down` tensors in file order (three per block: expert, shared, `hc_ffn_down`) |
+//! | `iq1_m` | `llama-quantize ... IQ1_M` (needs an importance matrix): as `iq2_xs` with IQ1_M by default and IQ2_XXS `attn_output` |
+//! | `ud-q2_k_xl` | Unsloth's UD-Q2_K_XL: routed experts IQ2_XS gate/up and IQ3_XXS down (IQ4_NL at 640 wide), n-gram table IQ4_NL, as a third-party loader of the published file reports its storage ("routed experts retain their mixed IQ2_XS/IQ3_XXS/IQ4_NL storage", FastLLM's Qwen4-Exp deployment guide); which layers hold IQ3_XXS gate/up is not published, so every layer takes IQ2_XS; the dense weights take the `q2_k` row's types, an assumption (no per-tensor listing of the dense weights was found) |
+//!
+//! "File order" is llama.cpp's: tensors sorted by block number, then by name; `blocks` counts the MTP block when
+//! the file has one (llama.cpp's `n_layer_all`). Types below 4 bits at 256-value blocks fall back at the
+//! 640-wide expert down projections and the 160/320-wide rows as the table above says.
 //!
 //! `--recipe-from FILE.gguf` copies the type of every same-named tensor of a published GGUF instead (a like for
 //! like test of a published mix); tensors it lacks take the `nebula-q4` type.
@@ -34,15 +45,36 @@ pub enum RecipeName {
     UdQ4KXl,
     /// llama.cpp's IQ4_XS mix.
     Iq4Xs,
+    /// llama.cpp's Q2_K mix.
+    Q2K,
+    /// llama.cpp's Q3_K_S mix.
+    Q3KS,
+    /// llama.cpp's Q3_K_M mix.
+    Q3KM,
+    /// llama.cpp's IQ3_XXS mix.
+    Iq3Xxs,
+    /// llama.cpp's IQ2_XS mix.
+    Iq2Xs,
+    /// llama.cpp's IQ1_M mix.
+    Iq1M,
+    /// Unsloth's UD-Q2_K_XL mix.
+    UdQ2KXl,
 }
 
 impl RecipeName {
     /// Every recipe with its command-line name.
-    pub const ALL: [(RecipeName, &'static str); 4] = [
+    pub const ALL: [(RecipeName, &'static str); 11] = [
         (RecipeName::NebulaQ4, "nebula-q4"),
         (RecipeName::Q8_0, "q8_0"),
         (RecipeName::UdQ4KXl, "ud-q4_k_xl"),
         (RecipeName::Iq4Xs, "iq4_xs"),
+        (RecipeName::Q2K, "q2_k"),
+        (RecipeName::Q3KS, "q3_k_s"),
+        (RecipeName::Q3KM, "q3_k_m"),
+        (RecipeName::Iq3Xxs, "iq3_xxs"),
+        (RecipeName::Iq2Xs, "iq2_xs"),
+        (RecipeName::Iq1M, "iq1_m"),
+        (RecipeName::UdQ2KXl, "ud-q2_k_xl"),
     ];
 
     /// The command-line name.
@@ -56,7 +88,19 @@ impl RecipeName {
             RecipeName::NebulaQ4 | RecipeName::UdQ4KXl => 15, // Q4_K_M
             RecipeName::Q8_0 => 7,
             RecipeName::Iq4Xs => 30,
+            RecipeName::Q2K | RecipeName::UdQ2KXl => 10,
+            RecipeName::Q3KS => 11,
+            RecipeName::Q3KM => 12,
+            RecipeName::Iq3Xxs => 23,
+            RecipeName::Iq2Xs => 20,
+            RecipeName::Iq1M => 31,
         }
+    }
+
+    /// Whether `llama-quantize` refuses this mix without an importance matrix (its `tensor_requires_imatrix`:
+    /// the mix's default type is IQ3_XXS, IQ2_XS or IQ1_M).
+    pub fn requires_imatrix(self) -> bool {
+        matches!(self, RecipeName::Iq3Xxs | RecipeName::Iq2Xs | RecipeName::Iq1M)
     }
 }
 
@@ -76,8 +120,17 @@ impl std::str::FromStr for RecipeName {
 pub struct RecipeContext {
     /// Trunk layers (`num_hidden_layers`); the MTP block, when written, is block `n_layers`.
     pub n_layers: usize,
+    /// Whether the file has the MTP block (`blk.{n_layers}`): llama.cpp's layer thresholds count it.
+    pub mtp: bool,
     /// Whether an importance matrix is used.
     pub has_imatrix: bool,
+}
+
+impl RecipeContext {
+    /// Blocks in the file, the MTP block included (llama.cpp's `n_layer_all`).
+    pub fn blocks(&self) -> usize {
+        self.n_layers + usize::from(self.mtp)
+    }
 }
 
 /// A recipe: a named one, or the types of a published GGUF.
@@ -194,8 +247,21 @@ fn named_type(r: RecipeName, name: &str, ctx: &RecipeContext) -> GgmlType {
                 T::Q8_0
             }
         }
+        RecipeName::Q2K | RecipeName::Q3KS | RecipeName::Q3KM | RecipeName::Iq3Xxs => k_mix(r, name, ctx),
+        RecipeName::Iq2Xs | RecipeName::Iq1M => i_mix(r, name, ctx),
+        RecipeName::UdQ2KXl => {
+            if is_expert_gate_up(name) {
+                T::IQ2_XS
+            } else if is("ffn_down_exps") {
+                T::IQ3_XXS
+            } else if name == "per_layer_token_embd.weight" {
+                T::IQ4_NL
+            } else {
+                k_mix(RecipeName::Q2K, name, ctx)
+            }
+        }
         RecipeName::Iq4Xs => {
-            let first_eighth = layer_of(name).is_some_and(|l| l < ctx.n_layers / 8);
+            let first_eighth = layer_of(name).is_some_and(|l| l < ctx.blocks() / 8);
             if name == "output.weight" {
                 T::Q6_K
             } else if is("attn_v.weight")
@@ -210,11 +276,141 @@ fn named_type(r: RecipeName, name: &str, ctx: &RecipeContext) -> GgmlType {
     }
 }
 
+/// llama.cpp's tensor categories (`tensor_get_category` in `llama-quant.cpp`), by name substring in this order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Category {
+    TokenEmbd,
+    Output,
+    AttnVLike,
+    AttnK,
+    AttnQ,
+    AttnOutput,
+    FfnUp,
+    FfnGate,
+    FfnDown,
+    Other,
+}
+
+fn category(name: &str) -> Category {
+    let is = |s: &str| name.contains(s);
+    if name == "output.weight" {
+        Category::Output
+    } else if name == "token_embd.weight" || name == "per_layer_token_embd.weight" {
+        Category::TokenEmbd
+    } else if is("attn_qkv.weight") || is("attn_kv_b.weight") || is("attn_v.weight") {
+        Category::AttnVLike
+    } else if is("attn_k.weight") {
+        Category::AttnK
+    } else if is("attn_q.weight") {
+        Category::AttnQ
+    } else if is("attn_output.weight") {
+        Category::AttnOutput
+    } else if is("ffn_up") {
+        Category::FfnUp
+    } else if is("ffn_gate") {
+        Category::FfnGate
+    } else if is("ffn_down") {
+        Category::FfnDown
+    } else {
+        Category::Other
+    }
+}
+
+/// Position of an `attn_v`-like tensor (`attn_qkv` of the Gated DeltaNet blocks, `attn_v` of the attention
+/// blocks) in llama.cpp's file order (qwen4exp has one per block).
+fn attn_v_ordinal(name: &str) -> Option<usize> {
+    layer_of(name)
+}
+
+/// Position of an `ffn_down` tensor in llama.cpp's file order: three per block, sorted by name
+/// (`ffn_down_exps`, `ffn_down_shexp`, `hc_ffn_down`).
+fn ffn_down_ordinal(name: &str) -> Option<usize> {
+    let l = layer_of(name)?;
+    let k = if name.contains("ffn_down_exps") {
+        0
+    } else if name.contains("ffn_down_shexp") {
+        1
+    } else {
+        2
+    };
+    Some(3 * l + k)
+}
+
+/// llama.cpp's Q2_K, Q3_K_S, Q3_K_M and IQ3_XXS mixes (`llama_tensor_get_type_impl` for a 512-expert model with
+/// grouped-query factor 12).
+fn k_mix(r: RecipeName, name: &str, ctx: &RecipeContext) -> GgmlType {
+    use GgmlType as T;
+    let default = match r {
+        RecipeName::Q2K => T::Q2_K,
+        RecipeName::Iq3Xxs => T::IQ3_XXS,
+        _ => T::Q3_K,
+    };
+    let blocks = ctx.blocks();
+    let layer = layer_of(name).unwrap_or(0);
+    match category(name) {
+        Category::Output => {
+            if r == RecipeName::Iq3Xxs {
+                T::Q5_K
+            } else {
+                T::Q6_K
+            }
+        }
+        Category::TokenEmbd => {
+            if r == RecipeName::Iq3Xxs {
+                T::IQ3_S
+            } else {
+                default
+            }
+        }
+        Category::AttnVLike => match r {
+            RecipeName::Q2K | RecipeName::Iq3Xxs => T::Q4_K,
+            RecipeName::Q3KM if attn_v_ordinal(name).is_some_and(|i| i < 2) => T::Q5_K,
+            RecipeName::Q3KM => T::Q4_K,
+            _ => default,
+        },
+        Category::AttnK | Category::AttnQ if r == RecipeName::Iq3Xxs => T::IQ2_S,
+        Category::FfnDown => match r {
+            RecipeName::Q2K => T::Q3_K,
+            RecipeName::Iq3Xxs if !ctx.has_imatrix => {
+                if layer < blocks / 8 {
+                    T::Q4_K
+                } else {
+                    T::Q3_K
+                }
+            }
+            RecipeName::Q3KM if layer < blocks / 16 => T::Q5_K,
+            RecipeName::Q3KM => T::Q4_K,
+            _ => default,
+        },
+        Category::AttnOutput => match r {
+            RecipeName::Q2K => T::Q3_K,
+            RecipeName::Iq3Xxs => T::IQ3_S,
+            RecipeName::Q3KM => T::Q4_K,
+            _ => default,
+        },
+        _ => default,
+    }
+}
+
+/// llama.cpp's IQ2_XS and IQ1_M mixes (the IQ2/IQ1 branch of `llama_tensor_get_type_impl`, 512 experts).
+fn i_mix(r: RecipeName, name: &str, ctx: &RecipeContext) -> GgmlType {
+    use GgmlType as T;
+    let default = if r == RecipeName::Iq1M { T::IQ1_M } else { T::IQ2_XS };
+    match category(name) {
+        Category::Output => T::Q5_K,
+        Category::TokenEmbd => T::Q2_K,
+        Category::AttnVLike => T::Q4_K,
+        Category::FfnDown if ffn_down_ordinal(name).is_some_and(|i| i < ctx.blocks() / 8) => T::Q2_K,
+        Category::AttnOutput if r == RecipeName::Iq1M => T::IQ2_XXS,
+        _ => default,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const CTX: RecipeContext = RecipeContext { n_layers: 48, has_imatrix: false };
+    const CTX: RecipeContext = RecipeContext { n_layers: 48, mtp: true, has_imatrix: false };
 
     fn ty(r: RecipeName, name: &str, ne0: u64) -> GgmlType {
         QuantRecipe::Named(r).tensor_type(name, &[ne0, 1], &CTX)

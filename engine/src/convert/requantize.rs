@@ -47,7 +47,8 @@ pub fn requantize_with(
     let arch = f.architecture()?.to_string();
     let blocks = f.metadata().get_u32(&format!("{arch}.block_count"))? as usize;
     let nextn = f.metadata().get_u32_opt(&format!("{arch}.nextn_predict_layers"))?.unwrap_or(0) as usize;
-    let ctx = RecipeContext { n_layers: blocks - nextn, has_imatrix: imatrix.is_some() };
+    let ctx = RecipeContext { n_layers: blocks - nextn, mtp: nextn > 0, has_imatrix: imatrix.is_some() };
+    super::check_recipe(recipe, imatrix.is_some())?;
     let mut w = GgufWriter::create(out, f.alignment() as u32)?;
     for (k, v) in f.metadata().iter() {
         if k.starts_with("split.")
@@ -65,6 +66,9 @@ pub fn requantize_with(
         .map(|t| (t, if allows_quantization(t) { recipe.tensor_type(&t.name, &t.dims, &ctx) } else { t.ggml_type }))
         .collect();
     for (t, ty) in &plan {
+        if *ty != t.ggml_type {
+            super::check_writable(&t.name, *ty)?;
+        }
         w.add_tensor(t.name.clone(), &t.dims, *ty)?;
     }
     let weights = plan

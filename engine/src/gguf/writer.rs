@@ -11,7 +11,7 @@
 
 use std::collections::HashSet;
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -403,7 +403,12 @@ impl TensorDataWriter {
     fn close_current(&mut self) -> Result<()> {
         if let Some((part, file)) = self.current.take() {
             self.io(part, "flush the output file", |_| {
-                let file = file.into_inner().map_err(|e| e.into_error())?;
+                let mut file = file.into_inner().map_err(|e| e.into_error())?;
+                // A trailing hole (`write_hole`) is not in the file until its length covers it.
+                let end = file.stream_position()?;
+                if file.metadata()?.len() < end {
+                    file.set_len(end)?;
+                }
                 file.sync_all()
             })?;
         }
@@ -493,6 +498,35 @@ impl TensorDataWriter {
         Ok(())
     }
 
+    /// Appends `n` zero bytes to the open tensor as a hole in the file (a seek, nothing written: on file systems
+    /// with sparse files the zeros take no disk and no write time). A file that ends in a hole is extended to
+    /// its full length when it is closed.
+    ///
+    /// # Errors
+    /// No tensor open, more bytes than the tensor's size (nothing is skipped), I/O errors.
+    pub fn write_hole(&mut self, n: u64) -> Result<()> {
+        self.check_usable()?;
+        let Some((index, written)) = self.open_tensor else {
+            return Err(self.state_err("write_hole without begin_tensor"));
+        };
+        let expected = self.tensors[index].n_bytes;
+        let got = written.saturating_add(n);
+        let part = self.part_of(index);
+        if got > expected {
+            let kind = GgufErrorKind::TensorSizeMismatch { tensor: self.tensors[index].name.clone(), expected, got };
+            return Err(self.err_for(part, kind));
+        }
+        self.io(part, "skip over tensor data", |w| match &mut w.current {
+            Some((_, file)) => {
+                let delta = i64::try_from(n).map_err(std::io::Error::other)?;
+                file.seek(SeekFrom::Current(delta)).map(|_| ())
+            }
+            None => Err(std::io::Error::other("no open output file")),
+        })?;
+        self.open_tensor = Some((index, got));
+        Ok(())
+    }
+
     /// Ends the open tensor, writing its padding.
     ///
     /// # Errors
@@ -568,6 +602,31 @@ impl Drop for TensorDataWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hole_reads_as_zeros_and_a_trailing_hole_extends_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.gguf");
+        let mut w = GgufWriter::create(&path, 32).unwrap();
+        w.add_kv("general.architecture", "test").unwrap();
+        w.add_tensor("a", &[8], GgmlType::F32).unwrap();
+        w.add_tensor("hole", &[1 << 20], GgmlType::F32).unwrap();
+        let mut d = w.begin_data().unwrap();
+        d.write_tensor("a", &[7u8; 32]).unwrap();
+        d.begin_tensor("hole").unwrap();
+        d.write_chunk(&[1, 2, 3, 4]).unwrap();
+        assert!(d.write_hole(4 << 20).is_err(), "past the tensor's end");
+        d.write_hole((4 << 20) - 4).unwrap();
+        d.end_tensor().unwrap();
+        d.finish().unwrap();
+        let f = crate::gguf::GgufFile::open(&path).unwrap();
+        let t = f.tensors().find(|t| t.name == "hole").unwrap();
+        let bytes = f.tensor_data(t);
+        assert_eq!(bytes.len(), 4 << 20);
+        assert_eq!(&bytes[..4], &[1, 2, 3, 4]);
+        assert!(bytes[4..].iter().all(|&b| b == 0));
+        assert_eq!(f.tensor_data(f.tensors().next().unwrap()), &[7u8; 32]);
+    }
     use crate::gguf::{GgufFile, ValueType};
 
     fn temp_dir(name: &str) -> PathBuf {

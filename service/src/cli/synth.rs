@@ -15,7 +15,8 @@ pub struct SynthArgs {
     /// Trunk layers (every 4th is attention).
     #[arg(long, default_value_t = 12)]
     pub layers: usize,
-    /// Weight types: nebula-q4, q8_0 or bf16.
+    /// Weight types: a `nebula convert --recipe` mix (nebula-q4, q8_0, ud-q4_k_xl, iq4_xs, q2_k, q3_k_s,
+    /// q3_k_m, iq3_xxs, iq2_xs, iq1_m, ud-q2_k_xl; the with-imatrix choices) or bf16.
     #[arg(long, default_value = "nebula-q4")]
     pub recipe: SynthRecipe,
     /// Rows of each of the 16 n-gram hash heads.
@@ -33,6 +34,10 @@ pub struct SynthArgs {
     /// Leave out the MTP block (written by default, as `nebula convert` writes a checkpoint's).
     #[arg(long)]
     pub no_mtp: bool,
+    /// Leave the n-gram table as a hole in the file (zeros: no disk, no write time; the n-gram embeddings are
+    /// then zero). For full-depth files with the release's table (`--ngram-rows 20000000`).
+    #[arg(long)]
+    pub sparse_ngram: bool,
     /// GGUF whose tokenizer and chat template are copied (default: the embedded demo model).
     #[arg(long)]
     pub tokenizer_from: Option<PathBuf>,
@@ -60,8 +65,25 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         routing_skew: !args.no_skew,
         experts: args.experts,
         mtp: !args.no_mtp,
+        sparse_ngram: args.sparse_ngram,
         ..Default::default()
     };
+    let (total, hole) = nebula_engine::synth::planned_bytes(&opts);
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let dir = args.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    if let Some(free) = nebula_engine::synth::free_disk_bytes(dir)
+        && total - hole > free
+    {
+        anyhow::bail!(
+            "{} needs {:.2} GiB of disk ({:.2} GiB of tensor data{}), {} has {:.2} GiB free",
+            args.out.display(),
+            gib(total - hole),
+            gib(total),
+            if hole > 0 { format!(", {:.2} GiB of it a hole", gib(hole)) } else { String::new() },
+            dir.display(),
+            gib(free)
+        );
+    }
     let t = std::time::Instant::now();
     let report = synth(&args.out, &opts, &tok).with_context(|| format!("writing {}", args.out.display()))?;
     for f in &report.files {
@@ -69,8 +91,11 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     }
     let s = report.fitted_shares;
     println!(
-        "{:.2} GiB of tensor data in {:.1} s; router fit: top 32/64/128/256 experts carry {:.0}/{:.0}/{:.0}/{:.0} % of the routing mass (target 37/53/73/93)",
-        report.data_bytes as f64 / (1u64 << 30) as f64,
+        "{:.2} GiB of tensor data ({:.2} GiB written, {:.2} GiB left as a hole; {:.3} MiB per routed expert) in {:.1} s; router fit: top 32/64/128/256 experts carry {:.0}/{:.0}/{:.0}/{:.0} % of the routing mass (target 37/53/73/93)",
+        gib(report.data_bytes),
+        gib(report.data_bytes - report.sparse_bytes),
+        gib(report.sparse_bytes),
+        report.expert_bytes as f64 / (1u64 << 20) as f64,
         t.elapsed().as_secs_f64(),
         s[0] * 100.0,
         s[1] * 100.0,

@@ -2,6 +2,7 @@
 //! `deploy/profiles.toml`, so an edit of the table file that changes a figure fails here.
 
 use super::*;
+use nebula_engine::gguf::GgmlType;
 
 /// One VRAM step of the table: (VRAM GB, GPU experts, max prefill, max context, CPU experts for 32/64/96/128 GB RAM,
 /// SSD experts for 32/64/96/128 GB RAM).
@@ -532,7 +533,8 @@ fn detect_writes_the_profile_file_and_checks_the_model() {
     let mut args = detect_args(dir.path(), &smi(&[(0, "NVIDIA GeForce RTX 4090", 24564)]), &meminfo(98_500_000));
     args.model = Some(demo_model());
     let summary = detect(&args).unwrap();
-    assert!(summary.contains("profile 24gb-vram-96gb-ram (original)"), "{summary}");
+    // The demo model's experts are Q8_0: the tiers are recounted for their size.
+    assert!(summary.contains("profile 24gb-vram-96gb-ram (original-expert-size)"), "{summary}");
     let p = Profile::load(&args.out).unwrap();
     assert_eq!(p.name, "24gb-vram-96gb-ram");
     assert_eq!(p.model.as_deref(), Some(demo_model().display().to_string().as_str()));
@@ -563,4 +565,123 @@ fn detect_reports_a_missing_nvidia_smi_as_no_gpu() {
     args.allow_cpu = true;
     detect(&args).unwrap();
     assert_eq!(Profile::load(&args.out).unwrap().backend, "cpu");
+}
+
+// --- tier counts from the file's expert size -------------------------------------------------------------------
+
+/// Routed-expert tensors of the release's shapes (2560 wide, 640 intermediate, 512 experts) in `gate_up` and
+/// `down` types, for `blocks` blocks.
+fn release_experts(gate_up: GgmlType, down: GgmlType, blocks: usize) -> Vec<(String, GgmlType, Vec<u64>)> {
+    let mut v = Vec::new();
+    for b in 0..blocks {
+        v.push((format!("blk.{b}.ffn_gate_exps.weight"), gate_up, vec![2560, 640, 512]));
+        v.push((format!("blk.{b}.ffn_up_exps.weight"), gate_up, vec![2560, 640, 512]));
+        v.push((format!("blk.{b}.ffn_down_exps.weight"), down, vec![640, 2560, 512]));
+        // Not routed experts: ignored.
+        v.push((format!("blk.{b}.ffn_down_shexp.weight"), down, vec![640, 2560]));
+    }
+    v
+}
+
+fn size_of(v: &[(String, GgmlType, Vec<u64>)]) -> ExpertSize {
+    ExpertSize::from_tensors(v.iter().map(|(n, t, d)| (n.as_str(), *t, d.as_slice()))).unwrap()
+}
+
+#[test]
+fn q4_files_keep_the_table_and_the_sizes_are_the_block_sizes() {
+    use GgmlType as T;
+    let q4 = size_of(&release_experts(T::Q4_K, T::IQ4_NL, 3));
+    // Q4_K: 144 bytes per 256 values, IQ4_NL: 18 per 32: 2 x 640 x 1440 + 2560 x 360 bytes.
+    assert_eq!(q4.mean_bytes, 2_764_800.0);
+    assert_eq!(q4.q4_bytes, 2_764_800.0);
+    assert_eq!(q4.experts, 512);
+    assert!(q4.is_table_mix());
+    assert_eq!(q4.recount(27, 512), 27);
+    // IQ2_XS (74 bytes per 256) gate/up and IQ4_NL down: 2 x 640 x 740 + 2560 x 360.
+    let low = size_of(&release_experts(T::IQ2_XS, T::IQ4_NL, 3));
+    assert_eq!(low.mean_bytes, 1_868_800.0);
+    assert!(!low.is_table_mix());
+    assert_eq!(low.recount(27, 512), 39, "27 x 2764800 / 1868800 = 39.9");
+    assert_eq!(low.recount(400, 512), 512, "capped at the experts per layer");
+    // Mixed blocks: the mean over blocks (one Q2_K/Q4_0 block, two IQ2_XS/IQ4_NL blocks).
+    let mut mixed = release_experts(T::IQ2_XS, T::IQ4_NL, 3);
+    for t in mixed.iter_mut().filter(|t| t.0.starts_with("blk.0.")) {
+        t.1 = if t.0.contains("down") { T::Q4_0 } else { T::Q2_K };
+    }
+    // Q2_K: 84 bytes per 256 (2 x 640 x 840); Q4_0: 18 per 32 (2560 x 360).
+    let m = size_of(&mixed);
+    assert_eq!(m.mean_bytes, (2.0 * 1_868_800.0 + (2.0 * 640.0 * 840.0 + 2560.0 * 360.0)) / 3.0);
+}
+
+#[test]
+fn tiers_are_recounted_in_the_files_experts() {
+    use GgmlType as T;
+    let low = size_of(&release_experts(T::IQ2_XS, T::IQ4_NL, 2));
+    let hw = hardware(&smi(&[(0, "NVIDIA GeForce RTX 4070", 12282)]), &meminfo(gib_kib(31.5)));
+    let mut p = select(&ProfileTable::embedded(), &hw, &DetectOptions::default()).unwrap();
+    assert_eq!(p.name, "12gb-vram-32gb-ram");
+    assert!(expert_size::apply(&mut p, &low));
+    // The table: GPU 27, CPU 124 (+27 copies), SSD 361. In IQ2_XS/IQ4_NL experts (x 1.4795): GPU 39, RAM holds
+    // floor(151 x 1.4795) = 223 of which 39 are the GPU copies, SSD the other 289.
+    assert_eq!(tier(&p, "gpu").experts_per_layer, 39);
+    assert_eq!((tier(&p, "ram").experts_per_layer, tier(&p, "ram").gpu_copies), (184, Some(39)));
+    assert_eq!(tier(&p, "ssd").experts_per_layer, 289);
+    let sum: u32 = p.placement.iter().map(|t| t.experts_per_layer).sum();
+    assert_eq!(sum, 512);
+
+    // 64 GB of RAM: every expert fits in RAM (383 + 27 = 410 -> 606, capped at 512).
+    let hw = hardware(&smi(&[(0, "NVIDIA GeForce RTX 4070", 12282)]), &meminfo(gib_kib(63.0)));
+    let mut p = select(&ProfileTable::embedded(), &hw, &DetectOptions::default()).unwrap();
+    expert_size::apply(&mut p, &low);
+    assert_eq!(tier(&p, "gpu").experts_per_layer, 39);
+    assert_eq!((tier(&p, "ram").experts_per_layer, tier(&p, "ssd").experts_per_layer), (473, 0));
+
+    // The CPU-only rows: no GPU tier, no copies; RAM 141 + 11 = 152 of the 8 GB column -> 224.
+    let opts = DetectOptions { backend: Backend::Cpu, ..Default::default() };
+    let hw = hardware("", &meminfo(gib_kib(31.5)));
+    let mut p = select(&ProfileTable::embedded(), &hw, &opts).unwrap();
+    expert_size::apply(&mut p, &low);
+    assert_eq!(tier(&p, "gpu").experts_per_layer, 0);
+    assert_eq!((tier(&p, "ram").experts_per_layer, tier(&p, "ram").gpu_copies), (224, Some(0)));
+    assert_eq!(tier(&p, "ssd").experts_per_layer, 288);
+
+    // A Q4_K/IQ4_NL file leaves the profile as the table has it.
+    let q4 = size_of(&release_experts(T::Q4_K, T::IQ4_NL, 2));
+    let before = p.clone();
+    assert!(!expert_size::apply(&mut p, &q4) || p == before);
+}
+
+#[test]
+fn detect_recounts_for_a_low_bit_model_file() {
+    use nebula_engine::gguf::GgufWriter;
+    let dir = tempfile::tempdir().unwrap();
+    // A tiny qwen4exp file: IQ2_XS gate/up (256 wide), IQ4_NL down (64 wide), 16 experts, one block.
+    let path = dir.path().join("low.gguf");
+    let mut w = GgufWriter::create(&path, 32).unwrap();
+    w.add_kv("general.architecture", "qwen4exp").unwrap();
+    let t = [
+        ("blk.0.ffn_gate_exps.weight", GgmlType::IQ2_XS, vec![256u64, 64, 16]),
+        ("blk.0.ffn_up_exps.weight", GgmlType::IQ2_XS, vec![256, 64, 16]),
+        ("blk.0.ffn_down_exps.weight", GgmlType::IQ4_NL, vec![64, 256, 16]),
+    ];
+    for (n, ty, d) in &t {
+        w.add_tensor(*n, d, *ty).unwrap();
+    }
+    let mut data = w.begin_data().unwrap();
+    for (n, ty, d) in &t {
+        let bytes = ty.row_bytes(d[0]).unwrap() * d[1] * d[2];
+        data.write_tensor(n, &vec![0u8; bytes as usize]).unwrap();
+    }
+    data.finish().unwrap();
+    let mut args = detect_args(dir.path(), &smi(&[(0, "NVIDIA GeForce RTX 4070", 12282)]), &meminfo(gib_kib(31.5)));
+    args.model = Some(path);
+    let summary = detect(&args).unwrap();
+    assert!(summary.contains("tiers recounted"), "{summary}");
+    let p = Profile::load(&args.out).unwrap();
+    assert_eq!(p.source, "original-expert-size");
+    // Per expert: 2 x 64 x 74 + 256 x 36 bytes = 18688 (0.0178 MiB); in Q4_K/IQ4_NL 2 x 64 x 144 + 256 x 36 =
+    // 27648: x 1.4795, as at the release's widths.
+    assert_eq!(p.expert_mib, Some(0.018));
+    assert_eq!(tier(&p, "gpu").experts_per_layer, 39);
+    assert_eq!(tier(&p, "ssd").experts_per_layer, 289);
 }

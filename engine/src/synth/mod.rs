@@ -2,9 +2,16 @@
 //!
 //! The file has every tensor and key a real `qwen4exp` GGUF has (as `nebula convert` writes them, so llama.cpp
 //! loads it unchanged), a chosen number of layers in the 3:1 Gated DeltaNet : attention pattern, weight types from a
-//! recipe, an n-gram table of a chosen size, and the real tokenizer and chat template copied from another GGUF
-//! (the embedded demo model). Quantized tensors are written as random *valid* blocks whose values have the
-//! intended spread (so no float weights are materialized: a 17 GB file writes in seconds on many cores).
+//! `nebula convert` recipe (every one, the low-bit mixes included) or BF16, an n-gram table of a chosen size, and
+//! the real tokenizer and chat template copied from another GGUF (the embedded demo model). Quantized tensors are
+//! written as random *valid* blocks whose values have the intended spread (`synth/blocks.rs`: uniform random level and
+//! grid-index bits, fixed sub-block scales, a calibrated super-block scale), so no float weights are
+//! materialized and nothing is quantized: the write runs at disk speed on many cores.
+//!
+//! The recipes take their with-importance-matrix choices (as the published low-bit files are made). With
+//! [`SynthOptions::sparse_ngram`] the n-gram table is left as a hole in the file (all-zero blocks, which every
+//! block type reads as zeros): a full-size table then costs no disk and no write time, and the model's n-gram
+//! embeddings are zero (the gather, gate and convolution still run at full cost).
 //!
 //! Routers are built so routing is as skewed as the real model's: the original study found the top 32 / 64 /
 //! 128 / 256 of 512 experts carrying about 37 / 53 / 73 / 93 % of the routing mass. Router row `e` is a random
@@ -17,31 +24,43 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
+use crate::convert::{QuantRecipe, RecipeContext, RecipeName};
 use crate::gguf::{GgmlType, GgufError, GgufFile, GgufWriter, MetadataValue};
 use crate::quant::f32_to_bf16_bits;
+
+mod blocks;
 
 /// Weight types of the synthetic model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SynthRecipe {
-    /// The original product's component table (`nebula-q4`): Q4_K expert gate/up and dense projections,
-    /// IQ4_NL expert down, shared-expert down, hyper-connection up and n-gram table, F32 routers, norms, GDN
-    /// alpha/beta, BF16 indexer.
-    NebulaQ4,
-    /// Q8_0 for every matrix (F32 norms and routers, BF16 indexer), as ggml-org's Q8_0 files.
-    Q8_0,
+    /// A `nebula convert --recipe` mix (types as [`QuantRecipe::tensor_type`] picks them, with an importance
+    /// matrix): `nebula-q4` is the original product's component table, `q8_0` ggml-org's Q8_0 files, the others
+    /// llama.cpp's and Unsloth's mixes.
+    Named(RecipeName),
     /// BF16 for every matrix.
     Bf16,
+}
+
+impl SynthRecipe {
+    /// The original product's component table.
+    pub const NEBULA_Q4: SynthRecipe = SynthRecipe::Named(RecipeName::NebulaQ4);
+
+    /// `general.file_type` of the output (llama.cpp's `LLAMA_FTYPE_MOSTLY_*`).
+    pub fn file_type(self) -> u32 {
+        match self {
+            SynthRecipe::Named(r) => r.file_type(),
+            SynthRecipe::Bf16 => 32,
+        }
+    }
 }
 
 impl std::str::FromStr for SynthRecipe {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "nebula-q4" => Ok(Self::NebulaQ4),
-            "q8_0" => Ok(Self::Q8_0),
-            "bf16" => Ok(Self::Bf16),
-            other => Err(format!("unknown synth recipe '{other}' (nebula-q4, q8_0, bf16)")),
+        if s.eq_ignore_ascii_case("bf16") {
+            return Ok(Self::Bf16);
         }
+        s.parse::<RecipeName>().map(Self::Named).map_err(|e| format!("{e}, or bf16"))
     }
 }
 
@@ -66,6 +85,8 @@ pub struct SynthOptions {
     pub context_length: usize,
     /// Also write the MTP block (`blk.{layers}.nextn.*` + a dense attention block), as `nebula convert` does.
     pub mtp: bool,
+    /// Leave the n-gram table's data as a hole in the file (zeros; see the module docs).
+    pub sparse_ngram: bool,
 }
 
 impl Default for SynthOptions {
@@ -73,13 +94,14 @@ impl Default for SynthOptions {
         Self {
             layers: 12,
             ngram_rows_per_head: 1 << 20,
-            recipe: SynthRecipe::NebulaQ4,
+            recipe: SynthRecipe::NEBULA_Q4,
             seed: 42,
             routing_skew: true,
             experts: 512,
             vocab: 248_320,
             context_length: 262_144,
             mtp: true,
+            sparse_ngram: false,
         }
     }
 }
@@ -89,8 +111,12 @@ impl Default for SynthOptions {
 pub struct SynthReport {
     /// Files written.
     pub files: Vec<PathBuf>,
-    /// Bytes of tensor data.
+    /// Bytes of tensor data (the sparse n-gram table included).
     pub data_bytes: u64,
+    /// Bytes of tensor data left as a hole (the sparse n-gram table), taking no disk.
+    pub sparse_bytes: u64,
+    /// Bytes of routed-expert data per expert of one layer (gate + up + down).
+    pub expert_bytes: u64,
     /// Routing-mass shares of the top 32/64/128/256 experts in the router fit (simulation).
     pub fitted_shares: [f64; 4],
 }
@@ -167,81 +193,30 @@ fn f16_bytes(x: f32) -> [u8; 2] {
     half::f16::from_f32(x).to_le_bytes()
 }
 
-/// Standard deviation of the IQ4_NL levels (uniform index).
-fn iq4nl_std() -> f32 {
-    let k = crate::quant::grids::KVALUES_IQ4NL;
-    let n = k.len() as f64;
-    let mean = k.iter().map(|&v| v as f64).sum::<f64>() / n;
-    (k.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n).sqrt() as f32
-}
-
-/// Writes `n_rows` rows of `cols` values of type `ty` with values of spread `std` into `out`.
-fn fill_rows(ty: GgmlType, cols: usize, row0: usize, n_rows: usize, init: Init, rng: &mut Rng, out: &mut Vec<u8>) {
-    let value = |rng: &mut Rng, _row: usize| -> f32 {
+/// Writes `n_rows` rows of `cols` values of type `ty` into `out`: floats drawn from `init`, or (`blocks`) random
+/// valid blocks of the planned spread.
+fn fill_rows(
+    ty: GgmlType,
+    cols: usize,
+    n_rows: usize,
+    init: Init,
+    blocks: Option<&blocks::BlockPlan>,
+    rng: &mut Rng,
+    out: &mut Vec<u8>,
+) {
+    let value = |rng: &mut Rng| -> f32 {
         match init {
             Init::Noise { mean, std } => mean + rng.sym() * std * 3f32.sqrt(),
             Init::NegDecay => -(0.2 + 0.9 * (rng.sym() + 1.0)),
             Init::Router { .. } => unreachable!("routers are generated by rows"),
         }
     };
-    let std = match init {
-        Init::Noise { std, .. } => std,
-        _ => 1.0,
-    };
+    let n = n_rows * cols;
     match ty {
-        GgmlType::F32 => {
-            for r in row0..row0 + n_rows {
-                for _ in 0..cols {
-                    out.extend_from_slice(&value(rng, r).to_le_bytes());
-                }
-            }
-        }
-        GgmlType::F16 => {
-            for r in row0..row0 + n_rows {
-                for _ in 0..cols {
-                    out.extend_from_slice(&f16_bytes(value(rng, r)));
-                }
-            }
-        }
-        GgmlType::BF16 => {
-            for r in row0..row0 + n_rows {
-                for _ in 0..cols {
-                    out.extend_from_slice(&f32_to_bf16_bits(value(rng, r)).to_le_bytes());
-                }
-            }
-        }
-        GgmlType::Q8_0 => {
-            let d = f16_bytes(std / 73.3);
-            for _ in 0..n_rows * cols / 32 {
-                out.extend_from_slice(&d);
-                for _ in 0..4 {
-                    out.extend_from_slice(&rng.next().to_le_bytes());
-                }
-            }
-        }
-        GgmlType::IQ4_NL => {
-            let d = f16_bytes(std / iq4nl_std());
-            for _ in 0..n_rows * cols / 32 {
-                out.extend_from_slice(&d);
-                out.extend_from_slice(&rng.next().to_le_bytes());
-                out.extend_from_slice(&rng.next().to_le_bytes());
-            }
-        }
-        GgmlType::Q4_K => {
-            // Every sub-block scale and min is 32: value = 32 (d q - dmin), q uniform in 0..16, zero mean with
-            // dmin = 7.5 d, standard deviation 32 * 4.61 * d.
-            let dv = std / (32.0 * 4.61);
-            let (d, dmin) = (f16_bytes(dv), f16_bytes(7.5 * dv));
-            for _ in 0..n_rows * cols / 256 {
-                out.extend_from_slice(&d);
-                out.extend_from_slice(&dmin);
-                out.extend_from_slice(&[160, 160, 160, 160, 160, 160, 160, 160, 0, 0, 0, 0]);
-                for _ in 0..16 {
-                    out.extend_from_slice(&rng.next().to_le_bytes());
-                }
-            }
-        }
-        other => unreachable!("synth never plans type {}", other.name()),
+        GgmlType::F32 => (0..n).for_each(|_| out.extend_from_slice(&value(rng).to_le_bytes())),
+        GgmlType::F16 => (0..n).for_each(|_| out.extend_from_slice(&f16_bytes(value(rng)))),
+        GgmlType::BF16 => (0..n).for_each(|_| out.extend_from_slice(&f32_to_bf16_bits(value(rng)).to_le_bytes())),
+        _ => blocks.expect("block types are planned").fill(n / ty.block_size(), rng, out),
     }
 }
 
@@ -299,30 +274,23 @@ fn fit_router(experts: usize, seed: u64) -> (f64, f64, f64, [f64; 4]) {
 }
 
 fn plan(opts: &SynthOptions, router: Init) -> Vec<Spec> {
-    let q4 = opts.recipe == SynthRecipe::NebulaQ4;
-    let mat = |cols: usize| -> GgmlType {
-        match opts.recipe {
-            SynthRecipe::NebulaQ4 if cols % 256 == 0 => GgmlType::Q4_K,
-            SynthRecipe::NebulaQ4 => GgmlType::IQ4_NL,
-            SynthRecipe::Q8_0 => GgmlType::Q8_0,
-            SynthRecipe::Bf16 => GgmlType::BF16,
-        }
-    };
-    let nl = |cols: usize| if q4 { GgmlType::IQ4_NL } else { mat(cols) };
-    let idx_ty = if opts.recipe == SynthRecipe::Q8_0 || q4 { GgmlType::BF16 } else { mat(D) };
+    // `W`: a weight matrix whose type the recipe picks; `F`: kept F32 (norms, routers, convolutions, vectors).
+    const W: Option<GgmlType> = None;
+    const F: Option<GgmlType> = Some(GgmlType::F32);
     let noise = |cols: usize| Init::Noise { mean: 0.0, std: 1.0 / (cols as f32).sqrt() };
     let resid = |cols: usize| Init::Noise { mean: 0.0, std: 0.3 / (cols as f32).sqrt() };
     let ones = Init::Noise { mean: 1.0, std: 0.05 };
     let dd = HC * D;
-    let mut v: Vec<Spec> = Vec::new();
-    let mut push = |name: String, dims: Vec<usize>, ty: GgmlType, init: Init| {
-        v.push(Spec { name, dims: dims.into_iter().map(|x| x as u64).collect(), ty, init })
+    let mut v: Vec<(Spec, bool)> = Vec::new();
+    let mut push = |name: String, dims: Vec<usize>, ty: Option<GgmlType>, init: Init| {
+        let dims = dims.into_iter().map(|x| x as u64).collect();
+        v.push((Spec { name, dims, ty: ty.unwrap_or(GgmlType::F32), init }, ty.is_none()))
     };
-    push("token_embd.weight".into(), vec![D, opts.vocab], mat(D), Init::Noise { mean: 0.0, std: 0.5 });
-    push("output.weight".into(), vec![D, opts.vocab], mat(D), noise(D));
-    push("output_hc_norm.weight".into(), vec![dd], GgmlType::F32, ones);
-    push("output_hc_down.weight".into(), vec![dd, RANK], mat(dd), noise(dd));
-    push("output_hc_up.weight".into(), vec![RANK, dd], nl(RANK), noise(RANK));
+    push("token_embd.weight".into(), vec![D, opts.vocab], W, Init::Noise { mean: 0.0, std: 0.5 });
+    push("output.weight".into(), vec![D, opts.vocab], W, noise(D));
+    push("output_hc_norm.weight".into(), vec![dd], F, ones);
+    push("output_hc_down.weight".into(), vec![dd, RANK], W, noise(dd));
+    push("output_hc_up.weight".into(), vec![RANK, dd], W, noise(RANK));
     let (kd, vd) = (SSM_K * SSM_DIM, SSM_V * SSM_DIM);
     let conv_dim = 2 * kd + vd;
     let e = opts.experts;
@@ -332,77 +300,77 @@ fn plan(opts: &SynthOptions, router: Init) -> Vec<Spec> {
         let b = format!("blk.{i}");
         let is_mtp = i == opts.layers;
         if is_mtp {
-            push(format!("{b}.nextn.eh_proj.weight"), vec![2 * D, D], mat(2 * D), noise(2 * D));
-            push(format!("{b}.nextn.enorm.weight"), vec![D], GgmlType::F32, ones);
-            push(format!("{b}.nextn.hnorm.weight"), vec![dd], GgmlType::F32, ones);
-            push(format!("{b}.nextn.hc_head_norm.weight"), vec![dd], GgmlType::F32, ones);
-            push(format!("{b}.nextn.hc_head_down.weight"), vec![dd, RANK], mat(dd), noise(dd));
-            push(format!("{b}.nextn.hc_head_up.weight"), vec![RANK, dd], nl(RANK), noise(RANK));
+            push(format!("{b}.nextn.eh_proj.weight"), vec![2 * D, D], W, noise(2 * D));
+            push(format!("{b}.nextn.enorm.weight"), vec![D], F, ones);
+            push(format!("{b}.nextn.hnorm.weight"), vec![dd], F, ones);
+            push(format!("{b}.nextn.hc_head_norm.weight"), vec![dd], F, ones);
+            push(format!("{b}.nextn.hc_head_down.weight"), vec![dd, RANK], W, noise(dd));
+            push(format!("{b}.nextn.hc_head_up.weight"), vec![RANK, dd], W, noise(RANK));
         }
         for gg in ["hc_attn", "hc_ffn"] {
-            push(format!("{b}.{gg}_norm.weight"), vec![dd], GgmlType::F32, ones);
-            push(format!("{b}.{gg}_down.weight"), vec![dd, RANK], mat(dd), noise(dd));
-            push(format!("{b}.{gg}_up.weight"), vec![RANK, dd], nl(RANK), noise(RANK));
-            push(format!("{b}.{gg}_inject.weight"), vec![dd, HC], mat(dd), noise(dd));
+            push(format!("{b}.{gg}_norm.weight"), vec![dd], F, ones);
+            push(format!("{b}.{gg}_down.weight"), vec![dd, RANK], W, noise(dd));
+            push(format!("{b}.{gg}_up.weight"), vec![RANK, dd], W, noise(RANK));
+            push(format!("{b}.{gg}_inject.weight"), vec![dd, HC], W, noise(dd));
         }
         if !is_mtp && (i + 1) % 4 != 0 {
-            push(format!("{b}.attn_qkv.weight"), vec![D, conv_dim], mat(D), noise(D));
-            push(format!("{b}.attn_gate.weight"), vec![D, vd], mat(D), noise(D));
-            let ab = if q4 { GgmlType::F32 } else { mat(D) };
-            push(format!("{b}.ssm_beta.weight"), vec![D, SSM_V], ab, noise(D));
-            push(format!("{b}.ssm_alpha.weight"), vec![D, SSM_V], ab, noise(D));
-            push(
-                format!("{b}.ssm_conv1d.weight"),
-                vec![4, conv_dim],
-                GgmlType::F32,
-                Init::Noise { mean: 0.0, std: 0.3 },
-            );
-            push(format!("{b}.ssm_dt.bias"), vec![SSM_V], GgmlType::F32, Init::Noise { mean: 0.0, std: 0.5 });
-            push(format!("{b}.ssm_a"), vec![SSM_V], GgmlType::F32, Init::NegDecay);
-            push(format!("{b}.ssm_norm.weight"), vec![SSM_DIM], GgmlType::F32, ones);
-            push(format!("{b}.ssm_out.weight"), vec![vd, D], mat(vd), resid(vd));
+            push(format!("{b}.attn_qkv.weight"), vec![D, conv_dim], W, noise(D));
+            push(format!("{b}.attn_gate.weight"), vec![D, vd], W, noise(D));
+            push(format!("{b}.ssm_beta.weight"), vec![D, SSM_V], W, noise(D));
+            push(format!("{b}.ssm_alpha.weight"), vec![D, SSM_V], W, noise(D));
+            push(format!("{b}.ssm_conv1d.weight"), vec![4, conv_dim], F, Init::Noise { mean: 0.0, std: 0.3 });
+            push(format!("{b}.ssm_dt.bias"), vec![SSM_V], F, Init::Noise { mean: 0.0, std: 0.5 });
+            push(format!("{b}.ssm_a"), vec![SSM_V], F, Init::NegDecay);
+            push(format!("{b}.ssm_norm.weight"), vec![SSM_DIM], F, ones);
+            push(format!("{b}.ssm_out.weight"), vec![vd, D], W, resid(vd));
         } else {
-            push(format!("{b}.attn_q.weight"), vec![D, HEADS * HEAD_DIM * 2], mat(D), noise(D));
-            push(format!("{b}.attn_k.weight"), vec![D, KV_HEADS * HEAD_DIM], mat(D), noise(D));
-            push(format!("{b}.attn_v.weight"), vec![D, KV_HEADS * HEAD_DIM], mat(D), noise(D));
-            push(
-                format!("{b}.attn_output.weight"),
-                vec![HEADS * HEAD_DIM, D],
-                mat(HEADS * HEAD_DIM),
-                resid(HEADS * HEAD_DIM),
-            );
-            push(format!("{b}.attn_q_norm.weight"), vec![HEAD_DIM], GgmlType::F32, ones);
-            push(format!("{b}.attn_k_norm.weight"), vec![HEAD_DIM], GgmlType::F32, ones);
-            push(format!("{b}.indexer.q_proj.weight"), vec![D, IDX_HEADS * IDX_DIM], idx_ty, noise(D));
-            push(format!("{b}.indexer.k_proj.weight"), vec![D, IDX_DIM], idx_ty, noise(D));
-            push(format!("{b}.indexer.q_norm.weight"), vec![IDX_DIM], GgmlType::F32, ones);
-            push(format!("{b}.indexer.k_norm.weight"), vec![IDX_DIM], GgmlType::F32, ones);
+            push(format!("{b}.attn_q.weight"), vec![D, HEADS * HEAD_DIM * 2], W, noise(D));
+            push(format!("{b}.attn_k.weight"), vec![D, KV_HEADS * HEAD_DIM], W, noise(D));
+            push(format!("{b}.attn_v.weight"), vec![D, KV_HEADS * HEAD_DIM], W, noise(D));
+            push(format!("{b}.attn_output.weight"), vec![HEADS * HEAD_DIM, D], W, resid(HEADS * HEAD_DIM));
+            push(format!("{b}.attn_q_norm.weight"), vec![HEAD_DIM], F, ones);
+            push(format!("{b}.attn_k_norm.weight"), vec![HEAD_DIM], F, ones);
+            push(format!("{b}.indexer.q_proj.weight"), vec![D, IDX_HEADS * IDX_DIM], W, noise(D));
+            push(format!("{b}.indexer.k_proj.weight"), vec![D, IDX_DIM], W, noise(D));
+            push(format!("{b}.indexer.q_norm.weight"), vec![IDX_DIM], F, ones);
+            push(format!("{b}.indexer.k_norm.weight"), vec![IDX_DIM], F, ones);
         }
-        push(format!("{b}.ffn_gate_inp.weight"), vec![D, e], GgmlType::F32, router);
-        push(format!("{b}.ffn_gate_exps.weight"), vec![D, FF, e], mat(D), noise(D));
-        push(format!("{b}.ffn_up_exps.weight"), vec![D, FF, e], mat(D), noise(D));
-        push(format!("{b}.ffn_down_exps.weight"), vec![FF, D, e], nl(FF), resid(FF));
-        push(format!("{b}.ffn_gate_shexp.weight"), vec![D, FF], mat(D), noise(D));
-        push(format!("{b}.ffn_up_shexp.weight"), vec![D, FF], mat(D), noise(D));
-        push(format!("{b}.ffn_down_shexp.weight"), vec![FF, D], nl(FF), resid(FF));
-        push(format!("{b}.ffn_gate_inp_shexp.weight"), vec![D], GgmlType::F32, noise(D));
+        push(format!("{b}.ffn_gate_inp.weight"), vec![D, e], F, router);
+        push(format!("{b}.ffn_gate_exps.weight"), vec![D, FF, e], W, noise(D));
+        push(format!("{b}.ffn_up_exps.weight"), vec![D, FF, e], W, noise(D));
+        push(format!("{b}.ffn_down_exps.weight"), vec![FF, D, e], W, resid(FF));
+        push(format!("{b}.ffn_gate_shexp.weight"), vec![D, FF], W, noise(D));
+        push(format!("{b}.ffn_up_shexp.weight"), vec![D, FF], W, noise(D));
+        push(format!("{b}.ffn_down_shexp.weight"), vec![FF, D], W, resid(FF));
+        push(format!("{b}.ffn_gate_inp_shexp.weight"), vec![D], F, noise(D));
         if i == 1 {
-            push(format!("{b}.ple_key.weight"), vec![D, dd], mat(D), noise(D));
-            push(format!("{b}.ple_value.weight"), vec![D, D], mat(D), noise(D));
+            push(format!("{b}.ple_key.weight"), vec![D, dd], W, noise(D));
+            push(format!("{b}.ple_value.weight"), vec![D, D], W, noise(D));
             for n in ["ple_norm_key", "ple_norm_query", "ple_norm_conv"] {
-                push(format!("{b}.{n}.weight"), vec![dd], GgmlType::F32, ones);
+                push(format!("{b}.{n}.weight"), vec![dd], F, ones);
             }
-            push(format!("{b}.ple_conv1d.weight"), vec![4, dd], GgmlType::F32, Init::Noise { mean: 0.0, std: 0.3 });
+            push(format!("{b}.ple_conv1d.weight"), vec![4, dd], F, Init::Noise { mean: 0.0, std: 0.3 });
         }
     }
     let table_rows = head_sizes(opts.ngram_rows_per_head, 16).iter().sum::<u64>().div_ceil(128) * 128;
     push(
         "per_layer_token_embd.weight".into(),
         vec![PLE_HEAD_DIM, table_rows as usize],
-        nl(PLE_HEAD_DIM),
+        W,
         Init::Noise { mean: 0.0, std: 0.5 },
     );
-    v
+    let ctx = RecipeContext { n_layers: opts.layers, mtp: opts.mtp, has_imatrix: true };
+    v.into_iter()
+        .map(|(mut s, weight)| {
+            if weight {
+                s.ty = match opts.recipe {
+                    SynthRecipe::Bf16 => GgmlType::BF16,
+                    SynthRecipe::Named(r) => QuantRecipe::Named(r).tensor_type(&s.name, &s.dims, &ctx),
+                };
+            }
+            s
+        })
+        .collect()
 }
 
 /// Distinct primes >= base, one per head (the reference's `_find_nth_prime_after`).
@@ -440,6 +408,7 @@ pub fn synth(out: &Path, opts: &SynthOptions, tokenizer_from: &GgufFile) -> Resu
     let u = |x: usize| x as u32;
     w.add_kv("general.architecture", a)?;
     w.add_kv("general.name", format!("nebula-synth-{}l", opts.layers).as_str())?;
+    w.add_kv("general.file_type", opts.recipe.file_type())?;
     w.add_kv(format!("{a}.block_count"), u(opts.layers + usize::from(opts.mtp)))?;
     if opts.mtp {
         w.add_kv(format!("{a}.nextn_predict_layers"), 1u32)?;
@@ -508,11 +477,24 @@ pub fn synth(out: &Path, opts: &SynthOptions, tokenizer_from: &GgufFile) -> Resu
         w.add_tensor(s.name.clone(), &s.dims, s.ty)?;
     }
     let mut data = w.begin_data()?;
-    let mut bytes = 0u64;
+    let (mut bytes, mut sparse_bytes) = (0u64, 0u64);
     for (ti, s) in specs.iter().enumerate() {
         let cols = s.dims[0] as usize;
         let rows: usize = s.dims[1..].iter().product::<u64>().max(1) as usize;
         data.begin_tensor(&s.name)?;
+        if opts.sparse_ngram && s.name == NGRAM_TABLE {
+            let n = s.ty.row_bytes(cols as u64).unwrap_or(0) * rows as u64;
+            data.write_hole(n)?;
+            bytes += n;
+            sparse_bytes += n;
+            data.end_tensor()?;
+            continue;
+        }
+        let std = match s.init {
+            Init::Noise { std, .. } => std,
+            _ => 1.0,
+        };
+        let block_plan = blocks::BlockPlan::new(s.ty, std);
         let rows_per_chunk = ((32 << 20) / (cols * 4).max(1)).clamp(1, rows);
         let chunks: Vec<usize> = (0..rows).step_by(rows_per_chunk).collect();
         // Generate a batch of chunks in parallel, write them in order.
@@ -536,7 +518,7 @@ pub fn synth(out: &Path, opts: &SynthOptions, tokenizer_from: &GgufFile) -> Resu
                                 }
                             }
                         }
-                        init => fill_rows(s.ty, cols, r0, n, init, &mut rng, &mut out),
+                        init => fill_rows(s.ty, cols, n, init, block_plan.as_ref(), &mut rng, &mut out),
                     }
                     out
                 })
@@ -549,8 +531,44 @@ pub fn synth(out: &Path, opts: &SynthOptions, tokenizer_from: &GgufFile) -> Resu
         data.end_tensor()?;
     }
     let files = data.finish()?;
-    let _ = MetadataValue::U32(0);
-    Ok(SynthReport { files, data_bytes: bytes, fitted_shares: fitted })
+    let expert_bytes = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+        .iter()
+        .filter_map(|k| specs.iter().find(|s| s.name == format!("blk.0.{k}.weight")))
+        .map(|s| s.ty.row_bytes(s.dims[0]).unwrap_or(0) * s.dims[1])
+        .sum();
+    Ok(SynthReport { files, data_bytes: bytes, sparse_bytes, expert_bytes, fitted_shares: fitted })
+}
+
+/// Free bytes for an unprivileged writer on the file system holding `dir` (`statvfs`), `None` when it cannot be
+/// read.
+pub fn free_disk_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `statvfs` is plain old data; all-zero is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is a valid NUL-terminated string and `st` a properly sized out-parameter.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// The n-gram table's tensor name.
+const NGRAM_TABLE: &str = "per_layer_token_embd.weight";
+
+/// Every tensor `synth` writes for `opts`: name, ggml dims and type, in file order.
+pub fn planned_tensors(opts: &SynthOptions) -> Vec<(String, Vec<u64>, GgmlType)> {
+    plan(opts, Init::NegDecay).into_iter().map(|s| (s.name, s.dims, s.ty)).collect()
+}
+
+/// Bytes of tensor data `synth` writes for `opts` (before any is written: the disk-space check), and the part
+/// of them a sparse n-gram table leaves as a hole.
+pub fn planned_bytes(opts: &SynthOptions) -> (u64, u64) {
+    let specs = plan(opts, Init::NegDecay);
+    let size = |s: &Spec| s.ty.row_bytes(s.dims[0]).unwrap_or(0) * s.dims[1..].iter().product::<u64>().max(1);
+    let total = specs.iter().map(size).sum();
+    let hole = if opts.sparse_ngram { specs.iter().filter(|s| s.name == NGRAM_TABLE).map(size).sum() } else { 0 };
+    (total, hole)
 }
 
 /// Copies the `qwen4exp` GGUF `input` to `output` (every key and tensor byte for byte) and appends a random-weight
@@ -657,7 +675,7 @@ pub fn append_random_mtp(input: &Path, output: &Path, seed: u64) -> Result<PathB
         let rows: usize = sp.dims[1..].iter().product::<u64>().max(1) as usize;
         let mut rng = Rng::new(seed ^ ((i as u64 + 1) << 32));
         let mut out = Vec::with_capacity(rows * cols * 4);
-        fill_rows(sp.ty, cols, 0, rows, sp.init, &mut rng, &mut out);
+        fill_rows(sp.ty, cols, rows, sp.init, None, &mut rng, &mut out);
         data.write_tensor(&sp.name, &out)?;
     }
     Ok(data.finish()?.into_iter().next().unwrap_or_else(|| output.to_path_buf()))
@@ -675,6 +693,55 @@ mod tests {
         let skewed = simulate_shares(512, 3.0, 1.0, 1.5, 2000, 1);
         assert!(skewed[0] > flat[0] * 2.0, "{skewed:?} vs {flat:?}");
         assert!(skewed.windows(2).all(|w| w[0] < w[1]), "{skewed:?}");
+    }
+
+    /// A small low-bit synth with a sparse n-gram table: every planned tensor in its recipe type, the table a hole
+    /// (zeros, no disk), the other blocks random and readable.
+    #[test]
+    fn a_small_low_bit_synth_writes_valid_blocks_and_a_sparse_table() {
+        use std::os::unix::fs::MetadataExt;
+        let demo = crate::gguf::GgufFile::open(
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/nebula-demo.gguf"),
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("s.gguf");
+        let opts = SynthOptions {
+            layers: 1,
+            experts: 10,
+            vocab: 512,
+            ngram_rows_per_head: 1 << 16,
+            recipe: SynthRecipe::Named(RecipeName::Iq2Xs),
+            routing_skew: false,
+            sparse_ngram: true,
+            ..Default::default()
+        };
+        let report = synth(&out, &opts, &demo).unwrap();
+        let (total, hole) = planned_bytes(&opts);
+        assert_eq!((report.data_bytes, report.sparse_bytes), (total, hole));
+        // 16 heads of ~65.5k rows of 160 IQ4_NL values (the 160-wide fallback of Q2_K is Q4_0: 90 bytes a row).
+        assert!(hole > 16 * 65_536 * 90, "{hole}");
+        // IQ2_XS gate/up (2 x 640 x 740 bytes) and IQ4_NL down (2560 x 360).
+        assert_eq!(report.expert_bytes, 2 * 640 * 740 + 2560 * 360);
+        let meta = std::fs::metadata(&out).unwrap();
+        assert!(meta.blocks() * 512 < meta.len() - hole / 2, "the table is not allocated: {meta:?}");
+        let f = crate::gguf::GgufFile::open(&out).unwrap();
+        let planned = planned_tensors(&opts);
+        assert_eq!(f.tensors().count(), planned.len());
+        for (name, dims, ty) in &planned {
+            let t = f.tensors().find(|t| &t.name == name).unwrap();
+            assert_eq!((&t.dims, t.ggml_type), (dims, *ty), "{name}");
+        }
+        let get = |n: &str| f.tensors().find(|t| t.name == n).unwrap();
+        assert_eq!(get("blk.0.ffn_gate_exps.weight").ggml_type, GgmlType::IQ2_XS);
+        let table = get(NGRAM_TABLE);
+        assert!(f.tensor_data(table).iter().all(|&b| b == 0));
+        let gate = get("blk.0.ffn_gate_exps.weight");
+        let mut v = vec![0f32; 2560];
+        crate::quant::dequantize_row(GgmlType::IQ2_XS, &f.tensor_data(gate)[..740], &mut v).unwrap();
+        let std = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+        assert!((std * (2560f32).sqrt() - 1.0).abs() < 0.15, "row std {std}");
+        assert_eq!(f.metadata().get_u32("general.file_type").unwrap(), 20);
     }
 
     #[test]
