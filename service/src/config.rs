@@ -246,8 +246,8 @@ impl Default for MtpConfig {
 pub struct BatchingConfig {
     /// Sequences running at once; 1 turns batching off (one request at a time, the rest wait). Default 16.
     pub max_sequences: Option<usize>,
-    /// Tokens one pass runs at most (decode rows plus prefill chunks); default one prefill chunk plus one row
-    /// per sequence.
+    /// Tokens one pass runs at most (decode rows plus prefill chunks); default the decode rows plus one prefill
+    /// chunk, or several short ones within 512 tokens.
     pub max_batch_tokens: Option<usize>,
     /// MiB of sequence state (KV caches, recurrent states) the running sequences may reserve; default: on the
     /// CPU half the memory available at start, on the GPU what can be allocated (a request whose state cannot

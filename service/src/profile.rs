@@ -503,8 +503,23 @@ pub struct Profile {
     /// are the table's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_mib: Option<f64>,
+    /// Sequences the server decodes together (`[batching] max_sequences`): Nebula's default for the VRAM step
+    /// ([`default_max_sequences`]), not a figure of the original table; absent in older profile files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sequences: Option<u32>,
     /// What detection saw.
     pub detected: Detected,
+}
+
+/// Sequences decoded together by default at a VRAM step (GB; 0 for the CPU): 8 up to 12 GB, 16 at 16 GB, 32
+/// from 24 GB. A sequence's state (KV caches and recurrent states) lives where the trunk runs, so small cards
+/// hold fewer; admission still checks each request's own state against what can be allocated.
+pub fn default_max_sequences(vram_gb: u32) -> u32 {
+    match vram_gb {
+        0..=12 => 8,
+        13..=16 => 16,
+        _ => 32,
+    }
 }
 
 impl Profile {
@@ -761,6 +776,7 @@ pub fn select(table: &ProfileTable, hw: &Hardware, opts: &DetectOptions) -> Resu
             cuda_visible_devices,
             placement: Vec::new(),
             expert_mib: None,
+            max_sequences: Some(default_max_sequences(vram_step.unwrap_or(0))),
             detected,
         });
     }
@@ -801,6 +817,7 @@ pub fn select(table: &ProfileTable, hw: &Hardware, opts: &DetectOptions) -> Resu
                     },
                 ],
                 expert_mib: None,
+                max_sequences: Some(default_max_sequences(vram_gb)),
                 detected,
             }
         }
@@ -835,6 +852,7 @@ pub fn select(table: &ProfileTable, hw: &Hardware, opts: &DetectOptions) -> Resu
                     },
                 ],
                 expert_mib: None,
+                max_sequences: Some(default_max_sequences(0)),
                 detected,
             }
         }

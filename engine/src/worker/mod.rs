@@ -294,8 +294,8 @@ pub struct EngineOptions {
 pub struct BatchOptions {
     /// Sequences running at once at most; 1 runs one request at a time (batching off).
     pub max_sequences: usize,
-    /// Tokens one pass runs at most, decode rows and prefill chunks together; `None`: one prefill chunk
-    /// ([`PREFILL_CHUNK`]) plus a row per sequence.
+    /// Tokens one pass runs at most, decode rows and prefill chunks together; `None`: the decode rows plus
+    /// one prefill chunk, or several short ones while they total at most [`PREFILL_CHUNK`] tokens.
     pub max_batch_tokens: Option<usize>,
     /// Bytes of sequence state (KV caches, recurrent states, MTP caches; host and device together) the running
     /// sequences may reserve, each what its state holds once full ([`crate::backend::Backend::state_bytes`]);

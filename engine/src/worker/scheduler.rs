@@ -515,7 +515,7 @@ impl<B: Backend> Worker<B> {
             }
         }
         // The shared pass: decode rows, then prefill chunks in arrival order within the token budget (by
-        // default: the decode rows and one prefill chunk).
+        // default: the decode rows and one prefill chunk, or more while they fit in `PREFILL_CHUNK` tokens).
         let decode_rows = running
             .iter()
             .zip(&stepped)
@@ -525,7 +525,7 @@ impl<B: Backend> Worker<B> {
             Phase::Prefill { pos } => Some(s.chunk_end(pos) - pos),
             _ => None,
         });
-        let budget = opts.max_batch_tokens.unwrap_or(decode_rows + first_chunk.unwrap_or(0)).max(1);
+        let budget = opts.max_batch_tokens.unwrap_or(decode_rows + first_chunk.unwrap_or(0).max(PREFILL_CHUNK)).max(1);
         let mut rows = 0;
         let mut plan: Vec<Planned> = Vec::new();
         for (i, seq) in running.iter().enumerate() {

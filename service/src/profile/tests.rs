@@ -108,6 +108,12 @@ fn every_row_is_detected_from_fake_nvidia_smi_and_meminfo() {
                 assert_eq!(p.backend, "cuda");
                 assert_eq!(p.source, "original");
                 assert_eq!((p.max_prefill, p.max_context), (prefill, ctx), "{what}");
+                let seqs = match vram {
+                    8 | 12 => 8,
+                    16 => 16,
+                    _ => 32,
+                };
+                assert_eq!(p.max_sequences, Some(seqs), "{what}: batch slots for the VRAM step");
                 assert_eq!(tier(&p, "gpu").experts_per_layer, gpu);
                 assert_eq!(tier(&p, "ram").experts_per_layer, cpu[ri]);
                 assert_eq!(tier(&p, "ram").gpu_copies, Some(gpu));
