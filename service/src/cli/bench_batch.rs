@@ -4,9 +4,12 @@
 //!
 //! For each round, each concurrency `C` and each mode (the order of the modes alternates by round), `C`
 //! requests with distinct random prompts of `--prompt` tokens are submitted at once, each generating `--tokens`
-//! tokens (end-of-turn ignored, the prefix cache off, MTP drafting as `--mtp` says). Aggregate tok/s is every
-//! generated token over the wall time from the first submission to the last finish; TTFT is per request, from
-//! its submission to its first token (queue included). The same `Engine` serves both modes
+//! tokens (end-of-turn ignored, the prefix cache off, MTP drafting as `--mtp` says); both modes are warmed up
+//! first. Every request's events are read on a thread of its own, so each is timed as it arrives. Reported: the
+//! aggregate rate (every generated token over the wall time from the first submission to the last finish, prefill
+//! included), the decode rate (tokens after each request's first, over the time at least one request was
+//! decoding: llama-batched-bench's `S_TG` for the batched mode) and TTFT per request, from its submission to its
+//! first token (queue included). The same `Engine` serves both modes
 //! (`Engine::set_max_sequences`), so the weights, placement and caches are identical.
 
 use std::path::PathBuf;
@@ -60,11 +63,16 @@ pub struct BenchBatchArgs {
 
 /// One mode's run at one concurrency.
 struct Run {
+    /// Every generated token over the wall time, prefill included.
     tok_s: f64,
+    /// Tokens after each request's first over the time some request was decoding (the union of the requests'
+    /// first-to-last-token intervals): the decode rate, comparable to llama-batched-bench's `S_TG`.
+    decode_tok_s: f64,
     ttft: Vec<f64>,
 }
 
-/// Submits `prompts` at once, each generating `tokens`; the aggregate rate and each TTFT.
+/// Submits `prompts` at once, each generating `tokens`, and reads every request's events on a thread of its own
+/// (so each event is timed when it arrives): the aggregate and decode rates and each TTFT.
 fn run_once(engine: &Engine, prompts: &[Vec<u32>], tokens: usize, mtp: bool) -> anyhow::Result<Run> {
     let t = Instant::now();
     let mut rxs = Vec::with_capacity(prompts.len());
@@ -77,24 +85,54 @@ fn run_once(engine: &Engine, prompts: &[Vec<u32>], tokens: usize, mtp: bool) -> 
         };
         rxs.push((Instant::now(), engine.submit(req).map_err(|e| anyhow::anyhow!("submitting: {e}"))?));
     }
-    let mut generated = 0;
-    let mut ttft = Vec::with_capacity(prompts.len());
-    for (sent, mut rx) in rxs {
-        let mut first = None;
-        while let Some(ev) = rx.blocking_recv() {
-            match ev {
-                GenerationEvent::Token { .. } => {
-                    first.get_or_insert(sent.elapsed().as_secs_f64());
-                    generated += 1;
-                }
-                GenerationEvent::Finished { .. } => break,
-                GenerationEvent::Failed(e) => anyhow::bail!("generation failed: {e}"),
-                _ => {}
-            }
+    // Per request: (seconds from its submission to its first token, first and last token times from `t`, tokens).
+    let results: Vec<anyhow::Result<(f64, f64, f64, usize)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = rxs
+            .into_iter()
+            .map(|(sent, mut rx)| {
+                scope.spawn(move || {
+                    let (mut first, mut last, mut n) = (None, 0.0, 0usize);
+                    while let Some(ev) = rx.blocking_recv() {
+                        match ev {
+                            GenerationEvent::Token { .. } => {
+                                let now = t.elapsed().as_secs_f64();
+                                first.get_or_insert((sent.elapsed().as_secs_f64(), now));
+                                last = now;
+                                n += 1;
+                            }
+                            GenerationEvent::Finished { .. } => break,
+                            GenerationEvent::Failed(e) => anyhow::bail!("generation failed: {e}"),
+                            _ => {}
+                        }
+                    }
+                    let (ttft, at) = first.context("a request generated no token")?;
+                    Ok((ttft, at, last, n))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("a reader thread panicked")).collect()
+    });
+    let wall = t.elapsed().as_secs_f64();
+    let results: Vec<(f64, f64, f64, usize)> = results.into_iter().collect::<anyhow::Result<_>>()?;
+    let generated: usize = results.iter().map(|r| r.3).sum();
+    let after_first: usize = results.iter().map(|r| r.3.saturating_sub(1)).sum();
+    let mut spans: Vec<(f64, f64)> = results.iter().map(|r| (r.1, r.2)).collect();
+    spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (mut busy, mut end) = (0.0, f64::NEG_INFINITY);
+    for (a, b) in spans {
+        if a > end {
+            busy += b - a;
+            end = b;
+        } else if b > end {
+            busy += b - end;
+            end = b;
         }
-        ttft.push(first.context("a request generated no token")?);
     }
-    Ok(Run { tok_s: generated as f64 / t.elapsed().as_secs_f64(), ttft })
+    Ok(Run {
+        tok_s: generated as f64 / wall,
+        decode_tok_s: if busy > 0.0 { after_first as f64 / busy } else { 0.0 },
+        ttft: results.iter().map(|r| r.0).collect(),
+    })
 }
 
 /// The `q`-quantile of `v` (nearest rank).
@@ -161,6 +199,12 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
             })
             .collect()
     };
+    // Warm up both modes (first passes allocate arenas, capture graphs, fault pages in); not reported.
+    for on in [true, false] {
+        engine.set_max_sequences(if on { widest } else { 1 });
+        let warm: Vec<Vec<u32>> = (0..widest.min(4)).map(|_| random(args.prompt)).collect();
+        run_once(&engine, &warm, args.tokens.min(8), args.mtp)?;
+    }
     // (concurrency, batched runs, baseline runs)
     let mut results: Vec<(usize, Vec<Run>, Vec<Run>)> =
         args.concurrency.iter().map(|&c| (c, Vec::new(), Vec::new())).collect();
@@ -176,9 +220,10 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
                 engine.set_max_sequences(if on { widest } else { 1 });
                 let run = run_once(&engine, &prompts, args.tokens, args.mtp)?;
                 println!(
-                    "round {round} streams {c:>3} {:>9}: {:>9.1} tok/s, TTFT median {:.3} s",
+                    "round {round} streams {c:>3} {:>10}: {:>9.1} tok/s, decode {:>9.1} tok/s, TTFT median {:.3} s",
                     if on { "batched" } else { "one-by-one" },
                     run.tok_s,
+                    run.decode_tok_s,
                     quantile(&mut run.ttft.clone(), 0.5)
                 );
                 if on { batched.push(run) } else { baseline.push(run) }
@@ -187,43 +232,51 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
     }
     println!();
     println!(
-        "{:>7} {:>18} {:>18} {:>16} {:>14} {:>14} {:>14} {:>14} {:>12}",
+        "{:>7} {:>14} {:>14} {:>10} {:>14} {:>14} {:>10} {:>10} {:>12} {:>12} {:>12}",
         "streams",
         "batched tok/s",
-        "one-by-one tok/s",
-        "batched/1-by-1",
+        "1-by-1 tok/s",
+        "ratio",
+        "batched dec",
+        "1-by-1 dec",
+        "dec ratio",
         "x 1 stream",
         "TTFT med s",
         "TTFT p95 s",
-        "1-by-1 p95 s",
-        "1-by-1 med s"
+        "1x1 p95 s"
     );
     println!(
-        "(ranges over the rounds; batched/1-by-1: the ratio within each round; x 1 stream: batched aggregate over the \
-         batched single-stream rate of the same round)"
+        "(ranges over the rounds. tok/s: every generated token over the wall time, prefill included; dec: the decode \
+         rate, tokens after each request's first over the time some request was decoding; ratio and dec ratio: \
+         batched over one-by-one within each round; x 1 stream: batched decode rate over the single-stream batched \
+         decode rate of the same round; TTFT from each request's submission, queue included)"
     );
     let single: Vec<f64> =
-        results.iter().find(|r| r.0 == 1).map(|r| r.1.iter().map(|x| x.tok_s).collect()).unwrap_or_default();
+        results.iter().find(|r| r.0 == 1).map(|r| r.1.iter().map(|x| x.decode_tok_s).collect()).unwrap_or_default();
     for (c, batched, baseline) in &mut results {
         let b: Vec<f64> = batched.iter().map(|r| r.tok_s).collect();
         let o: Vec<f64> = baseline.iter().map(|r| r.tok_s).collect();
+        let bd: Vec<f64> = batched.iter().map(|r| r.decode_tok_s).collect();
+        let od: Vec<f64> = baseline.iter().map(|r| r.decode_tok_s).collect();
         let ratio: Vec<f64> = b.iter().zip(&o).map(|(x, y)| x / y).collect();
-        let scale: Vec<f64> = b.iter().zip(&single).map(|(x, y)| x / y).collect();
+        let dratio: Vec<f64> = bd.iter().zip(&od).map(|(x, y)| x / y).collect();
+        let scale: Vec<f64> = bd.iter().zip(&single).map(|(x, y)| x / y).collect();
         let med: Vec<f64> = batched.iter_mut().map(|r| quantile(&mut r.ttft, 0.5)).collect();
         let p95: Vec<f64> = batched.iter_mut().map(|r| quantile(&mut r.ttft, 0.95)).collect();
-        let omed: Vec<f64> = baseline.iter_mut().map(|r| quantile(&mut r.ttft, 0.5)).collect();
         let op95: Vec<f64> = baseline.iter_mut().map(|r| quantile(&mut r.ttft, 0.95)).collect();
         let or_dash = |v: &[f64], d: usize| if v.is_empty() { "-".to_owned() } else { range(v, d) };
         println!(
-            "{c:>7} {:>18} {:>18} {:>16} {:>14} {:>14} {:>14} {:>14} {:>12}",
+            "{c:>7} {:>14} {:>14} {:>10} {:>14} {:>14} {:>10} {:>10} {:>12} {:>12} {:>12}",
             range(&b, 1),
             or_dash(&o, 1),
             or_dash(&ratio, 2),
+            range(&bd, 1),
+            or_dash(&od, 1),
+            or_dash(&dratio, 2),
             or_dash(&scale, 2),
             range(&med, 3),
             range(&p95, 3),
             or_dash(&op95, 3),
-            or_dash(&omed, 3),
         );
     }
     Ok(())
