@@ -2,8 +2,9 @@
 # Every check of the container and deployment files, in one command (what CI runs through scripts/test.sh):
 #   1. static checks (deploy/checks.py): hadolint on both Dockerfiles, shellcheck, compose.yaml against the Compose
 #      Specification schema, the Grafana dashboard and Prometheus config, the Helm chart linted, rendered and
-#      validated against the Kubernetes 1.27 and 1.37 schemas; then a self-test showing each check fails on a
-#      deliberately broken copy of its file;
+#      validated against the Kubernetes 1.27 and 1.37 schemas (its inference-gateway resources against their
+#      upstream CRDs, deploy/crds/); then a self-test showing each check fails on a deliberately broken copy of
+#      its file;
 #   2. the entry point with a fake nvidia-smi and fake meminfo for every profile row and every refusal
 #      (deploy/tests/entrypoint_test.sh), ending with a real `nebula serve` started through it;
 #   3. the profile unit tests (cargo test -p nebula-service --lib profile).

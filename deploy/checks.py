@@ -17,7 +17,10 @@ Checks and what they validate against:
                listed in deploy/README.md, Prometheus scrapes the compose API services' /metrics.
   helm         deploy/helm/nebula: `helm lint --strict` and rendering with Helm v4.2.3's SDK (PyPI helm-python-sdk),
                values against values.schema.json, every rendered manifest against the Kubernetes 1.27 and 1.37
-               strict JSON schemas (PyPI kubernetes-validate 1.37.0), then the chart's required properties.
+               strict JSON schemas (PyPI kubernetes-validate 1.37.0), custom resources (InferencePool, HTTPRoute)
+               against their upstream CRDs' schemas (deploy/crds/, written by deploy/crds/make_crd_schemas.py),
+               then the chart's required properties (the endpoint picker's settings against llm-d-router's,
+               deploy/crds/llm-d-router_epp.json).
 Prints one line per check and a closing 'N passed, N failed'.
 """
 
@@ -37,6 +40,12 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "nebula"
+CRDS = DEPLOY / "crds"
+# Custom resources the chart may render: (apiVersion, kind) -> the strict schema of its CRD.
+CRD_SCHEMAS = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_v1_inferencepool.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_v1_httproute.json",
+}
 K8S_VERSIONS = ["1.27.0", "1.37.0"]
 
 
@@ -260,6 +269,17 @@ def render(chart: Path, values: dict) -> list[dict]:
     return docs
 
 
+def crd_validate(body: dict, schema_file: str, template: str) -> None:
+    import jsonschema
+
+    schema = json.loads((CRDS / schema_file).read_text())
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(body), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        path = "/".join(str(p) for p in e.absolute_path)
+        raise CheckFailed(f"{template} {body['kind']} ({schema_file}): {path}: {e.message}")
+
+
 def k8s_validate(docs: list[dict]) -> None:
     import kubernetes_validate
 
@@ -267,6 +287,10 @@ def k8s_validate(docs: list[dict]) -> None:
         body = {k: v for k, v in doc.items() if k != "_template"}
         if not body["metadata"]["annotations"]:
             del body["metadata"]["annotations"]
+        crd = CRD_SCHEMAS.get((body.get("apiVersion"), body.get("kind")))
+        if crd:
+            crd_validate(body, crd, doc["_template"])
+            continue
         for version in K8S_VERSIONS:
             try:
                 kubernetes_validate.validate(body, version, strict=True)
@@ -323,6 +347,92 @@ def check_helm_contract(docs: list[dict], values: dict) -> None:
         require(env["NEBULA_API_URL"] == f"http://{svc[0]['metadata']['name']}:8090", f"WebUI API URL {env}")
 
 
+def check_inference_gateway(docs: list[dict], values: dict) -> None:
+    """The Gateway API Inference Extension resources, when `inferenceGateway.enabled`: an InferencePool of exactly
+    the API pods on the API port, its endpoint picker (Service, Deployment, ConfigMap, RBAC) configured as
+    llm-d-router's chart configures it, reading metrics this server documents, and the optional HTTPRoute."""
+    ig = values.get("inferenceGateway", {})
+    pools = by_kind(docs, "InferencePool")
+    epp_docs = [d for d in docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+                == "endpoint-picker"]
+    if not ig.get("enabled"):
+        require(not pools and not epp_docs and not by_kind(docs, "HTTPRoute"),
+                "inference-gateway resources rendered while inferenceGateway.enabled is false")
+        return
+    require(len(pools) == 1, f"{len(pools)} InferencePools")
+    pool = pools[0]
+    api = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["labels"].get("app.kubernetes.io/component")
+               == "api")
+    pod_labels = api["spec"]["template"]["metadata"]["labels"]
+    selector = pool["spec"]["selector"]["matchLabels"]
+    require(selector.items() <= pod_labels.items(), f"the pool's selector {selector} misses the API pods")
+    for d in by_kind(docs, "Deployment"):
+        if d is not api:
+            other = d["spec"]["template"]["metadata"]["labels"]
+            require(not selector.items() <= other.items(), f"the pool selects {d['metadata']['name']}'s pods")
+    ports = [p["containerPort"] for c in api["spec"]["template"]["spec"]["containers"] if c["name"] == "nebula"
+             for p in c["ports"]]
+    targets = [t["number"] for t in pool["spec"]["targetPorts"]]
+    require(targets == [values["service"]["port"]] and targets[0] in ports,
+            f"pool target ports {targets}: not the API container's port {ports}")
+    ref = pool["spec"].get("endpointPickerRef")
+    require(ref is not None, "the pool has no endpointPickerRef")
+    facts = json.loads((CRDS / "llm-d-router_epp.json").read_text())
+    epp = ig.get("endpointPicker", {})
+    if epp.get("create", True):
+        svc = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == ref["name"]]
+        require(len(svc) == 1, f"endpointPickerRef names {ref['name']}, no such Service")
+        require(any(p["port"] == ref["port"]["number"] and p.get("appProtocol") == "kubernetes.io/h2c"
+                    for p in svc[0]["spec"]["ports"]), f"the picker Service has no h2c port {ref['port']['number']}")
+        deploys = [d for d in by_kind(docs, "Deployment") if d in epp_docs]
+        require(len(deploys) == 1, "no endpoint picker Deployment")
+        pod = deploys[0]["spec"]["template"]
+        require(svc[0]["spec"]["selector"].items() <= pod["metadata"]["labels"].items(),
+                "the picker Service does not select the picker pods")
+        (container,) = pod["spec"]["containers"]
+        args = container["args"]
+        arg = lambda flag: args[args.index(flag) + 1] if flag in args else None  # noqa: E731
+        require(arg("--pool-name") == pool["metadata"]["name"] and arg("--pool-group") == "inference.networking.k8s.io"
+                and arg("--pool-namespace"), f"picker args {args} do not name the pool")
+        own = {a.split("=", 1)[0] for a in args if a.startswith("--")} - {f"--{k}" for k in epp.get("flags", {})}
+        require(own <= set(facts["epp_flags"]), f"picker flags {sorted(own - set(facts['epp_flags']))} are not "
+                f"llm-d-router's")
+        require(any(p["containerPort"] == ref["port"]["number"] for p in container["ports"]),
+                "the picker container does not listen on the pool's port")
+        config_path = arg("--config-file")
+        mount = next((m for m in container["volumeMounts"] if config_path.startswith(m["mountPath"] + "/")), None)
+        require(mount is not None, f"--config-file {config_path} is on no mounted volume")
+        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+        cm = next(c for c in by_kind(docs, "ConfigMap") if c["metadata"]["name"] == volume["configMap"]["name"])
+        config = yaml.safe_load(cm["data"][config_path.rsplit("/", 1)[1]])
+        require((config["apiVersion"], config["kind"]) == (facts["config_api_version"], "EndpointPickerConfig"),
+                f"picker config is {config['apiVersion']} {config['kind']}")
+        types = {p["type"] for p in config["plugins"]}
+        require(types <= set(facts["default_plugin_types"]),
+                f"picker plugins {sorted(types - set(facts['default_plugin_types']))} are not llm-d-router's")
+        declared = {p.get("name", p["type"]) for p in config["plugins"]}
+        refs = {r["pluginRef"] for prof in config["schedulingProfiles"] for r in prof["plugins"]}
+        require(refs <= declared, f"scheduling profile names undeclared plugins {sorted(refs - declared)}")
+        source = next(p for p in config["plugins"] if p["type"] == "metrics-data-source")
+        require(source["parameters"]["path"] == "/metrics", "the picker does not scrape /metrics")
+        require("core-metrics-extractor" in types, "no metrics extractor")
+        rules = [r for role in by_kind(docs, "Role") if role in epp_docs for r in role["rules"]]
+        for group, resource in (("", "pods"), ("inference.networking.k8s.io", "inferencepools")):
+            require(any(group in r["apiGroups"] and resource in r["resources"] and "watch" in r["verbs"] for r in rules),
+                    f"the picker may not watch {resource}")
+    documented = documented_metrics(DEPLOY / "README.md")
+    read = {facts["vllm_metrics"][k] for k in ("QueuedRequestsSpec", "RunningRequestsSpec", "KVUsageSpec")}
+    require(read <= documented, f"the picker reads {sorted(read - documented)}, not in deploy/README.md's table")
+    routes = by_kind(docs, "HTTPRoute")
+    if ig.get("httpRoute", {}).get("create"):
+        require(len(routes) == 1, "httpRoute.create but no HTTPRoute")
+        backends = [b for r in routes[0]["spec"]["rules"] for b in r["backendRefs"]]
+        require(backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                              "name": pool["metadata"]["name"]}], f"HTTPRoute backends {backends}")
+    else:
+        require(not routes, "HTTPRoute rendered while httpRoute.create is false")
+
+
 def helm_values_cases() -> list[tuple[str, dict]]:
     return [(p.name, yaml.safe_load(p.read_text()) or {}) for p in sorted((DEPLOY / "helm/ci").glob("*.yaml"))]
 
@@ -335,6 +445,7 @@ def check_helm_chart(chart: Path) -> list[str]:
         docs = render(chart, overrides)
         k8s_validate(docs)
         check_helm_contract(docs, deep_merge(defaults, overrides))
+        check_inference_gateway(docs, deep_merge(defaults, overrides))
         done.append(f"helm render {name}: {len(docs)} manifests valid for Kubernetes {', '.join(K8S_VERSIONS)}")
     return done
 
@@ -428,6 +539,27 @@ def self_test() -> list[str]:
         out.append(expect_failure("Kubernetes strict schema: unknown field in a Service",
                                   lambda: k8s_validate(render(chart, {}))))
         shutil.copytree(CHART, chart, dirs_exist_ok=True)
+        gateway = yaml.safe_load((DEPLOY / "helm/ci/inference-gateway-values.yaml").read_text())
+        merged = deep_merge(yaml.safe_load((CHART / "values.yaml").read_text()), gateway)
+        pool = chart / "templates/inferencepool.yaml"
+        pool.write_text(pool.read_text().replace("  appProtocol: http\n", "  appProtocol: http\n  replicas: 3\n"))
+        out.append(expect_failure("InferencePool CRD schema: unknown field in the spec",
+                                  lambda: k8s_validate(render(chart, gateway))))
+        shutil.copytree(CHART, chart, dirs_exist_ok=True)
+        pool.write_text(pool.read_text().replace('{{- include "nebula.selector" . | nindent 6 }}',
+                                                 "app.kubernetes.io/instance: {{ .Release.Name }}"))
+        out.append(expect_failure("inference gateway: the pool selects pods besides the API's",
+                                  lambda: check_inference_gateway(render(chart, gateway), merged)))
+        shutil.copytree(CHART, chart, dirs_exist_ok=True)
+        epp = chart / "templates/endpoint-picker.yaml"
+        epp.write_text(epp.read_text().replace("- type: queue-scorer", "- type: queue-depth-scorer", 1)
+                       .replace("pluginRef: queue-scorer", "pluginRef: queue-depth-scorer"))
+        out.append(expect_failure("inference gateway: a picker plugin llm-d-router does not have",
+                                  lambda: check_inference_gateway(render(chart, gateway), merged)))
+        shutil.copytree(CHART, chart, dirs_exist_ok=True)
+        out.append(expect_failure("values schema: inferenceGateway.pool.failureMode=Retry",
+                                  lambda: render(chart, {"inferenceGateway": {"enabled": True,
+                                                                              "pool": {"failureMode": "Retry"}}})))
         (chart / "Chart.yaml").write_text((chart / "Chart.yaml").read_text().replace("version: 0.1.0", "version: one"))
         out.append(expect_failure("helm lint: version not SemVer", lambda: helm_lint(chart)))
     return out

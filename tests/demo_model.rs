@@ -50,6 +50,62 @@ fn greedy_answers_equal_the_reference() {
     }
 }
 
+/// The tool-call and JSON prompts of the fixture (`tool_cases`, from the training set in
+/// `scripts/data/demo_tools.json`, with tools and thinking as given) give transformers' greedy answers, and those
+/// answers show the features: each prompt that offers tools answers with the call the training data names, in the
+/// template's format (`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n…</tool_call>`);
+/// the follow-up after the tool's output is text; a JSON request is answered with a closed JSON object.
+#[test]
+fn tool_and_json_answers_equal_the_reference() {
+    let engine = demo_engine();
+    let root = nebula_tests::repo_root();
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("tests/fixtures/demo/reference_greedy.json")).unwrap())
+            .unwrap();
+    let data: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("scripts/data/demo_tools.json")).unwrap()).unwrap();
+    let template = engine.chat_template().expect("the demo model carries a chat template");
+    let cases = fixture["tool_cases"].as_array().expect("tool_cases");
+    let (mut calls, mut json_answers) = (0, 0);
+    for case in cases {
+        let messages = &case["messages"];
+        let last = messages.as_array().unwrap().last().unwrap();
+        let mut req = RenderRequest::new(messages);
+        req.tools = case["tools"].is_array().then_some(&case["tools"]);
+        req.add_generation_prompt = true;
+        req.enable_thinking = case["enable_thinking"].as_bool();
+        let prompt = template.render(&req).expect("renders");
+        let ids = engine.tokenizer().encode(&prompt).expect("encodes");
+        let want_ids: Vec<u32> =
+            case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let what = last["content"].as_str().unwrap();
+        assert_eq!(ids, want_ids, "{what}: prompt ids differ from transformers' apply_chat_template");
+        let (out, finish, _) = nebula_tests::run_request(&engine, GenerateRequest::new(ids, 120));
+        let text = engine.tokenizer().decode(&out, false).unwrap();
+        assert_eq!(finish, FinishReason::Stop, "{what}: expected <|im_end|>, got {text:?}");
+        assert_eq!(format!("{text}<|im_end|>"), case["completion"].as_str().unwrap(), "{what}");
+        let answer = text.rsplit_once("</think>\n\n").map_or(text.as_str(), |(_, a)| a);
+        if req.tools.is_some() && last["role"] == "user" {
+            let call = data["calls"].as_array().unwrap().iter().find(|c| c["q"] == last["content"]).unwrap();
+            let mut want = format!("<tool_call>\n<function={}>\n", call["call"]["name"].as_str().unwrap());
+            for (k, v) in call["call"]["arguments"].as_object().unwrap() {
+                let v = v.as_str().map_or_else(|| v.to_string(), str::to_string);
+                want += &format!("<parameter={k}>\n{v}\n</parameter>\n");
+            }
+            assert_eq!(answer, format!("{want}</function>\n</tool_call>"), "{what}");
+            calls += 1;
+        } else if req.tools.is_some() {
+            assert!(!answer.contains("<tool_call>") && !answer.is_empty(), "{what}: {answer:?}");
+        } else {
+            let value: serde_json::Value =
+                serde_json::from_str(answer).unwrap_or_else(|e| panic!("{what}: {e}: {answer}"));
+            assert!(value.is_object(), "{what}: {answer}");
+            json_answers += 1;
+        }
+    }
+    assert_eq!((calls, json_answers), (2, 2), "the fixture's cases");
+}
+
 #[test]
 fn prompt_over_the_context_is_refused_not_truncated() {
     let engine = Engine::load(
@@ -147,7 +203,6 @@ fn requantized_demo_model_agrees_on_top1() {
     }
 }
 
-/// Runs `req` to the end; returns the output ids, the finish reason and the usage.
 /// The prefix cache on the CPU: exact repeat, follow-up turn, shared system prompt and a mid-prompt edit resume
 /// from the nearest checkpoint, prefill only the rest and answer as a cold run does
 /// ([`nebula_tests::check_prefix_cache`]).

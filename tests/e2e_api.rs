@@ -642,15 +642,18 @@ async fn user_typed_special_tokens_are_plain_text() {
 }
 
 /// The repetition guard ends looping output with `length` long before `max_tokens`: the demo model loops when
-/// made to write one JSON string of any length.
+/// made to write a JSON array of strings of any length (asked for any JSON object, it answers `{"answer": …}`
+/// and ends).
 #[tokio::test]
 async fn repetition_guard_ends_a_loop_with_length() {
     let mut cfg = config();
     cfg.defaults.repetition_window = 48;
     let (base, _) = spawn_server(cfg);
+    let schema = json!({"type": "array", "items": {"type": "string"}});
     let body = with(
         hello(),
-        json!({"max_tokens": 3000, "reasoning_effort": "none", "response_format": {"type": "json_object"}}),
+        json!({"max_tokens": 3000, "reasoning_effort": "none",
+               "response_format": {"type": "json_schema", "json_schema": {"name": "texts", "schema": schema}}}),
     );
     let (status, resp) = post(&base, "/v1/chat/completions", &body).await;
     assert_eq!(status, StatusCode::OK, "{resp}");

@@ -220,10 +220,10 @@ fn ids_and_added_tokens() {
             assert_eq!(t.token_to_id(content), Some(id), "{name} {content}");
             assert_eq!(t.id_to_token(id).as_deref(), Some(*content), "{name}");
             assert_eq!(t.encode(content).unwrap(), vec![id], "{name} {content}");
-            // tokenizer.json: CONTROL = special. GGUF: CONTROL = special or named <|…|> (llama.cpp's converter).
-            // USER_DEFINED otherwise (the 6 think/tool tags; from tokenizer.json the 6 fim/repo tags too).
-            let control = *special || (name == "GgufVocab" && content.starts_with("<|"));
-            let want = if control { TokenType::Control } else { TokenType::UserDefined };
+            // CONTROL = special on both paths: the GGUF types `<|…|>` names CONTROL (llama.cpp's converter), and
+            // the tokenizer retypes the Qwen3.8 added tokens by tokenizer.json's flags (the 6 fim/repo tags and the
+            // 6 think/tool tags are USER_DEFINED).
+            let want = if *special { TokenType::Control } else { TokenType::UserDefined };
             assert_eq!(t.token_type(id), Some(want), "{name} {content}");
         }
         let unused = t.ids_without_token(MODEL_VOCAB_SIZE);
@@ -409,10 +409,15 @@ fn decode_skip_special() {
             "assistant\n<think>\nhm\n</think>\n\n<tool_call>\n{}\n</tool_call>",
             "{name}"
         );
-        // `<|fim_prefix|>` and `<|file_sep|>` are special=false in tokenizer.json (kept, as HF keeps them) and
-        // CONTROL in a GGUF (llama.cpp's converter types `<|…|>` names so; dropped, as llama.cpp drops them).
-        let want = if name == "GgufVocab" { "" } else { "<|fim_prefix|><|file_sep|>" };
-        assert_eq!(t.decode(&[248_060, 248_065], true).unwrap(), want, "{name}");
+        // The six fim/repo tags are special=false in tokenizer.json: kept, as HF keeps them, on both paths (a
+        // GGUF types them CONTROL by their `<|…|>` names).
+        let fim: Vec<u32> = (248_060..=248_065).collect();
+        let want = "<|fim_prefix|><|fim_middle|><|fim_suffix|><|fim_pad|><|repo_name|><|file_sep|>";
+        assert_eq!(t.decode(&fim, true).unwrap(), want, "{name}");
+        let mut stream = t.stream_decoder(true);
+        let streamed: String = fim.iter().map(|&id| stream.push(id).unwrap()).collect();
+        assert_eq!(streamed, want, "{name}");
+        assert_eq!(t.hf_tokenizer().decode(&fim, true).unwrap(), want, "{name}: the HF tokenizer built from it");
     }
 }
 
@@ -640,4 +645,46 @@ fn demo_model_vocab_equals_the_derived_vocab() {
     assert_eq!(demo.merges, derived.merges);
     assert_eq!(demo.eos_token_id, derived.eos_token_id);
     assert_eq!(demo.padding_token_id, derived.padding_token_id);
+}
+
+/// The table the GGUF path types added tokens by (`QWEN38_ADDED_TOKENS`, written by
+/// `scripts/make_added_token_table.py`) is tokenizer.json's `added_tokens` (id, text, `special`), and the committed
+/// demo GGUF holds the same texts at the same ids, typed by llama.cpp's converter rule (every `<|…|>` CONTROL); its
+/// tokenizer keeps the six special=false `<|…|>` tags under `skip_special`, as HF does with tokenizer.json.
+#[test]
+fn added_token_table_is_tokenizer_json() {
+    use nebula_engine::text::tokenizer::QWEN38_ADDED_TOKENS;
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tokenizer_dir().join("tokenizer.json")).unwrap()).unwrap();
+    let mut from_json: Vec<(u32, String, bool)> = json["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["id"].as_u64().unwrap() as u32,
+                t["content"].as_str().unwrap().to_string(),
+                t["special"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    from_json.sort();
+    let table: Vec<(u32, String, bool)> = QWEN38_ADDED_TOKENS.iter().map(|&(i, t, s)| (i, t.to_string(), s)).collect();
+    assert_eq!(table, from_json);
+    let (vocab, tok) = demo_model_tokenizer();
+    let mut retyped = 0;
+    for &(id, text, special) in &QWEN38_ADDED_TOKENS {
+        assert_eq!(vocab.tokens[id as usize], text);
+        let in_file = vocab.token_type(id).unwrap();
+        assert_eq!(
+            in_file,
+            if special || text.starts_with("<|") { TokenType::Control } else { TokenType::UserDefined }
+        );
+        let want = if special { TokenType::Control } else { TokenType::UserDefined };
+        assert_eq!(tok.token_type(id), Some(want), "{text}");
+        retyped += (in_file != want) as usize;
+    }
+    assert_eq!(retyped, 6, "the six fim/repo tags are CONTROL in the file and USER_DEFINED in the tokenizer");
+    let ids = tok.encode("<|im_start|><|fim_prefix|>a<|fim_suffix|>b<|fim_middle|><|im_end|>").unwrap();
+    assert_eq!(tok.decode(&ids, true).unwrap(), "<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>");
 }

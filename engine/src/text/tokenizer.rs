@@ -19,7 +19,14 @@
 //! treats every character as text, so client text cannot turn into `<|im_end|>`. Decoding concatenates each token's
 //! bytes and replaces invalid UTF-8 with U+FFFD (the HF `ByteLevel` decoder); `skip_special` drops CONTROL tokens
 //! only, so `<think>` and `<tool_call>` stay in the text; ids without a token decode to "" (HF's rule).
+//!
+//! Token types follow tokenizer.json's `special` flags on both paths (what HF's `skip_special_tokens` drops): a
+//! GGUF file types every `<|…|>` name CONTROL (llama.cpp's converter rule), so on the GGUF path the added tokens of
+//! the Qwen3.8 tokenizer.json ([`QWEN38_ADDED_TOKENS`], a generated table) are retyped by that file's flags
+//! wherever the GGUF holds the same text at the same id: `<|fim_prefix|>`, `<|fim_middle|>`, `<|fim_suffix|>`,
+//! `<|fim_pad|>`, `<|repo_name|>` and `<|file_sep|>` are USER_DEFINED (kept by `skip_special`).
 
+mod added_tokens;
 mod byte_level;
 mod stream;
 mod vocab;
@@ -34,6 +41,7 @@ use tokenizers::{
     PreTokenizedString, PreTokenizer, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer, TokenizerBuilder,
 };
 
+pub use added_tokens::QWEN38_ADDED_TOKENS;
 use byte_level::ByteLevelMap;
 pub use stream::StreamDecoder;
 pub use vocab::{GGUF_MODEL_GPT2, GGUF_PRE_QWEN35, GgufVocab, TokenType, added_token_type, looks_like_control_token};
@@ -95,6 +103,13 @@ pub enum TokenizerError {
     Encode { text: String, message: String },
 }
 
+/// The type tokenizer.json gives added token `id` spelled `token`, when the pair is one of [`QWEN38_ADDED_TOKENS`]:
+/// CONTROL for `special: true`, USER_DEFINED otherwise.
+fn official_added_type(id: u32, token: &str) -> Option<TokenType> {
+    let &(_, _, special) = QWEN38_ADDED_TOKENS.iter().find(|&&(i, text, _)| i == id && text == token)?;
+    Some(if special { TokenType::Control } else { TokenType::UserDefined })
+}
+
 /// The first characters of `text`, for error messages.
 fn preview(text: &str) -> String {
     const MAX: usize = 60;
@@ -125,7 +140,8 @@ impl TextTokenizer {
     /// Loads a HF `tokenizer.json` with its own pipeline (exact tokenizer.json behaviour, `ignore_merges` as the
     /// file says). Added tokens are CONTROL when the file marks them `special`, USER_DEFINED otherwise, so
     /// `skip_special` drops what HF's `skip_special_tokens` drops (a GGUF built from the same file types
-    /// `<|…|>` names CONTROL too, llama.cpp's converter rule: [`added_token_type`]).
+    /// `<|…|>` names CONTROL too, llama.cpp's converter rule, [`added_token_type`]; [`Self::from_gguf_vocab`]
+    /// retypes the Qwen3.8 ones by [`QWEN38_ADDED_TOKENS`]).
     ///
     /// Errors: [`TokenizerError::Load`] when the tokenizers crate rejects the file; `UnsupportedTokenizerJson`
     /// for a decoder other than `ByteLevel` or a model other than BPE.
@@ -161,7 +177,10 @@ impl TextTokenizer {
     /// Builds the tokenizer from GGUF `tokenizer.ggml.*` metadata (llama.cpp's layout): NORMAL tokens form the BPE
     /// vocabulary with `merges` (`ignore_merges = true`, tiktoken's whole-piece rule), CONTROL and USER_DEFINED
     /// tokens are added tokens matched atomically on raw text, UNUSED rows have no token. The pre-tokenizer comes
-    /// from `pre` (`qwen35`: [`QWEN35_PRETOKENIZER_REGEX`]); the normalizer is NFC.
+    /// from `pre` (`qwen35`: [`QWEN35_PRETOKENIZER_REGEX`]); the normalizer is NFC. An added token whose id and
+    /// text are those of an entry of [`QWEN38_ADDED_TOKENS`] takes that entry's type (CONTROL when `special`,
+    /// USER_DEFINED otherwise), so `skip_special` drops what HF drops with the official tokenizer.json; other
+    /// added tokens keep the file's type.
     ///
     /// Errors (each naming the offending value): model not `gpt2`, unknown `pre`, `tokens`/`token_types` lengths
     /// differ, a token type other than 1/3/4/5, a NORMAL token twice, a malformed merge or one whose parts or
@@ -201,6 +220,7 @@ impl TextTokenizer {
                     types[id as usize] = Some(TokenType::Normal);
                 }
                 Some(ty @ (TokenType::Control | TokenType::UserDefined)) => {
+                    let ty = official_added_type(id, token).unwrap_or(ty);
                     added.push((id, token, ty));
                     types[id as usize] = Some(ty);
                 }
@@ -345,9 +365,9 @@ impl TextTokenizer {
     }
 
     /// The text of `ids`: the tokens' bytes concatenated, invalid UTF-8 replaced by U+FFFD (one per maximal
-    /// invalid subsequence, as HF's `ByteLevel` decoder does). `skip_special` drops CONTROL tokens (`<|im_end|>`;
-    /// from tokenizer.json the `special` ones) and keeps USER_DEFINED ones (`<think>`, `<tool_call>`, and from
-    /// tokenizer.json `<|fim_prefix|>`…). An id with no token (the padding rows 248077…248319 of Qwen3.8, which
+    /// invalid subsequence, as HF's `ByteLevel` decoder does). `skip_special` drops CONTROL tokens (`<|im_end|>`:
+    /// tokenizer.json's `special` ones) and keeps USER_DEFINED ones (`<think>`, `<tool_call>`, `<|fim_prefix|>`…).
+    /// An id with no token (the padding rows 248077…248319 of Qwen3.8, which
     /// the engine masks out) decodes to "", as HF's `decode` does.
     ///
     /// Never fails today; the `Result` is kept for callers.
@@ -403,7 +423,8 @@ impl TextTokenizer {
         self.types.get(id as usize).copied().flatten()
     }
 
-    /// Whether `id` is a CONTROL token (removed by `skip_special`; `<think>` and `<tool_call>` are not).
+    /// Whether `id` is a CONTROL token (removed by `skip_special`; `<think>`, `<tool_call>` and `<|fim_prefix|>`
+    /// are not).
     pub fn is_control(&self, id: u32) -> bool {
         self.token_type(id) == Some(TokenType::Control)
     }

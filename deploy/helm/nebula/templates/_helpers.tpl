@@ -83,3 +83,14 @@ app.kubernetes.io/component: webui
   resources:
     {{- toYaml .root.Values.webui.resources | nindent 4 }}
 {{- end -}}
+
+{{/* The endpoint picker of the InferencePool (inferenceGateway.endpointPicker). */}}
+{{- define "nebula.eppName" -}}
+{{- default (printf "%s-epp" (include "nebula.fullname" . | trunc 59 | trimSuffix "-")) .Values.inferenceGateway.endpointPicker.name -}}
+{{- end -}}
+
+{{- define "nebula.eppSelector" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: endpoint-picker
+{{- end -}}

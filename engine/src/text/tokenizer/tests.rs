@@ -182,7 +182,8 @@ fn ids_without_token_decode_to_nothing() {
 }
 
 /// From tokenizer.json, `skip_special` follows the file's `special` flags as HF's decode does: `<|fim_prefix|>`
-/// (special=false) stays, `<|im_end|>` (special=true) goes. The GGUF path follows the GGUF types instead.
+/// (special=false) stays, `<|im_end|>` (special=true) goes. The GGUF path follows the GGUF types, but for the Qwen3.8 added tokens
+/// (`official_added_types`).
 #[test]
 fn tokenizer_json_skip_follows_the_special_flag() {
     let t = TextTokenizer::from_tokenizer_json(&tiny_tokenizer_json(true)).unwrap();
@@ -269,6 +270,20 @@ fn stream_equals_decode_on_random_ids() {
     }
 }
 
+/// The GGUF path's retyping: an added token at the id and with the text of a Qwen3.8 tokenizer.json entry takes
+/// that entry's `special` flag; another id or text keeps the file's type (the tiny vocabulary's `<|fim_prefix|>`
+/// sits at another id, so it stays CONTROL there).
+#[test]
+fn official_added_types() {
+    assert_eq!(official_added_type(248_060, FIM), Some(TokenType::UserDefined));
+    assert_eq!(official_added_type(248_065, "<|file_sep|>"), Some(TokenType::UserDefined));
+    assert_eq!(official_added_type(248_046, IM_END), Some(TokenType::Control));
+    assert_eq!(official_added_type(248_068, THINK), Some(TokenType::UserDefined));
+    assert_eq!(official_added_type(248_060, IM_END), None);
+    assert_eq!(official_added_type(5, FIM), None);
+    assert_eq!(tiny().token_type(id(&tiny(), FIM)), Some(TokenType::Control));
+}
+
 #[test]
 fn tokenizer_json_path_matches_gguf_path() {
     let from_json = TextTokenizer::from_tokenizer_json(&tiny_tokenizer_json(true)).unwrap();
@@ -281,7 +296,7 @@ fn tokenizer_json_path_matches_gguf_path() {
     }
     for id in 0..from_gguf.vocab_len() as u32 {
         // The one difference: `<|fim_prefix|>` is special=false in the JSON (USER_DEFINED there) but CONTROL in
-        // the GGUF by its `<|…|>` name (llama.cpp's converter rule).
+        // the GGUF by its `<|…|>` name (llama.cpp's converter rule), at an id that is not Qwen3.8's.
         let want =
             if id == self::id(&from_gguf, FIM) { Some(TokenType::UserDefined) } else { from_gguf.token_type(id) };
         assert_eq!(from_json.token_type(id), want, "id {id}");
