@@ -178,6 +178,9 @@ impl Qwen4Exp {
             layer.mlp_hyper_connection.inject(&mut x, &y, &mixed.inject);
         }
         for ((it, r), &p0) in items.iter_mut().zip(&rows).zip(&pos0) {
+            if r.is_empty() {
+                continue;
+            }
             it.state.pos = p0 + r.len();
             let xs = &x[r.start * dim..r.end * dim];
             match record.as_deref_mut() {
@@ -195,6 +198,7 @@ impl Qwen4Exp {
             .iter()
             .zip(&rows)
             .map(|(it, r)| match it.want {
+                _ if r.is_empty() => r.end..r.end,
                 LogitsFor::None => r.end..r.end,
                 LogitsFor::Last => r.end - 1..r.end,
                 LogitsFor::All => r.clone(),

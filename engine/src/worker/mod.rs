@@ -299,7 +299,9 @@ pub struct BatchOptions {
     pub max_batch_tokens: Option<usize>,
     /// Bytes of sequence state (KV caches, recurrent states, MTP caches; host and device together) the running
     /// sequences may reserve, each what its state holds once full ([`crate::backend::Backend::state_bytes`]);
-    /// `None`: no limit beyond `max_sequences`. A request that needs more than this alone is refused.
+    /// `None`: no limit beyond `max_sequences` on the GPU (allocation is the limit), half of `MemAvailable` on the
+    /// CPU. A request that alone needs more than a configured budget is refused; over the CPU's default one, it
+    /// runs alone.
     pub state_budget: Option<usize>,
     /// MTP chains are drafted only while at most this many sequences decode (each drafting on its own); in
     /// bigger batches every sequence takes plain steps in the shared pass.
@@ -402,6 +404,8 @@ struct Job {
 pub struct Engine {
     jobs: std::sync::mpsc::Sender<Job>,
     batch: BatchOptions,
+    /// Whether the state budget was configured (a request over it is refused) or defaulted (it runs alone).
+    budget_explicit: bool,
     max_sequences: Arc<AtomicUsize>,
     stats: Arc<EngineStats>,
     waiting: Arc<AtomicUsize>,
@@ -497,8 +501,12 @@ impl Engine {
         let stats = Arc::new(EngineStats::default());
         let mut batch = opts.batch;
         batch.max_sequences = batch.max_sequences.max(1);
+        // A pass must hold a decode row of every sequence and a token of prefill.
+        batch.max_batch_tokens = batch.max_batch_tokens.map(|b| b.max(batch.max_sequences + 1));
+        let budget_explicit = batch.state_budget.is_some();
         if batch.state_budget.is_none() && matches!(opts.backend, BackendKind::Cpu) {
-            // Host states grow as they fill: keep what they may reserve to half the memory free now.
+            // Host states grow as they fill: keep what they may reserve to half the memory free now. A request
+            // that needs more than this default runs alone rather than being refused.
             batch.state_budget = mem_available().map(|b| b / 2);
         }
         let max_sequences = Arc::new(AtomicUsize::new(batch.max_sequences));
@@ -510,6 +518,7 @@ impl Engine {
             running: running.clone(),
             stats: stats.clone(),
             batch,
+            budget_explicit,
             max_sequences: max_sequences.clone(),
             observer: opts.step_observer.clone(),
         };
@@ -525,6 +534,7 @@ impl Engine {
         Ok(Self {
             jobs,
             batch,
+            budget_explicit,
             max_sequences,
             stats,
             waiting,
@@ -580,7 +590,7 @@ impl Engine {
         for r in &reqs {
             r.sampling.validate().map_err(SubmitError::Sampling)?;
         }
-        if let Some(budget) = self.batch.state_budget {
+        if let Some(budget) = self.batch.state_budget.filter(|_| self.budget_explicit) {
             let need: usize = reqs
                 .iter()
                 .map(|r| {

@@ -54,6 +54,8 @@ pub(super) struct WorkerRules {
     pub(super) running: Arc<std::sync::atomic::AtomicUsize>,
     pub(super) stats: Arc<EngineStats>,
     pub(super) batch: BatchOptions,
+    /// Whether `batch.state_budget` was configured (a request over it fails) or defaulted (it runs alone).
+    pub(super) budget_explicit: bool,
     /// Sequences admitted at most now ([`super::Engine::set_max_sequences`]; starts at the batch's own).
     pub(super) max_sequences: Arc<std::sync::atomic::AtomicUsize>,
     pub(super) observer: Option<StepObserver>,
@@ -211,10 +213,22 @@ struct Seq<'m, B: Backend> {
     chunk: usize,
     prefill_started: Instant,
     decode_started: Instant,
+    /// When it last sent an event while reading its prompt (a waiting prefill sends a sign of life).
+    heartbeat: Instant,
     followers: Vec<Follower>,
 }
 
+/// Sequences running, the followers still waiting for their leader's prompt included.
+fn sequences<B: Backend>(running: &[Seq<'_, B>]) -> usize {
+    running.iter().map(|s| 1 + s.followers.len()).sum()
+}
+
 impl<B: Backend> Seq<'_, B> {
+    /// Bytes reserved for it and its followers.
+    fn reservation(&self) -> usize {
+        self.reserved + self.followers.iter().map(|f| f.reserved).sum::<usize>()
+    }
+
     /// The next prefill chunk's end, from `pos`: the request's chunk size or the next checkpoint mark.
     fn chunk_end(&self, pos: usize) -> usize {
         let len = self.sink.req.prompt.len();
@@ -316,9 +330,18 @@ impl<B: Backend> Worker<B> {
                     seq.phase = Phase::Failed(GenerationError::Internal(msg.clone()));
                 }
             }
-            self.retire(&backend, &mut running);
+            let retired =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.retire(&backend, &mut running)));
+            if retired.is_err() {
+                tracing::error!(
+                    "the engine caught a panic while keeping a finished sequence; the prefix cache was cleared"
+                );
+                self.side.cache.clear();
+            }
+            // Recounted from what runs, so that no path (a panic half-way, a failed fork) leaks a reservation.
+            self.reserved = running.iter().map(Seq::reservation).sum();
             self.side.report();
-            self.rules.running.store(running.len(), Ordering::SeqCst);
+            self.rules.running.store(sequences(&running), Ordering::SeqCst);
             stats.reserved_state_bytes.store(self.reserved, Ordering::Relaxed);
         }
     }
@@ -347,19 +370,21 @@ impl<B: Backend> Worker<B> {
                 self.reservation(&job.req) + job.followers.iter().map(|(r, _)| self.reservation(r)).sum::<usize>();
             let budget = opts.state_budget.unwrap_or(usize::MAX);
             let slots = self.rules.max_sequences.load(Ordering::Relaxed).max(1);
-            let fits = running.len() + seqs <= slots.max(seqs) && self.reserved.saturating_add(need) <= budget;
-            if !fits && !running.is_empty() {
+            let fits = sequences(running) + seqs <= slots.max(seqs) && self.reserved.saturating_add(need) <= budget;
+            let refuse = need > budget && self.rules.budget_explicit;
+            if !fits && !running.is_empty() && !refuse {
                 break;
             }
             let job = queue.pop_front().expect("front exists");
-            if need > budget {
+            // Out of the queue from here, whatever happens to the job.
+            self.rules.waiting.fetch_sub(seqs, Ordering::SeqCst);
+            if refuse {
                 // Refused at submission when it alone exceeds the budget; kept here for budgets that change.
                 let msg = format!(
                     "the request's state needs {} MiB, more than the {} MiB this server keeps for running sequences",
                     need >> 20,
                     budget >> 20
                 );
-                self.rules.waiting.fetch_sub(seqs, Ordering::SeqCst);
                 let _ = job.events.send(GenerationEvent::Failed(GenerationError::Backend(msg.clone())));
                 for (_, e) in &job.followers {
                     let _ = e.send(GenerationEvent::Failed(GenerationError::Backend(msg.clone())));
@@ -368,21 +393,19 @@ impl<B: Backend> Worker<B> {
             }
             match self.start(backend, stats, stop_tokens, job, running.is_empty()) {
                 Ok(seq) => {
-                    self.rules.waiting.fetch_sub(seqs, Ordering::SeqCst);
-                    self.reserved += seq.reserved + seq.followers.iter().map(|f| f.reserved).sum::<usize>();
+                    self.reserved += seq.reservation();
                     running.push(seq);
                 }
                 Err(Some(job)) => {
                     // Its state could not be allocated while others run: it waits for them.
+                    self.rules.waiting.fetch_add(seqs, Ordering::SeqCst);
                     queue.push_front(*job);
                     break;
                 }
-                Err(None) => {
-                    self.rules.waiting.fetch_sub(seqs, Ordering::SeqCst);
-                }
+                Err(None) => {}
             }
         }
-        self.rules.running.store(running.len(), Ordering::SeqCst);
+        self.rules.running.store(sequences(running), Ordering::SeqCst);
     }
 
     /// Starts a job's sequence: its state resumed from the prefix cache or fresh. `Err(Some(job))` gives the job
@@ -478,6 +501,7 @@ impl<B: Backend> Worker<B> {
             chunk,
             prefill_started: now,
             decode_started: now,
+            heartbeat: now,
             followers,
         })
     }
@@ -544,6 +568,17 @@ impl<B: Backend> Worker<B> {
                     plan.push(Planned::Prefill { seq: i, start: pos, end });
                     rows += end - pos;
                 }
+            }
+        }
+        // A prompt that waits for room in the budget says so now and then (the service's watchdog listens).
+        for (i, seq) in running.iter_mut().enumerate() {
+            if let Phase::Prefill { pos } = seq.phase
+                && !plan.iter().any(|p| p.seq() == i)
+                && seq.heartbeat.elapsed().as_secs_f64() >= 1.0
+            {
+                let _ =
+                    seq.sink.events.send(GenerationEvent::Prefilled { done: pos, total: seq.sink.req.prompt.len() });
+                seq.heartbeat = Instant::now();
             }
         }
         if !plan.is_empty() {
@@ -622,6 +657,7 @@ impl<B: Backend> Worker<B> {
                 }
             }
             let _ = seq.sink.events.send(GenerationEvent::Prefilled { done: end, total: len });
+            seq.heartbeat = Instant::now();
             seq.phase = if end == len {
                 seq.usage.prefill_ms = seq.prefill_started.elapsed().as_secs_f64() * 1e3;
                 Phase::Ready { logits: l }
@@ -686,7 +722,7 @@ impl<B: Backend> Worker<B> {
             Err(e) => {
                 for f in &followers {
                     let _ = f.events.send(GenerationEvent::Failed(GenerationError::Backend(e.to_string())));
-                    self.reserved -= f.reserved;
+                    self.reserved = self.reserved.saturating_sub(f.reserved);
                 }
                 return (seq, Vec::new());
             }
@@ -699,7 +735,7 @@ impl<B: Backend> Worker<B> {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = f.events.send(GenerationEvent::Failed(GenerationError::Backend(e.to_string())));
-                    self.reserved -= f.reserved;
+                    self.reserved = self.reserved.saturating_sub(f.reserved);
                     continue;
                 }
             };
@@ -737,6 +773,7 @@ impl<B: Backend> Worker<B> {
                 chunk: seq.chunk,
                 prefill_started: seq.prefill_started,
                 decode_started: seq.decode_started,
+                heartbeat: seq.heartbeat,
                 followers: Vec::new(),
             });
         }

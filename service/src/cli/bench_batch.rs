@@ -188,17 +188,8 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
         args.tokens,
         if args.mtp { "on" } else { "off" }
     );
-    let mut seed = 0x2545_F491_4F6C_DD1Du64;
-    let mut random = |n: usize| -> Vec<u32> {
-        (0..n)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                (seed % vocab) as u32
-            })
-            .collect()
-    };
+    let mut tokens = super::RandomTokens::new(0x2545_F491_4F6C_DD1Du64, vocab);
+    let mut random = |n: usize| tokens.take(n);
     // Warm up both modes (first passes allocate arenas, capture graphs, fault pages in); not reported.
     for on in [true, false] {
         engine.set_max_sequences(if on { widest } else { 1 });

@@ -133,17 +133,8 @@ pub fn run_prefix(args: BenchPrefixArgs) -> anyhow::Result<()> {
          within each repeat; cached: prompt tokens resumed from the cache; spills: entries moved from VRAM to host \
          memory so far; same top-1: repeats whose warm first token equals the cold one)"
     );
-    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-    let mut random = |n: usize| -> Vec<u32> {
-        (0..n)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                (seed % vocab) as u32
-            })
-            .collect()
-    };
+    let mut tokens = super::RandomTokens::new(0x9E37_79B9_7F4A_7C15u64, vocab);
+    let mut random = |n: usize| tokens.take(n);
     for &ctx in &args.contexts {
         let (mut cold, mut warm, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
         let (mut cached, mut prompt_len, mut same) = (0, 0, 0);

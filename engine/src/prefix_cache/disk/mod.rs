@@ -332,7 +332,7 @@ impl DiskCache {
             rand::random::<u64>()
         ));
         let written = self.write_temporary(&temp, tokens, state, checkpoints);
-        let header = match written {
+        let (header, locked) = match written {
             Ok(h) => h,
             Err(e) => {
                 remove_quietly(&temp);
@@ -341,7 +341,10 @@ impl DiskCache {
         };
         let path = self.dir.join(&name);
         let mut index = self.lock();
-        if let Err(e) = fs::rename(&temp, &path) {
+        let renamed = fs::rename(&temp, &path);
+        // Closing the file releases its lock: the temporary is gone (renamed) or about to be removed.
+        drop(locked);
+        if let Err(e) = renamed {
             drop(index);
             remove_quietly(&temp);
             return Err(io_err("rename into place", &path)(e));
@@ -414,14 +417,16 @@ impl DiskCache {
         fs::metadata(&self.dir).and_then(|m| m.modified()).ok()
     }
 
-    /// Encodes into `temp` (created, locked, synced); returns the header written.
+    /// Encodes into `temp` (created, locked, synced); returns the header written and the open, locked file, to
+    /// be closed only once the temporary has been renamed into place (so that no `open` takes it for abandoned
+    /// in between).
     fn write_temporary(
         &self,
         temp: &Path,
         tokens: &[u32],
         state: &SequenceState,
         checkpoints: &[Checkpoint],
-    ) -> Result<EntryHeader, DiskCacheError> {
+    ) -> Result<(EntryHeader, File), DiskCacheError> {
         let file = File::options().write(true).create_new(true).open(temp).map_err(io_err("create", temp))?;
         // Held until the file is closed: tells `open` in another process that this temporary is in progress.
         file.lock().map_err(io_err("lock", temp))?;
@@ -436,7 +441,9 @@ impl DiskCache {
             .iter()
             .map(|c| CheckpointInfo { pos: c.snapshot.pos(), has_logits: c.logits.is_some() })
             .collect();
-        Ok(EntryHeader { identity: self.identity.digest(), tokens: tokens.to_vec(), checkpoints, file_bytes: bytes })
+        let header =
+            EntryHeader { identity: self.identity.digest(), tokens: tokens.to_vec(), checkpoints, file_bytes: bytes };
+        Ok((header, file))
     }
 
     fn read_entry(&self, path: &Path) -> Result<codec::DecodedEntry, ReadError> {
