@@ -629,7 +629,9 @@ async fn engine_busy(model: &ServedModel) {
 
 #[tokio::test]
 async fn client_disconnect_cancels_the_generation() {
-    let server = spawn_server(ServerConfig { queue_capacity: 1, ..test_config() });
+    // One sequence at a time, so that a second request waits in the queue and a third is refused.
+    let batching = nebula_service::config::BatchingConfig { max_sequences: Some(1), ..Default::default() };
+    let server = spawn_server(ServerConfig { queue_capacity: 1, batching, ..test_config() });
     // Without end-of-turn stops and with the whole context to fill, this runs for tens of seconds.
     let endless = hello(json!({"ignore_eos": true, "temperature": 0, "stream": true}));
 
