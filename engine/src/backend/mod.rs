@@ -58,6 +58,19 @@ pub enum BackendError {
 }
 
 impl BackendError {
+    /// Whether the error is a failed device allocation (the driver's out-of-memory result, or a state over
+    /// what the GPU has free): waiting for other sequences to end can cure it.
+    pub fn is_out_of_memory(&self) -> bool {
+        use nebula_kernels::GpuError;
+        match self {
+            BackendError::Cuda(cuda::CudaError::Gpu(GpuError::OutOfMemory { .. })) => true,
+            BackendError::Cuda(cuda::CudaError::Gpu(GpuError::DriverCall(code))) => {
+                *code == nebula_kernels::cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+            }
+            _ => false,
+        }
+    }
+
     /// The model error inside, when there is one (a CUDA error wrapping a model error included).
     pub fn as_model(&self) -> Option<&ModelError> {
         match self {
@@ -207,16 +220,7 @@ pub trait Backend {
     ///
     /// Errors: [`ModelError::TokenOutOfRange`], [`ModelError::ContextOverflow`].
     fn check_input(&self, state: &Self::State, tokens: &[u32]) -> Result<(), BackendError> {
-        let vocab = self.vocab();
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::TokenOutOfRange { token: bad, vocab }.into());
-        }
-        let needed = self.position(state) + tokens.len();
-        let limit = self.capacity(state);
-        if needed > limit {
-            return Err(ModelError::ContextOverflow { needed, limit }.into());
-        }
-        Ok(())
+        Ok(crate::model::check_tokens(self.vocab(), self.position(state), self.capacity(state), tokens)?)
     }
 
     /// Runs several sequences in one pass: each item's tokens on its own state (attention, Gated DeltaNet, PLE

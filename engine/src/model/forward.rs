@@ -23,6 +23,21 @@ use crate::backend::BatchItem;
 use crate::placement::Tier;
 use crate::placement::hotlist::HotlistBuilder;
 
+/// Checks that a state at `pos` with room for `max_len` tokens can take `tokens`: every id below `vocab`, and
+/// room for all of them.
+///
+/// Errors: [`ModelError::TokenOutOfRange`], [`ModelError::ContextOverflow`].
+pub(crate) fn check_tokens(vocab: usize, pos: usize, max_len: usize, tokens: &[u32]) -> Result<(), ModelError> {
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ModelError::TokenOutOfRange { token: bad, vocab });
+    }
+    let needed = pos + tokens.len();
+    if needed > max_len {
+        return Err(ModelError::ContextOverflow { needed, limit: max_len });
+    }
+    Ok(())
+}
+
 impl Qwen4Exp {
     /// `lm_head` over `m` hidden rows (`[m, d]`), masked ids at `-inf`: `[m, vocab]`.
     pub(super) fn head(&self, h: &[f32], m: usize) -> Vec<f32> {
@@ -35,19 +50,6 @@ impl Qwen4Exp {
             }
         }
         logits
-    }
-
-    /// Checks that `state` can take `tokens`: ids in the vocabulary, room in the state.
-    fn check_tokens(&self, state: &SequenceState, tokens: &[u32]) -> Result<(), ModelError> {
-        let vocab = self.config.vocab;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::TokenOutOfRange { token: bad, vocab });
-        }
-        let needed = state.pos + tokens.len();
-        if needed > state.max_len {
-            return Err(ModelError::ContextOverflow { needed, limit: state.max_len });
-        }
-        Ok(())
     }
 
     /// One sequence's forward pass (see [`Qwen4Exp::forward_items`]).
@@ -82,7 +84,7 @@ impl Qwen4Exp {
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let cfg = &self.config;
         for it in items.iter() {
-            self.check_tokens(it.state, it.tokens)?;
+            check_tokens(cfg.vocab, it.state.pos, it.state.max_len, it.tokens)?;
         }
         assert!(record.is_none() || items.len() == 1, "a chain record covers one sequence");
         // Rows of item i: rows[i].

@@ -9,6 +9,8 @@
 pub mod config;
 pub mod error;
 mod forward;
+
+pub(crate) use forward::check_tokens;
 pub mod hyper_connection;
 pub mod linear_attn;
 pub mod moe;

@@ -37,7 +37,7 @@ use super::{
     BatchOptions, EngineStats, FinishReason, GenerateRequest, GenerationError, GenerationEvent, Job, PREFILL_CHUNK,
     StepObserver, StepReport, Usage,
 };
-use crate::backend::{Backend, BackendError, BatchItem};
+use crate::backend::{Backend, BatchItem};
 use crate::model::LogitsFor;
 use crate::prefix_cache::disk::DiskCache;
 use crate::prefix_cache::{Checkpoint, PrefixCache, PrefixCacheOptions};
@@ -427,7 +427,7 @@ impl<B: Backend> Worker<B> {
         let (state, logits, checkpoints) = match self.side.start_state(backend, &req.prompt, limit, drafting, use_cache)
         {
             Ok(s) => s,
-            Err(e) if !alone && is_out_of_memory(&e) => return Err(Some(Box::new(job))),
+            Err(e) if !alone && e.is_out_of_memory() => return Err(Some(Box::new(job))),
             Err(e) => {
                 let error = GenerationError::Backend(e.to_string());
                 let _ = job.events.send(GenerationEvent::Failed(error.clone()));
@@ -722,7 +722,6 @@ impl<B: Backend> Worker<B> {
             Err(e) => {
                 for f in &followers {
                     let _ = f.events.send(GenerationEvent::Failed(GenerationError::Backend(e.to_string())));
-                    self.reserved = self.reserved.saturating_sub(f.reserved);
                 }
                 return (seq, Vec::new());
             }
@@ -735,7 +734,6 @@ impl<B: Backend> Worker<B> {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = f.events.send(GenerationEvent::Failed(GenerationError::Backend(e.to_string())));
-                    self.reserved = self.reserved.saturating_sub(f.reserved);
                     continue;
                 }
             };
@@ -789,10 +787,8 @@ impl<B: Backend> Worker<B> {
                 continue;
             }
             let mut seq = running.remove(i);
-            self.reserved = self.reserved.saturating_sub(seq.reserved);
             for f in &seq.followers {
                 // Followers of a sequence that ended before its prompt was read end with it.
-                self.reserved = self.reserved.saturating_sub(f.reserved);
                 let event = match &seq.phase {
                     Phase::Failed(e) => GenerationEvent::Failed(e.clone()),
                     _ => GenerationEvent::Finished { reason: FinishReason::Cancelled, usage: seq.usage },
@@ -832,11 +828,4 @@ impl<B: Backend> Drop for Worker<B> {
         // Cached device states go before the backend they were allocated on.
         self.side.cache.clear();
     }
-}
-
-/// Whether a backend error is a failed allocation (device memory), which waiting for other sequences to end
-/// can cure.
-fn is_out_of_memory(e: &BackendError) -> bool {
-    let text = e.to_string().to_ascii_lowercase();
-    text.contains("out of memory") || text.contains("out_of_memory")
 }
