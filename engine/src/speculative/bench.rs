@@ -39,6 +39,8 @@ pub struct MtpBenchOptions {
     pub rates: Vec<f64>,
     /// Seed of the prompt and the scripted drafter.
     pub seed: u64,
+    /// Chain lengths (rows) whose verify pass is timed on its own ([`pass_costs`]); empty: none.
+    pub pass_rows: Vec<usize>,
 }
 
 impl Default for MtpBenchOptions {
@@ -49,6 +51,7 @@ impl Default for MtpBenchOptions {
             levels: vec![AccuracyLevel::Strict, AccuracyLevel::Balanced, AccuracyLevel::Relaxed],
             rates: vec![0.5, 0.7, 0.9],
             seed: 7,
+            pass_rows: vec![1, 2, 4, 8],
         }
     }
 }
@@ -235,4 +238,74 @@ pub fn run_mtp_bench<T: Backend>(
         }
     }
     Ok(rows)
+}
+
+/// The cost of one pass of the machinery, from [`pass_costs`].
+#[derive(Debug, Clone, Copy)]
+pub struct PassCost {
+    /// Rows of the verify pass (the pending token and `rows - 1` drafts).
+    pub rows: usize,
+    /// Median seconds of one verify pass of `rows` rows (logits of every row on the host), over the repeats.
+    pub verify_s: f64,
+    /// Median seconds of the rollback that drops the whole chain (the state back where it was).
+    pub rollback_s: f64,
+    /// Median seconds of one plain decode step at the same position (the reference: a pass costs
+    /// `verify_s / step_s` steps).
+    pub step_s: f64,
+    /// Median seconds of one MTP draft step (a chain of `rows - 1` drafts costs about `rows - 1` of these).
+    pub draft_s: f64,
+}
+
+/// Times each verify pass of `rows` rows alone (see [`PassCost`]), `repeats` times interleaved with plain steps
+/// and single drafts, on a state that has prefilled `prompt_tokens` random tokens; the state is rolled back after
+/// every pass, so every pass starts at the same position. The tokens are random (the pass's cost does not depend
+/// on whether drafts are right).
+///
+/// Errors: as the backend's forward, draft, verify and rollback (no MTP block: drafting is skipped, `draft_s`
+/// is 0).
+pub fn pass_costs<B: Backend>(
+    model: &B,
+    prompt_tokens: usize,
+    rows: &[usize],
+    repeats: usize,
+    seed: u64,
+) -> Result<Vec<PassCost>, BackendError> {
+    let p = prompt(model.vocab(), prompt_tokens.max(1), seed);
+    let most = rows.iter().copied().max().unwrap_or(1);
+    let (mut state, _) = prefill(model, &p, p.len() + most + 2)?;
+    let chain = prompt(model.vocab(), most, seed ^ 0x5DEE_CE66);
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let mut out = Vec::new();
+    for &k in rows.iter().filter(|&&k| k > 0) {
+        let (mut verify, mut rollback, mut step, mut draft) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..repeats.max(1) {
+            let snap = model.snapshot(&state)?;
+            let t = Instant::now();
+            model.step(&mut state, chain[0])?;
+            step.push(t.elapsed().as_secs_f64());
+            model.restore(&mut state, &snap)?;
+            if model.has_mtp() && model.can_draft(&state) {
+                let t = Instant::now();
+                model.draft(&mut state, chain[0], 1)?;
+                draft.push(t.elapsed().as_secs_f64());
+            }
+            let t = Instant::now();
+            let v = model.verify(&mut state, &chain[..k])?;
+            verify.push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            model.rollback(&mut state, &v.record, 0)?;
+            rollback.push(t.elapsed().as_secs_f64());
+        }
+        out.push(PassCost {
+            rows: k,
+            verify_s: median(verify),
+            rollback_s: median(rollback),
+            step_s: median(step),
+            draft_s: median(draft),
+        });
+    }
+    Ok(out)
 }

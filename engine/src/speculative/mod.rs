@@ -49,7 +49,8 @@ pub struct Verified<R> {
     /// Logits of every row, `[rows, vocab]`.
     pub logits: Vec<f32>,
     /// Per row, the resident experts' smallest share of the router weight over the layers (1 when every expert
-    /// ran where it lives, as on the CPU).
+    /// ran where it lives, as on the CPU). The hybrid GPU backend reports a trust flag instead: 1 for a row it
+    /// computed exactly, 0 for one under its handoff threshold (not trusted: case B).
     pub coverage: Vec<f32>,
     /// What [`crate::backend::Backend::rollback`] needs.
     pub record: R,

@@ -7,7 +7,7 @@ use anyhow::Context;
 use nebula_engine::backend::{Backend, BackendError, BackendKind, Loaded, WithBackend};
 use nebula_engine::bench::{BenchOptions, BenchRow, decode_bytes, run};
 use nebula_engine::model::Qwen4Exp;
-use nebula_engine::speculative::bench::{MtpBenchOptions, MtpBenchRow, run_mtp_bench};
+use nebula_engine::speculative::bench::{MtpBenchOptions, MtpBenchRow, PassCost, pass_costs, run_mtp_bench};
 
 /// Arguments of `nebula bench model`.
 #[derive(clap::Args, Debug)]
@@ -328,6 +328,13 @@ pub struct BenchMtpArgs {
     /// Write the rows as CSV here.
     #[arg(long)]
     pub csv: Option<PathBuf>,
+    /// Chain lengths whose verify pass is timed alone against a plain step and a draft step (median of
+    /// `--pass-repeats`), comma separated; empty: none.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub pass_rows: Vec<usize>,
+    /// Repeats of each timed pass.
+    #[arg(long, default_value_t = 9)]
+    pub pass_repeats: usize,
     /// cpu or cuda (the GPU model: all-GPU, or hybrid with a placement, drafting with the MTP block on the GPU).
     #[arg(long, default_value = "cpu")]
     pub backend: BackendKind,
@@ -434,6 +441,7 @@ fn run_mtp_in(
         decode_tokens: args.tokens,
         levels,
         rates: args.rates.clone(),
+        pass_rows: args.pass_rows.clone(),
         ..Default::default()
     };
     let print = |r: &MtpBenchRow| {
@@ -456,7 +464,22 @@ fn run_mtp_in(
             pct(p.plain_s)
         );
     };
-    let rows = runner.run(MtpBench { opts: &opts, print })?;
+    let (rows, costs) = runner.run(MtpBench { opts: &opts, repeats: args.pass_repeats, print })?;
+    if !costs.is_empty() {
+        println!("one pass alone (median of {}), at position {}:", args.pass_repeats, args.prompt);
+        println!("{:>5} {:>10} {:>10} {:>8} {:>11} {:>10}", "rows", "verify ms", "step ms", "steps", "rollback ms", "draft ms");
+        for c in &costs {
+            println!(
+                "{:>5} {:>10.3} {:>10.3} {:>8.2} {:>11.3} {:>10.3}",
+                c.rows,
+                c.verify_s * 1e3,
+                c.step_s * 1e3,
+                c.verify_s / c.step_s.max(1e-12),
+                c.rollback_s * 1e3,
+                c.draft_s * 1e3
+            );
+        }
+    }
     if let Some(path) = &args.csv {
         let mut f = std::fs::File::create(path)?;
         writeln!(f, "{}", MtpBenchRow::CSV_HEADER)?;
@@ -485,14 +508,18 @@ impl WithBackend for ModelBench {
 }
 
 /// `nebula bench mtp` on whichever backend was loaded, printing each row as it finishes.
+/// Then times single passes ([`pass_costs`]).
 struct MtpBench<'a, F> {
     opts: &'a MtpBenchOptions,
+    repeats: usize,
     print: F,
 }
 
 impl<F: FnMut(&MtpBenchRow)> WithBackend for MtpBench<'_, F> {
-    type Output = Result<Vec<MtpBenchRow>, BackendError>;
+    type Output = Result<(Vec<MtpBenchRow>, Vec<PassCost>), BackendError>;
     fn run<B: Backend>(self, backend: &B) -> Self::Output {
-        run_mtp_bench(backend, self.opts, self.print)
+        let rows = run_mtp_bench(backend, self.opts, self.print)?;
+        let costs = pass_costs(backend, self.opts.prompt_tokens, &self.opts.pass_rows, self.repeats, self.opts.seed)?;
+        Ok((rows, costs))
     }
 }

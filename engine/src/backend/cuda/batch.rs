@@ -19,12 +19,21 @@
 //! and for chunks of up to [`CudaModel::single_step_rows`] tokens; longer chunks run alone (their alone-pass
 //! kernels are the batch GEMMs, whose sums depend on the row count), so every item equals its `forward`.
 //!
-//! Launches are eager: the states of a batch change from step to step and the sequence-mixing kernels take each
-//! state's buffers as arguments, so no CUDA Graph is captured for a batch (a batch of one is a plain
-//! [`CudaModel::forward`], with its decode-step graph).
+//! **CUDA Graphs.** The sequence-mixing kernels take each state's buffers as arguments, so a captured pass is
+//! only valid for the states it was captured with. A batch of decode steps (one token per sequence, its logits
+//! wanted) on the all-GPU model is therefore captured per set of sequences ([`BatchGraphs`]: keyed by the states'
+//! ids in the batch's order and the mode; token ids, PLE rows and logits in fixed buffers of the graph; each
+//! position read from the state's own device copy): run eagerly the first time, captured the second, replayed
+//! while the batch's membership stays the same (a decoding batch keeps it for many steps: sequences join and
+//! leave between steps). The few most recent sets are kept. Prefill chunks, mixed batches and hybrid passes (which
+//! wait for the CPU's experts inside the pass) launch eagerly. A batch of one is a plain [`CudaModel::forward`],
+//! with its own decode-step graph.
 
-use super::device::ptr;
+use nebula_kernels::cudarc::driver::CudaSlice;
+
+use super::device::{Dev, dtoh, ptr};
 use super::gemv::GEMV_MAX_TOKENS;
+use super::graphs::GraphSlot;
 use super::memory::zeros;
 use super::{CudaError, CudaModel, CudaState, PassSeq};
 use crate::backend::{BatchItem, BatchMode};
@@ -108,6 +117,10 @@ impl CudaModel {
         let cfg = &self.config;
         let dev = &ctx.dev;
         let stream = dev.stream().clone();
+        let decode_only = items.iter().all(|it| it.tokens.len() == 1 && it.want == LogitsFor::Last);
+        if decode_only && self.hybrid.is_none() && ctx.flags.graphs {
+            return self.decode_batch_graphed(items);
+        }
         if let Some(h) = &self.hybrid {
             // The GPU's critical path of this step starts here.
             h.step_started(&stream)?;
@@ -195,6 +208,63 @@ impl CudaModel {
             .collect())
     }
 
+    /// One decode step of every item (one token each, its logits wanted; all-GPU) through the batch's CUDA Graph
+    /// (see the module docs): the same launches as [`Self::forward_shared_inner`]'s eager pass, with the token ids,
+    /// PLE rows and logits in the graph's fixed buffers.
+    fn decode_batch_graphed(&self, items: &mut [&mut BatchItem<'_, CudaState>]) -> Result<Vec<Vec<f32>>, CudaError> {
+        let ctx = &self.launch;
+        let cfg = &self.config;
+        let dev = &ctx.dev;
+        let stream = dev.stream().clone();
+        let (s, dim, vocab) = (items.len(), cfg.hc_dim(), cfg.vocab);
+        let ple = self.layers.iter().find_map(|l| l.ple.as_ref());
+        let heads = ple.map_or(1, |p| p.cfg.n_heads());
+        let mut ids: Vec<i32> = Vec::with_capacity(s);
+        let mut ple_rows: Vec<i32> = Vec::new();
+        for it in items.iter_mut() {
+            ids.push(it.tokens[0] as i32);
+            if let (Some(p), Some(ps)) = (ple, it.state.ple.as_mut()) {
+                ple_rows.extend(p.ngram_rows(ps, it.tokens)?);
+            }
+            stream.memcpy_htod(&[it.state.pos as i32], &mut it.state.pos_dev)?;
+        }
+        let key: Vec<u64> = items.iter().map(|it| it.state.id).collect();
+        let mut graphs = self.batch_graphs.lock().expect("batch graphs lock");
+        let g = graphs.entry(dev, key, ctx.exact(), heads, vocab)?;
+        stream.memcpy_htod(&ids, &mut g.ids)?;
+        if !ple_rows.is_empty() {
+            stream.memcpy_htod(&ple_rows, &mut g.ple_rows)?;
+        }
+        let (ids_p, rows_p, logits_p) = (ptr(&g.ids, &stream, 0), ptr(&g.ple_rows, &stream, 0), ptr(&g.logits, &stream, 0));
+        let x = {
+            let seqs: Vec<PassSeq<'_>> = items
+                .iter()
+                .enumerate()
+                .map(|(i, it)| PassSeq { st: &*it.state, r0: i, n: 1, pos_dev: ptr(&it.state.pos_dev, &stream, 0) })
+                .collect();
+            let (slot, seen) = &mut g.slot;
+            ctx.run_graphed(slot, seen, || {
+                let x = self.launch_layers(&seqs, s, ids_p, rows_p, None, None)?;
+                self.launch_head(x, s, logits_p)?;
+                Ok(x)
+            })?
+        };
+        drop(graphs);
+        for (i, it) in items.iter_mut().enumerate() {
+            let pos0 = it.state.pos;
+            it.state.pos = pos0 + 1;
+            self.mtp_extend(it.state, x + (i * dim * 4) as u64, it.tokens, pos0)?;
+        }
+        let mut out = Vec::with_capacity(s);
+        for i in 0..s {
+            let mut row = vec![0f32; vocab];
+            dtoh(&stream, row.as_mut_ptr() as *mut std::ffi::c_void, logits_p + (i * vocab * 4) as u64, vocab * 4)?;
+            out.push(row);
+        }
+        stream.synchronize()?;
+        Ok(out)
+    }
+
     /// Checks that `st` can consume `tokens`: every id in the vocabulary, room for all of them.
     ///
     /// Errors: [`ModelError::TokenOutOfRange`], [`ModelError::ContextOverflow`].
@@ -208,6 +278,79 @@ impl CudaModel {
             return Err(ModelError::ContextOverflow { needed, limit: st.max_len }.into());
         }
         Ok(())
+    }
+}
+
+/// Batched decode graphs kept (the least recently used goes first).
+const BATCH_GRAPHS: usize = 4;
+
+/// A batched decode step's CUDA Graph and the fixed buffers it reads and writes.
+pub(crate) struct BatchGraph {
+    /// The batch's states (their ids, in the batch's order).
+    states: Vec<u64>,
+    /// Whether the pass ran every row on the single-step kernels (deterministic mode).
+    exact: bool,
+    slot: GraphSlot,
+    /// Token ids `[S]`, PLE rows `[S, heads]`, logits `[S, vocab]`.
+    ids: CudaSlice<i32>,
+    ple_rows: CudaSlice<i32>,
+    logits: CudaSlice<f32>,
+    last_used: u64,
+}
+
+/// The batched decode graphs of a model (see the module docs).
+#[derive(Default)]
+pub(crate) struct BatchGraphs {
+    graphs: Vec<BatchGraph>,
+    clock: u64,
+}
+
+// SAFETY: a CUDA graph and its executable are driver handles that any thread with the model's context current
+// may launch or destroy (the driver API does not tie them to the creating thread); cudarc only leaves them
+// without `Send` because they are raw pointers. The graphs are reached through the model's mutex, so one thread
+// at a time uses them, and the worker moves the model to its thread before the first pass.
+unsafe impl Send for BatchGraphs {}
+
+impl BatchGraphs {
+    /// The graph of the batch of `states` in `exact` mode: found, or made with fresh buffers (no graph yet),
+    /// replacing the least recently used when [`BATCH_GRAPHS`] are kept.
+    ///
+    /// Errors: the buffers cannot be allocated.
+    fn entry(
+        &mut self,
+        dev: &Dev,
+        states: Vec<u64>,
+        exact: bool,
+        heads: usize,
+        vocab: usize,
+    ) -> Result<&mut BatchGraph, CudaError> {
+        self.clock += 1;
+        let clock = self.clock;
+        let at = match self.graphs.iter().position(|g| g.exact == exact && g.states == states) {
+            Some(i) => i,
+            None => {
+                if self.graphs.len() >= BATCH_GRAPHS
+                    && let Some(old) = (0..self.graphs.len()).min_by_key(|&i| self.graphs[i].last_used)
+                {
+                    self.graphs.swap_remove(old);
+                }
+                let s = states.len();
+                let stream = dev.stream();
+                self.graphs.push(BatchGraph {
+                    states,
+                    exact,
+                    slot: (None, 0),
+                    ids: stream.alloc_zeros::<i32>(s)?,
+                    ple_rows: stream.alloc_zeros::<i32>(s * heads)?,
+                    logits: zeros(dev, s * vocab)?,
+                    last_used: clock,
+                });
+                self.graphs.len() - 1
+            }
+        };
+        let g = &mut self.graphs[at];
+        g.last_used = clock;
+        Ok(g)
     }
 }
 

@@ -14,9 +14,9 @@
 //!   pre-mixer bank are recorded.
 //! - **Hybrid verify** (placed model): the chain is verified with the GPU-resident experts; each row reports the
 //!   smallest share over the layers of its router weight those experts cover (`hybrid_split` writes it). A row
-//!   below the handoff threshold gets no CPU experts (its logits are not trusted: the decoder cuts the chain there
-//!   and runs that token as an exact step); a row at or above it has its other experts computed on the CPU as a
-//!   plain step would, so trusted rows are exact. With `verify_handoff` (`hybrid::policy`) low-coverage rows are
+//!   below the handoff threshold gets no CPU experts (its logits are not trusted: reported as coverage 0, the
+//!   decoder cuts the chain there and runs that token as an exact step); a row at or above it has its other
+//!   experts computed on the CPU as a plain step would, so trusted rows are exact (reported as coverage 1). With `verify_handoff` (`hybrid::policy`) low-coverage rows are
 //!   handed to the CPU inside the verify pass instead (every row exact, coverage 1).
 //! - **Rollback**: attention KV and indexer keys are position-indexed (nothing to undo); GDN and PLE states are
 //!   restored from the copies and only their recurrences are replayed over the kept rows (no projection, router,
@@ -291,8 +291,15 @@ impl CudaModel {
         // The logits' copy to the host has synchronised the stream (the events below are complete).
         let logits = self.forward_guarded(st, chain, LogitsFor::All, Some(bufs))?;
         let mut coverage = vec![1f32; n];
-        if self.verify_reports_coverage() {
+        if let Some(h) = self.hybrid.as_ref().filter(|_| self.verify_reports_coverage()) {
             self.launch.dev.stream().memcpy_dtoh(&bufs.coverage.slice(0..n), &mut coverage)?;
+            // A row at or above the handoff threshold had its other experts computed on the CPU (exact): 1; a
+            // row under it got none (not trusted): 0, so the decoder's own threshold cannot disagree with the
+            // handoff the pass applied.
+            let handoff = h.policy.params().handoff;
+            for c in &mut coverage {
+                *c = if *c >= handoff { 1.0 } else { 0.0 };
+            }
         }
         let save_s = bufs.saved_from.elapsed_ms(&bufs.saved_to).map_or(0.0, |ms| ms as f64 * 1e-3);
         Ok((logits, coverage, save_s))

@@ -147,6 +147,8 @@ pub struct CudaModel {
     pub(crate) hybrid: Option<Hybrid>,
     /// The MTP draft block (when the model has one loaded).
     pub(crate) mtp: Option<DevMtpBlock>,
+    /// CUDA Graphs of batched decode steps, by the batch's sequences ([`batch::BatchGraphs`]).
+    pub(crate) batch_graphs: std::sync::Mutex<batch::BatchGraphs>,
 }
 
 impl std::fmt::Debug for CudaModel {
@@ -286,6 +288,7 @@ impl CudaModel {
             weight_bytes,
             hybrid: None,
             mtp,
+            batch_graphs: Default::default(),
         })
     }
 
@@ -396,6 +399,7 @@ impl CudaModel {
         }
         let ple = self.layers.iter().find_map(|l| l.ple.as_ref());
         Ok(CudaState {
+            id: state::next_state_id(),
             pos: 0,
             max_len,
             layers,

@@ -29,8 +29,17 @@ pub(crate) struct StepBuffers {
     pub(crate) choice: CudaSlice<i32>,
 }
 
+/// A number no other state of this process has (keys the batched decode graphs, which hold the addresses of
+/// their states' buffers: a graph replays only for the states it was captured with).
+pub(crate) fn next_state_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The state of one sequence on the GPU (KV caches sized for `max_len` tokens up front).
 pub struct CudaState {
+    /// This state's number ([`next_state_id`]).
+    pub(crate) id: u64,
     /// Tokens consumed.
     pub pos: usize,
     /// Capacity in tokens.
