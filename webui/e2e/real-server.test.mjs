@@ -296,6 +296,7 @@ describe('the first screen, images, editing and regenerating against a real nebu
       await p.getByTestId('health-banner').filter({ hasText: 'Connecting…' }).waitFor();
       assert.equal(await p.getByTestId('health-label').textContent(), 'Connecting…');
       assert.equal(await p.locator('#composer-input').getAttribute('placeholder'), 'Connecting…');
+      await screenshot(p, 'real-connecting');
       await p.waitForTimeout(1500); // well past the first answer a server gives
       assert.ok(asked >= 1);
       assert.equal(await p.getByText(/The model is loading/).count(), 0);
@@ -428,6 +429,7 @@ describe('the first screen, images, editing and regenerating against a real nebu
     const editor = page.getByRole('form', { name: 'Edit message' });
     assert.equal(await editor.locator('textarea').inputValue(), 'Hello!');
     assert.equal(await editor.getByTestId('edit-note').textContent(), 'Sending replaces this message and drops the 3 messages after it.');
+    await screenshot(page, 'real-edit');
     await editor.locator('textarea').press('Escape');
     await editor.waitFor({ state: 'detached' });
     assert.deepEqual(await messageTexts(), ['Hello!', HELLO_ANSWER, 'What is the capital of France?', PARIS_ANSWER]);
