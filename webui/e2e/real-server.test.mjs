@@ -367,7 +367,8 @@ describe('the first screen, images, editing and regenerating against a real nebu
       assert.equal(last.role, 'user');
       assert.deepEqual(last.content.map((p) => p.type), ['image_url', 'image_url', 'text']);
       // The chosen file as it is; the pasted one as the clipboard holds it (Chromium writes it anew as a PNG): the
-      // same picture by its header (PNG spec 11.2.2: IHDR width and height, big-endian, at bytes 16 and 20).
+      // same picture by its header (the PNG specification's IHDR chunk: width and height, big-endian, at bytes 16
+      // and 20).
       assert.equal(last.content[0].image_url.url, `data:image/png;base64,${png.toString('base64')}`);
       const [, b64] = /^data:image\/png;base64,(.+)$/.exec(last.content[1].image_url.url);
       const clip = Buffer.from(b64, 'base64');

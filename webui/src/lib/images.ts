@@ -43,8 +43,9 @@ export function looksLikeImage(file: { name: string; type: string }): boolean {
 
 /**
  * The format of `bytes` from its signature, or `null` when it is none of [`IMAGE_TYPES`]. Signatures: PNG
- * `89 50 4E 47 0D 0A 1A 0A` (PNG spec, 5.2), JPEG SOI `FF D8` followed by a marker `FF` (ITU T.81, B.1.1.3), GIF
- * `GIF87a`/`GIF89a` (GIF89a spec, 17), WebP `RIFF` <size> `WEBP` (RFC 9649, 2.5).
+ * `89 50 4E 47 0D 0A 1A 0A` (the PNG specification's file signature), JPEG: the SOI marker `FF D8` and the next
+ * marker's `FF` (ITU-T T.81), GIF: the header `GIF87a` or `GIF89a` (GIF89a specification), WebP: `RIFF`, a 4-byte
+ * size, `WEBP` (RFC 9649).
  */
 export function sniffImageType(bytes: Uint8Array): (typeof IMAGE_TYPES)[number] | null {
   const ascii = (from: number, to: number) => String.fromCharCode(...bytes.subarray(from, to));
