@@ -199,3 +199,49 @@ export async function screenshot(page, name) {
   await page.screenshot({ path: file });
   return file;
 }
+
+/**
+ * An image file drawn and encoded by the page's own Chromium (canvas `toBlob`): a `width`×`height` fill of `color`
+ * as `type` (image/png, image/jpeg or image/webp). Returns its bytes.
+ */
+export async function canvasImage(page, { width, height, color, type = 'image/png' }) {
+  const bytes = await page.evaluate(
+    async ({ width, height, color, type }) => {
+      const c = document.createElement('canvas');
+      c.width = width;
+      c.height = height;
+      const g = c.getContext('2d');
+      g.fillStyle = color;
+      g.fillRect(0, 0, width, height);
+      const blob = await new Promise((r) => c.toBlob(r, type));
+      if (blob.type !== type) throw new Error(`the canvas made ${blob.type}, not ${type}`);
+      return [...new Uint8Array(await blob.arrayBuffer())];
+    },
+    { width, height, color, type },
+  );
+  return Buffer.from(bytes);
+}
+
+/**
+ * Puts `bytes` (a PNG) on the system clipboard and pastes it into `selector` with Ctrl+V, as a person pasting a
+ * screenshot does. Needs the clipboard permissions granted to the page's origin.
+ */
+export async function pasteImage(page, selector, bytes) {
+  await page.evaluate(async (data) => {
+    const blob = new Blob([new Uint8Array(data)], { type: 'image/png' });
+    await navigator.clipboard.write([new ClipboardItem({ 'image/png': blob })]);
+  }, [...bytes]);
+  await page.locator(selector).focus();
+  await page.keyboard.press('Control+V');
+}
+
+/** Drops `files` ({name, mimeType, buffer}) onto `selector` as a drag and drop from the desktop does. */
+export async function dropFiles(page, selector, files) {
+  const dataTransfer = await page.evaluateHandle((fs) => {
+    const dt = new DataTransfer();
+    for (const f of fs) dt.items.add(new File([new Uint8Array(f.bytes)], f.name, { type: f.mimeType }));
+    return dt;
+  }, files.map((f) => ({ name: f.name, mimeType: f.mimeType, bytes: [...f.buffer] })));
+  await page.dispatchEvent(selector, 'dragover', { dataTransfer });
+  await page.dispatchEvent(selector, 'drop', { dataTransfer });
+}

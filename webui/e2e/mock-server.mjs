@@ -1,6 +1,7 @@
 // A stand-in for `nebula serve` with canned answers, for the states a real server cannot easily be put in: a model
 // answer made of hostile HTML, 429 busy, an error in the middle of a stream, a loading phase with progress, a
-// profile with placement and metrics. Shapes follow the real server (service/src/openai.rs, stream.rs).
+// profile with placement and metrics, a model that reads images. Shapes follow the real server
+// (service/src/openai.rs, stream.rs).
 //
 // In tests: `const mock = await startMock()`; standalone: `node e2e/mock-server.mjs [port]` (default 8090).
 import http from 'node:http';
@@ -51,11 +52,13 @@ export const DEFAULT_PROFILE = {
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 /**
- * Starts the mock on 127.0.0.1. Options: `port` (0: any), `profile` (object or null), `metrics` (bool).
+ * Starts the mock on 127.0.0.1. Options: `port` (0: any), `profile` (object or null), `metrics` (bool),
+ * `inputModalities` (the card's `input_modalities`; by default the model reads text and images, and answers an
+ * image part by counting the images it got).
  * Returns `{ port, url, requests, state, close() }`; `state.health` is `'ok' | 'loading'`, `state.phase`,
  * `state.progress`, `state.lastHeaders` (of the last request); `requests` holds every chat request body received.
  */
-export async function startMock({ port = 0, profile = DEFAULT_PROFILE, metrics = true } = {}) {
+export async function startMock({ port = 0, profile = DEFAULT_PROFILE, metrics = true, inputModalities = ['text', 'image'] } = {}) {
   const state = { health: 'ok', phase: 'reading weights', progress: 0.4, generated: 0, running: 0 };
   const requests = [];
   const server = http.createServer(async (req, res) => {
@@ -71,7 +74,7 @@ export async function startMock({ port = 0, profile = DEFAULT_PROFILE, metrics =
     }
     if (req.method === 'GET' && url.pathname === '/v1/models') {
       if (state.health !== 'ok') return json(503, { error: { message: 'The model is loading.', type: 'service_unavailable', param: null, code: 'model_loading' } });
-      const card = { id: 'nebula-mock', object: 'model', created: 1, owned_by: 'nebula', max_model_len: 98304 };
+      const card = { id: 'nebula-mock', object: 'model', created: 1, owned_by: 'nebula', max_model_len: 98304, input_modalities: inputModalities, output_modalities: ['text'] };
       if (profile) card.profile = profile;
       return json(200, { object: 'list', data: [card] });
     }
@@ -120,7 +123,17 @@ export async function startMock({ port = 0, profile = DEFAULT_PROFILE, metrics =
         return json(400, { error: { message: 'Malformed JSON.', type: 'invalid_request_error', param: null, code: null } });
       }
       requests.push(body);
-      const last = [...body.messages].reverse().find((m) => m.role === 'user')?.content ?? '';
+      const content = [...body.messages].reverse().find((m) => m.role === 'user')?.content ?? '';
+      const parts = Array.isArray(content) ? content : [{ type: 'text', text: content }];
+      const images = parts.filter((p) => p.type === 'image_url');
+      if (images.length && !inputModalities.includes('image')) {
+        return json(400, { error: { message: 'Content part type `image_url` is not supported: this model reads text only.', type: 'invalid_request_error', param: 'messages[0].content[0]', code: null } });
+      }
+      if (images.some((p) => !/^data:image\/(png|jpeg|webp|gif);base64,[A-Za-z0-9+/]+=*$/.test(p.image_url?.url ?? ''))) {
+        return json(400, { error: { message: 'An image_url part needs a base64 data: URL.', type: 'invalid_request_error', param: 'messages', code: null } });
+      }
+      const text = parts.filter((p) => p.type === 'text').map((p) => p.text).join('\n');
+      const last = images.length ? `${text} [${images.length} image${images.length > 1 ? 's' : ''}]` : text;
       if (/\bbusy\b/i.test(last)) {
         return json(429, { error: { message: 'The server is busy: the queue is full.', type: 'rate_limit_error', param: null, code: 'queue_full' } }, { 'retry-after': '3' });
       }

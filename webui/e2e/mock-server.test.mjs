@@ -3,7 +3,7 @@
 // reports a profile, placement and metrics (or none of them).
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
-import { launchBrowser, screenshot, startNginx } from './harness.mjs';
+import { canvasImage, dropFiles, launchBrowser, screenshot, startNginx } from './harness.mjs';
 import { CODE_ANSWER, startMock } from './mock-server.mjs';
 
 let mock;
@@ -87,6 +87,48 @@ describe('the WebUI against the mock API', () => {
     const code = CODE_ANSWER.split('```rust\n')[1].split('```')[0];
     assert.equal(await page.evaluate(() => navigator.clipboard.readText()), code);
     assert.equal(await lastAnswer().locator('table td').nth(1).textContent(), '54');
+  });
+
+  test('images dropped or chosen are held to the limits, answered, and kept with the chat', async () => {
+    await newChat();
+    const png = (color) => canvasImage(page, { width: 8, height: 8, color });
+    const first = await png('#f00');
+    await dropFiles(page, '.composer', [
+      { name: 'dropped.png', mimeType: 'image/png', buffer: first },
+      { name: 'notes.md', mimeType: 'text/markdown', buffer: Buffer.from('# Notes\n') },
+    ]);
+    const thumbs = page.getByRole('list', { name: 'Images to send' });
+    await thumbs.locator('img').first().waitFor();
+    await page.getByRole('list', { name: 'Documents to send' }).getByText('notes.md').waitFor();
+    const more = await Promise.all(['#0f0', '#00f', '#ff0', '#0ff'].map(png));
+    await page.locator('#image-input').setInputFiles(more.map((buffer, i) => ({ name: `more${i}.png`, mimeType: 'image/png', buffer })));
+    assert.match(await page.getByTestId('upload-error').textContent(), /At most 4 images per message; “more3.png” was not attached/);
+    assert.equal(await thumbs.locator('img').count(), 4);
+    await thumbs.getByRole('button', { name: 'Remove more2.png' }).click();
+    const big = Buffer.concat([first, Buffer.alloc(5 * 1024 * 1024)]);
+    const fake = Buffer.from('GIF8 not really');
+    await page.locator('#image-input').setInputFiles([
+      { name: 'big.png', mimeType: 'image/png', buffer: big },
+      { name: 'fake.gif', mimeType: 'image/gif', buffer: fake },
+      { name: 'dropped-again.png', mimeType: 'image/png', buffer: first },
+    ]);
+    // The errors of this choice replace those of the last one once every file is read.
+    const errors = await page.getByTestId('upload-error').filter({ hasText: 'big.png' }).textContent();
+    assert.match(errors, /“big.png” is 5.0 MB; images can be at most 5.0 MB/);
+    assert.match(errors, /“fake.gif” is not a PNG, JPEG, WebP or GIF file/);
+    assert.match(errors, /“dropped-again.png” is already attached/);
+    assert.match(await page.getByRole('button', { name: 'Attach images' }).getAttribute('title'), /up to 4 per message, 5.0 MB each/);
+    await send('Describe them');
+    await lastAnswer().getByTestId('stats').waitFor();
+    assert.equal((await lastAnswer().getByTestId('answer').textContent()).trim(), 'You said: Describe them [3 images]');
+    const sent = mock.requests.at(-1).messages.at(-1).content;
+    assert.deepEqual(sent.map((p) => p.type), ['image_url', 'image_url', 'image_url', 'text']);
+    assert.equal(sent[0].image_url.url, `data:image/png;base64,${first.toString('base64')}`);
+    assert.match(sent[3].text, /^Document: notes.md\n[\s\S]*Describe them$/);
+    await page.reload();
+    await page.locator('article.user').last().getByRole('list', { name: 'Attached images' }).locator('img').nth(2).waitFor();
+    await screenshot(page, 'mock-images');
+    assert.deepEqual(browser.errors, []);
   });
 
   test('429 says the server is busy and when to try again', async () => {

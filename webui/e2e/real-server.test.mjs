@@ -3,9 +3,11 @@
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import { after, before, describe, test } from 'node:test';
-import { launchBrowser, screenshot, startNebula, startNginx, throttle } from './harness.mjs';
+import { canvasImage, launchBrowser, pasteImage, screenshot, startNebula, startNginx, throttle } from './harness.mjs';
 
 const HELLO_ANSWER = 'Hello! I am the Nebula demo model. How can I help?';
+const PARIS_ANSWER = 'The capital of France is Paris.';
+const TOKYO_ANSWER = 'The capital of Japan is Tokyo.';
 const HELLO_THINKING = 'The user greets me. I answer briefly and offer help.';
 const MOE_ANSWER = 'A mixture of experts is a layer where a router sends each token to a few of many small feed-forward networks.';
 
@@ -19,6 +21,7 @@ before(async () => {
   web = await startNginx(nebula.url, 'nginx-real');
   browser = await launchBrowser();
   page = browser.page;
+  await browser.context.grantPermissions(['clipboard-read', 'clipboard-write'], { origin: web.url });
   await page.goto(web.url);
   await page.getByTestId('health-label').filter({ hasText: 'Ready' }).waitFor();
 });
@@ -44,6 +47,19 @@ async function answered() {
 async function newChat() {
   await page.getByRole('button', { name: 'New chat', exact: true }).click();
   await page.getByText('What can Nebula do for you?').waitFor();
+}
+
+/**
+ * Temperature 0 for the open chat. The server samples at temperature 1.0 by default (thinking on), so the demo
+ * model's canned answer is only likely; a test that names the answer it expects asks for the greedy one.
+ */
+async function greedy() {
+  await page.getByRole('button', { name: 'Sampling' }).click();
+  const checkbox = page.getByRole('group', { name: 'Temperature' }).getByRole('checkbox', { name: 'Server default' });
+  if (await checkbox.isChecked()) await checkbox.uncheck();
+  await page.getByTestId('sampling-temperature').fill('0');
+  await page.getByTestId('sampling-temperature').press('Tab');
+  await page.getByRole('button', { name: 'Close sampling settings' }).click();
 }
 
 describe('chatting with a real nebula serve', () => {
@@ -81,6 +97,7 @@ describe('chatting with a real nebula serve', () => {
 
   test('Stop cancels the answer, keeps what came, and the chat goes on', async () => {
     await newChat();
+    await greedy();
     const cdp = await throttle(page, 600);
     await send('What is a mixture of experts?');
     await lastAnswer().getByTestId('answer').waitFor({ timeout: 30_000 });
@@ -150,9 +167,10 @@ describe('chatting with a real nebula serve', () => {
       { name: 'photo.png', mimeType: 'image/png', buffer: Buffer.from([0x89, 0x50, 0x4e, 0x47]) },
     ]);
     await page.getByRole('list', { name: 'Documents to send' }).getByText('list.md').waitFor();
-    assert.match(await page.getByTestId('upload-error').textContent(), /“photo.png” is not a text document/);
+    // An image is not a document: it goes down the image path, which the demo model (text only) refuses.
+    assert.match(await page.getByTestId('upload-error').textContent(), /“photo.png” was not attached\. The loaded model \(nebula-demo\) reads text only/);
     await page.locator('#file-input').setInputFiles({ name: 'huge.txt', mimeType: 'text/plain', buffer: Buffer.alloc(300 * 1024, 'a') });
-    assert.match(await page.getByTestId('upload-error').textContent(), /“huge.txt” is 300 KB; documents can be at most 256 KB/);
+    assert.match(await page.getByTestId('upload-error').filter({ hasText: 'huge.txt' }).textContent(), /“huge.txt” is 300 KB; documents can be at most 256 KB/);
     await send('Summarize the list.');
     await answered();
     const content = browser.chatRequests.at(-1).messages.at(-1).content;
@@ -223,6 +241,7 @@ describe('chatting with a real nebula serve', () => {
 
   test('when the server stops, the page says so, and recovers when it is back', async () => {
     await newChat();
+    await greedy();
     await nebula.stop();
     await page.getByTestId('health-banner').filter({ hasText: 'not reachable' }).waitFor({ timeout: 15_000 });
     await page.locator('#composer-input').fill('Hello!');
@@ -248,6 +267,232 @@ describe('chatting with a real nebula serve', () => {
     await page.getByTestId('health-label').filter({ hasText: 'Ready' }).waitFor({ timeout: 15_000 });
     await lastAnswer().getByRole('button', { name: 'Try again' }).click();
     assert.match(await answered(), /Tokyo/);
+    assert.deepEqual(browser.errors, []);
+  });
+});
+
+/** Whether the served model reads images, from its own `/v1/models` card. */
+async function serverReadsImages() {
+  const card = (await (await fetch(`${nebula.url}/v1/models`)).json()).data[0];
+  return Array.isArray(card.input_modalities) && card.input_modalities.includes('image');
+}
+
+const userMessages = () => page.locator('article.user');
+const messageTexts = () => page.locator('[data-testid="messages"] article').evaluateAll((as) => as.map((a) => a.querySelector('[data-testid="user-text"], [data-testid="answer"]')?.textContent.trim() ?? ''));
+
+describe('the first screen, images, editing and regenerating against a real nebula serve', () => {
+  test('the first screen says “Connecting…” until the first health check answers', async () => {
+    const p = await browser.context.newPage();
+    let release;
+    const held = new Promise((r) => (release = r));
+    let asked = 0;
+    await p.route('**/health', async (route) => {
+      asked++;
+      await held;
+      await route.continue();
+    });
+    try {
+      await p.goto(web.url);
+      await p.getByTestId('health-banner').filter({ hasText: 'Connecting…' }).waitFor();
+      assert.equal(await p.getByTestId('health-label').textContent(), 'Connecting…');
+      assert.equal(await p.locator('#composer-input').getAttribute('placeholder'), 'Connecting…');
+      await screenshot(p, 'real-connecting');
+      await p.waitForTimeout(1500); // well past the first answer a server gives
+      assert.ok(asked >= 1);
+      assert.equal(await p.getByText(/The model is loading/).count(), 0);
+      assert.equal(await p.getByText('Connecting…').first().isVisible(), true);
+      await p.locator('#composer-input').fill('Hello!');
+      assert.equal(await p.getByRole('button', { name: 'Send', exact: true }).isDisabled(), true);
+      release();
+      await p.getByTestId('health-label').filter({ hasText: 'Ready' }).waitFor();
+      assert.equal(await p.getByTestId('health-banner').count(), 0);
+      assert.equal(await p.getByRole('button', { name: 'Send', exact: true }).isDisabled(), false);
+    } finally {
+      release();
+      await p.close();
+    }
+  });
+
+  test('images attached by the file button and by paste show as thumbnails and are sent as image_url parts', async () => {
+    const reads = await serverReadsImages();
+    await newChat();
+    const imageButton = page.getByRole('button', { name: 'Attach images' });
+    const png = await canvasImage(page, { width: 3, height: 2, color: '#e11', type: 'image/png' });
+    const jpeg = await canvasImage(page, { width: 5, height: 4, color: '#14e', type: 'image/jpeg' });
+    const pasted = await canvasImage(page, { width: 7, height: 6, color: '#1a4', type: 'image/png' });
+    if (!reads) {
+      // The model reads text only: the control is off and says why, and an image given anyway is refused.
+      assert.equal(await imageButton.isDisabled(), true);
+      assert.match(await imageButton.getAttribute('title'), /The loaded model \(nebula-demo\) reads text only/);
+      await pasteImage(page, '#composer-input', pasted);
+      assert.match(await page.getByTestId('upload-error').textContent(), /was not attached\. The loaded model \(nebula-demo\) reads text only/);
+      assert.equal(await page.getByRole('list', { name: 'Images to send' }).count(), 0);
+      // From here on the page is told the model reads images, so that the request reaches the real server, which
+      // answers for itself.
+      await page.route('**/v1/models', async (route) => {
+        const res = await route.fetch();
+        const body = await res.json();
+        body.data[0].input_modalities = ['text', 'image'];
+        await route.fulfill({ response: res, json: body });
+      });
+      await page.reload();
+      await page.getByTestId('health-label').filter({ hasText: 'Ready' }).waitFor();
+      await newChat(); // the empty chat opened before lived only in the page
+    }
+    try {
+      // On once the model card (read after the first ready health check) lists the image input.
+      await page.locator('button[aria-label="Attach images"]:not([disabled])').waitFor();
+      await page.locator('#image-input').setInputFiles([
+        { name: 'red.png', mimeType: 'image/png', buffer: png },
+        { name: 'blue.jpg', mimeType: 'image/jpeg', buffer: jpeg },
+      ]);
+      const thumbs = page.getByRole('list', { name: 'Images to send' });
+      await thumbs.locator('img').nth(1).waitFor();
+      await pasteImage(page, '#composer-input', pasted);
+      await thumbs.locator('img').nth(2).waitFor();
+      // Decoded by the browser at their own sizes.
+      const sizes = () => thumbs.locator('img').evaluateAll((is) => is.map((i) => `${i.naturalWidth}x${i.naturalHeight}`));
+      assert.deepEqual(await sizes(), ['3x2', '5x4', '7x6']);
+      assert.deepEqual(await thumbs.locator('img').evaluateAll((is) => is.map((i) => i.alt)), ['red.png', 'blue.jpg', 'pasted-1.png']);
+      assert.match(await page.getByTestId('image-note').textContent(), /3 of 4 images/);
+      // Removable before sending.
+      await thumbs.getByRole('button', { name: 'Remove blue.jpg' }).click();
+      assert.deepEqual(await sizes(), ['3x2', '7x6']);
+      await screenshot(page, 'real-images-composer');
+
+      await send('What is in these pictures?');
+      await page.waitForFunction((n) => document.querySelectorAll('article.assistant').length >= n, 1);
+      const body = browser.chatRequests.at(-1);
+      const last = body.messages.at(-1);
+      assert.equal(last.role, 'user');
+      assert.deepEqual(last.content.map((p) => p.type), ['image_url', 'image_url', 'text']);
+      // The chosen file as it is; the pasted one as the clipboard holds it (Chromium writes it anew as a PNG): the
+      // same picture by its header (the PNG specification's IHDR chunk: width and height, big-endian, at bytes 16
+      // and 20).
+      assert.equal(last.content[0].image_url.url, `data:image/png;base64,${png.toString('base64')}`);
+      const [, b64] = /^data:image\/png;base64,(.+)$/.exec(last.content[1].image_url.url);
+      const clip = Buffer.from(b64, 'base64');
+      assert.equal(clip.subarray(1, 4).toString(), 'PNG');
+      assert.deepEqual([clip.readUInt32BE(16), clip.readUInt32BE(20)], [7, 6]);
+      assert.deepEqual(last.content[2], { type: 'text', text: 'What is in these pictures?' });
+      // The sent message shows its thumbnails in the conversation.
+      const sent = userMessages().last().getByRole('list', { name: 'Attached images' });
+      assert.deepEqual(await sent.locator('img').evaluateAll((is) => is.map((i) => i.naturalWidth)), [3, 7]);
+      assert.equal(await page.getByRole('list', { name: 'Images to send' }).count(), 0);
+
+      if (reads) {
+        const answer = await answered();
+        assert.ok(answer.length > 0);
+        assert.match(await lastAnswer().getByTestId('stats').textContent(), /prompt:\s*[1-9]/);
+      } else {
+        // The text-only server's own 400, shown as it said it, with nothing to retry.
+        const direct = await fetch(`${nebula.url}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+        assert.equal(direct.status, 400);
+        const { message } = (await direct.json()).error;
+        assert.match(message, /image_url/);
+        const err = lastAnswer().getByTestId('message-error');
+        await err.waitFor();
+        assert.equal(await err.locator('strong').textContent(), 'The server rejected the request');
+        assert.equal((await err.locator('p').textContent()).trim(), message);
+        assert.equal(await err.getByRole('button', { name: 'Try again' }).count(), 0);
+        assert.equal(await lastAnswer().getByRole('button', { name: 'Regenerate' }).count(), 0);
+        await userMessages().last().getByRole('button', { name: 'Edit' }).waitFor();
+        await screenshot(page, 'real-images-refused');
+      }
+      // Kept with the chat: back after a reload, and opened full size.
+      await page.reload();
+      const again = userMessages().last().getByRole('list', { name: 'Attached images' });
+      await again.locator('img').nth(1).waitFor();
+      await again.getByRole('button', { name: /^Open red\.png, 3×2/ }).click();
+      const viewer = page.getByRole('dialog', { name: /red\.png/ });
+      await viewer.waitFor();
+      assert.equal(await viewer.locator('img').evaluate((i) => i.naturalWidth), 3);
+      await page.keyboard.press('Escape');
+      await viewer.waitFor({ state: 'hidden' });
+    } finally {
+      await page.unroute('**/v1/models');
+    }
+    assert.deepEqual(browser.errors, []);
+  });
+
+  test('editing a sent message forks the chat: the request holds only the messages up to the edited one', async () => {
+    await page.reload();
+    await page.getByTestId('health-label').filter({ hasText: 'Ready' }).waitFor();
+    await newChat();
+    await greedy();
+    await send('Hello!');
+    assert.equal(await answered(), HELLO_ANSWER);
+    await send('What is the capital of France?');
+    assert.equal(await answered(), PARIS_ANSWER);
+
+    // Cancel leaves everything as it was.
+    await userMessages().first().getByRole('button', { name: 'Edit' }).click();
+    const editor = page.getByRole('form', { name: 'Edit message' });
+    assert.equal(await editor.locator('textarea').inputValue(), 'Hello!');
+    assert.equal(await editor.getByTestId('edit-note').textContent(), 'Sending replaces this message and drops the 3 messages after it.');
+    await screenshot(page, 'real-edit');
+    await editor.locator('textarea').press('Escape');
+    await editor.waitFor({ state: 'detached' });
+    assert.deepEqual(await messageTexts(), ['Hello!', HELLO_ANSWER, 'What is the capital of France?', PARIS_ANSWER]);
+
+    const before = browser.chatRequests.length;
+    await userMessages().first().getByRole('button', { name: 'Edit' }).click();
+    await editor.locator('textarea').fill('What is the capital of Japan?');
+    await editor.locator('textarea').press('Enter');
+    assert.equal(await answered(), TOKYO_ANSWER);
+    assert.equal(browser.chatRequests.length, before + 1);
+    assert.deepEqual(browser.chatRequests.at(-1).messages, [{ role: 'user', content: 'What is the capital of Japan?' }]);
+    assert.deepEqual(await messageTexts(), ['What is the capital of Japan?', TOKYO_ANSWER]);
+
+    // A later message: the earlier turns are sent as they were, the ones after are gone.
+    await send('Hello!');
+    assert.equal(await answered(), HELLO_ANSWER);
+    await send('What is the capital of France?');
+    assert.equal(await answered(), PARIS_ANSWER);
+    await userMessages().nth(1).getByRole('button', { name: 'Edit' }).click();
+    assert.equal(await editor.getByTestId('edit-note').textContent(), 'Sending replaces this message and drops the 3 messages after it.');
+    await editor.locator('textarea').fill('What is the capital of France?');
+    await editor.getByRole('button', { name: 'Send' }).click();
+    assert.equal(await answered(), PARIS_ANSWER);
+    assert.deepEqual(browser.chatRequests.at(-1).messages, [
+      { role: 'user', content: 'What is the capital of Japan?' },
+      { role: 'assistant', content: TOKYO_ANSWER },
+      { role: 'user', content: 'What is the capital of France?' },
+    ]);
+    assert.deepEqual(await messageTexts(), ['What is the capital of Japan?', TOKYO_ANSWER, 'What is the capital of France?', PARIS_ANSWER]);
+    // The fork is what is stored.
+    await page.reload();
+    await lastAnswer().getByTestId('answer').waitFor();
+    assert.deepEqual(await messageTexts(), ['What is the capital of Japan?', TOKYO_ANSWER, 'What is the capital of France?', PARIS_ANSWER]);
+  });
+
+  test('regenerating an answer forks the chat there, and waits while an answer streams', async () => {
+    await page.getByTestId('health-label').filter({ hasText: 'Ready' }).waitFor();
+    const answers = page.locator('article.assistant');
+    // The first answer again: the request holds only its question, and the later turn is gone.
+    await answers.first().getByRole('button', { name: 'Regenerate' }).click();
+    assert.equal(await answered(), TOKYO_ANSWER);
+    assert.deepEqual(browser.chatRequests.at(-1).messages, [{ role: 'user', content: 'What is the capital of Japan?' }]);
+    assert.deepEqual(await messageTexts(), ['What is the capital of Japan?', TOKYO_ANSWER]);
+
+    // While an answer streams, nothing else can fork the chat.
+    const cdp = await throttle(page, 600);
+    await send('What is a mixture of experts?');
+    await lastAnswer().getByTestId('answer').waitFor({ timeout: 30_000 });
+    assert.equal(await answers.first().getByRole('button', { name: 'Regenerate' }).isDisabled(), true);
+    assert.equal(await userMessages().first().getByRole('button', { name: 'Edit' }).isDisabled(), true);
+    await cdp.send('Network.emulateNetworkConditions', { offline: false, latency: 0, downloadThroughput: -1, uploadThroughput: -1 });
+    assert.equal(await answered(), MOE_ANSWER);
+
+    // The last answer again: the whole history up to its question.
+    await lastAnswer().getByRole('button', { name: 'Regenerate' }).click();
+    assert.equal(await answered(), MOE_ANSWER);
+    assert.deepEqual(browser.chatRequests.at(-1).messages, [
+      { role: 'user', content: 'What is the capital of Japan?' },
+      { role: 'assistant', content: TOKYO_ANSWER },
+      { role: 'user', content: 'What is a mixture of experts?' },
+    ]);
+    assert.equal(await answers.count(), 2);
     assert.deepEqual(browser.errors, []);
   });
 });

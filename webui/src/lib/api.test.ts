@@ -1,5 +1,5 @@
 import { afterEach, describe, expect, it, vi } from 'vitest';
-import { applyChunk, buildRequest, getHealth, limits, readProfile, streamChat, type StreamResult } from './api';
+import { acceptsImages, applyChunk, buildRequest, getHealth, getModel, limits, readProfile, streamChat, type StreamResult } from './api';
 import { ApiError, classifyHttpError, friendly } from './errors';
 import { defaultSettings, type Message } from './types';
 
@@ -152,6 +152,50 @@ describe('buildRequest', () => {
     s.thinking = true;
     expect(buildRequest(undefined, [], s).reasoning_effort).toBe('low');
   });
+
+  it('sends a message with images as OpenAI content parts: the images, then the text', () => {
+    const img = (n: number) => ({ name: `${n}.png`, mime: 'image/png', size: 3, dataUrl: `data:image/png;base64,AAA${n}` });
+    const withImages: Message[] = [
+      { role: 'user', content: 'What is this?', images: [img(1), img(2)], attachments: [{ name: 'a.txt', size: 3, text: 'abc' }], at: 1 },
+      { role: 'assistant', content: 'A cat.', at: 2 },
+      { role: 'user', content: '', images: [img(3)], at: 3 },
+      { role: 'user', content: 'plain', images: [], at: 4 },
+    ];
+    expect(buildRequest('m', withImages, defaultSettings()).messages).toEqual([
+      {
+        role: 'user',
+        content: [
+          { type: 'image_url', image_url: { url: 'data:image/png;base64,AAA1' } },
+          { type: 'image_url', image_url: { url: 'data:image/png;base64,AAA2' } },
+          { type: 'text', text: 'Document: a.txt\n```txt\nabc\n```\n\nWhat is this?' },
+        ],
+      },
+      { role: 'assistant', content: 'A cat.' },
+      { role: 'user', content: [{ type: 'image_url', image_url: { url: 'data:image/png;base64,AAA3' } }] },
+      { role: 'user', content: 'plain' },
+    ]);
+  });
+});
+
+describe('getModel', () => {
+  const serve = (card: object) =>
+    vi.stubGlobal('fetch', vi.fn(async () => new Response(JSON.stringify({ object: 'list', data: [card] }), { status: 200 })));
+
+  it('reads the input modalities of the model card (Nebula and vLLM at the top, OpenRouter under architecture)', async () => {
+    serve({ id: 'nebula-demo', object: 'model', max_model_len: 4096, input_modalities: ['text'], output_modalities: ['text'] });
+    const text = await getModel();
+    expect(text).toMatchObject({ id: 'nebula-demo', maxModelLen: 4096, inputModalities: ['text'] });
+    expect(acceptsImages(text)).toBe(false);
+    serve({ id: 'v', input_modalities: ['text', 'image'] });
+    expect(acceptsImages(await getModel())).toBe(true);
+    serve({ id: 'o', architecture: { input_modalities: ['image', 'text'] } });
+    expect(acceptsImages(await getModel())).toBe(true);
+    serve({ id: 'none' });
+    const none = await getModel();
+    expect(none.inputModalities).toBeUndefined();
+    expect(acceptsImages(none)).toBe(false);
+    expect(acceptsImages(null)).toBe(false);
+  });
 });
 
 describe('profile and limits', () => {
@@ -176,5 +220,12 @@ describe('getHealth', () => {
     expect(await getHealth()).toMatchObject({ state: 'down' });
     vi.stubGlobal('fetch', vi.fn(async () => { throw new TypeError('Failed to fetch'); }));
     expect(await getHealth()).toMatchObject({ state: 'down' });
+  });
+
+  it('counts a health check that does not answer in time as down', async () => {
+    vi.stubGlobal('fetch', vi.fn((_u: string, init: RequestInit) => new Promise((_r, reject) => {
+      init.signal?.addEventListener('abort', () => reject(new DOMException('aborted', 'AbortError')));
+    })));
+    expect(await getHealth(undefined, 30)).toEqual({ state: 'down', detail: 'no answer within 0.03 s' });
   });
 });

@@ -4,10 +4,14 @@
  */
 import { ApiError, classifyHttpError, errorMessage } from './errors';
 import { SseParser } from './sse';
-import type { ChatSettings, Message } from './types';
+import type { ChatSettings, Message, UserMessage } from './types';
 import { promptText } from './documents';
 
-export type HealthState = 'ok' | 'loading' | 'failed' | 'down';
+/** `connecting`: no health check has answered yet (the page just opened). */
+export type HealthState = 'connecting' | 'ok' | 'loading' | 'failed' | 'down';
+
+/** How long one health check may take before the server counts as not reachable, ms. */
+export const HEALTH_TIMEOUT_MS = 10_000;
 
 export interface Health {
   state: HealthState;
@@ -39,6 +43,23 @@ export interface ModelInfo {
   id: string;
   maxModelLen?: number;
   profile?: Profile;
+  /** What the model reads (`input_modalities` of the model card), when the server says. */
+  inputModalities?: string[];
+}
+
+/** Whether the loaded model reads images: its card lists the `image` input modality. */
+export function acceptsImages(model: ModelInfo | null): boolean {
+  return model?.inputModalities?.includes('image') ?? false;
+}
+
+/**
+ * The input modalities of a model card: `input_modalities` (Nebula, vLLM), or `architecture.input_modalities`
+ * (OpenRouter).
+ */
+function readModalities(card: Record<string, unknown>): string[] | undefined {
+  const arch = card.architecture && typeof card.architecture === 'object' ? (card.architecture as Record<string, unknown>) : {};
+  const v = card.input_modalities ?? arch.input_modalities;
+  return Array.isArray(v) ? v.filter((x): x is string => typeof x === 'string') : undefined;
 }
 
 async function readJson(res: Response): Promise<unknown> {
@@ -50,15 +71,23 @@ async function readJson(res: Response): Promise<unknown> {
   }
 }
 
-export async function getHealth(signal?: AbortSignal): Promise<Health> {
+export async function getHealth(signal?: AbortSignal, timeoutMs = HEALTH_TIMEOUT_MS): Promise<Health> {
+  const timeout = new AbortController();
+  const timer = setTimeout(() => timeout.abort(), timeoutMs);
+  const onAbort = () => timeout.abort();
+  signal?.addEventListener('abort', onAbort);
   let res: Response;
+  let body: unknown;
   try {
-    res = await fetch('/health', { signal, cache: 'no-store' });
+    res = await fetch('/health', { signal: timeout.signal, cache: 'no-store' });
+    body = await readJson(res);
   } catch (e) {
     if (signal?.aborted) throw e;
-    return { state: 'down', detail: 'no answer' };
+    return { state: 'down', detail: timeout.signal.aborted ? `no answer within ${timeoutMs / 1000} s` : 'no answer' };
+  } finally {
+    clearTimeout(timer);
+    signal?.removeEventListener('abort', onAbort);
   }
-  const body = await readJson(res);
   const o = body && typeof body === 'object' ? (body as Record<string, unknown>) : {};
   if (res.ok && (o.status === undefined || o.status === 'ok')) return { state: 'ok' };
   if (res.status === 502 || res.status === 504 || (res.status >= 500 && !('status' in o))) {
@@ -149,7 +178,12 @@ export async function getModel(signal?: AbortSignal): Promise<ModelInfo> {
   const data = (body as { data?: unknown[] })?.data;
   const card = Array.isArray(data) && data[0] && typeof data[0] === 'object' ? (data[0] as Record<string, unknown>) : null;
   if (!card || typeof card.id !== 'string') throw new ApiError('server', '/v1/models lists no model');
-  return { id: card.id, maxModelLen: num(card.max_model_len) ?? num(card.context_length), profile: readProfile(card) };
+  return {
+    id: card.id,
+    maxModelLen: num(card.max_model_len) ?? num(card.context_length),
+    profile: readProfile(card),
+    inputModalities: readModalities(card),
+  };
 }
 
 /** The Prometheus text of `/metrics`, or `null` when the server has none. */
@@ -177,12 +211,28 @@ export function limits(model: ModelInfo | null): { maxContext?: number; maxPrefi
   return { maxContext, maxPrefill };
 }
 
+/** A content part of an OpenAI chat message. */
+export type ContentPart = { type: 'text'; text: string } | { type: 'image_url'; image_url: { url: string } };
+
+/**
+ * What a user message sends: its text (documents folded in, see `promptText`) as a plain string, or, when it holds
+ * images, content parts: the images first, in the order attached, then the text (the order Qwen's vision models
+ * are shown in their own examples: the picture, then the question about it).
+ */
+export function userContent(m: UserMessage): string | ContentPart[] {
+  const text = promptText(m);
+  if (!m.images?.length) return text;
+  const parts: ContentPart[] = m.images.map((i) => ({ type: 'image_url', image_url: { url: i.dataUrl } }));
+  if (text) parts.push({ type: 'text', text });
+  return parts;
+}
+
 /** The body of `POST /v1/chat/completions` for a chat's history and settings. */
 export function buildRequest(model: string | undefined, messages: Message[], s: ChatSettings): Record<string, unknown> {
-  const wire: { role: string; content: string }[] = [];
+  const wire: { role: string; content: string | ContentPart[] }[] = [];
   if (s.system.trim()) wire.push({ role: 'system', content: s.system.trim() });
   for (const m of messages) {
-    if (m.role === 'user') wire.push({ role: 'user', content: promptText(m) });
+    if (m.role === 'user') wire.push({ role: 'user', content: userContent(m) });
     // Earlier reasoning is not sent back: it would fill the context, and the template does not need it.
     else if (m.content || !m.interrupted) wire.push({ role: 'assistant', content: m.content });
   }

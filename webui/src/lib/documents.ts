@@ -1,7 +1,7 @@
 /**
  * Text documents attached to a message: which files are accepted, and how their text enters the prompt.
- * Only text goes in (this model reads no images); binary files and files over the size limit are refused with a
- * message that says why.
+ * Only text goes in (images have their own path, `images.ts`); binary files and files over the size limit are
+ * refused with a message that says why.
  */
 import type { Attachment, UserMessage } from './types';
 

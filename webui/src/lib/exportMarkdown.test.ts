@@ -71,6 +71,16 @@ describe('chatToMarkdown', () => {
     expect(md).toContain('Hello! I am **Nebula**.');
   });
 
+  it('names the images of a message without their bytes', () => {
+    const withImage: Chat = {
+      ...chat,
+      messages: [{ role: 'user', content: 'What is it?', images: [{ name: 'cat.png', mime: 'image/png', size: 2048, width: 640, height: 480, dataUrl: 'data:image/png;base64,AAAA' }], at: 1 }],
+    };
+    const md = chatToMarkdown(withImage, { thinking: false, now });
+    expect(md).toContain('## User\n\nAttached image: cat.png (640×480, 2.0 KB; not included in this export)\n\nWhat is it?\n');
+    expect(md).not.toContain('base64');
+  });
+
   it('names the file after the title', () => {
     expect(exportFileName(chat)).toBe('greeting-test.md');
     expect(exportFileName({ ...chat, title: '¿¿??' })).toBe('chat.md');

@@ -30,6 +30,10 @@ export function chatToMarkdown(chat: Chat, opts: ExportOptions): string {
   for (const m of chat.messages) {
     if (m.role === 'user') {
       out.push('## User', '');
+      for (const i of m.images ?? []) {
+        const px = i.width && i.height ? `${i.width}×${i.height}, ` : '';
+        out.push(`Attached image: ${i.name} (${px}${formatBytes(i.size)}; not included in this export)`, '');
+      }
       for (const a of m.attachments ?? []) out.push(`Attached: ${a.name} (${formatBytes(a.size)})`, '');
       // The documents' text is part of what was sent; keep it, fenced as it was sent.
       out.push(promptText(m), '');

@@ -6,13 +6,22 @@ import { buildRequest, getHealth, getModel, limits, streamChat, type Health, typ
 import { ApiError, friendly } from './errors';
 import { deleteChat, listChats, newChatId, saveChat } from './db';
 import { answerStats } from './stats';
-import { defaultSettings, type AssistantMessage, type Attachment, type Chat, type ChatSettings } from './types';
+import { keptForEdit, keptForRegenerate } from './fork';
+import {
+  defaultSettings,
+  type AssistantMessage,
+  type Attachment,
+  type Chat,
+  type ChatSettings,
+  type ImageAttachment,
+  type UserMessage,
+} from './types';
 
 const TITLE_LENGTH = 48;
 
-function titleFrom(text: string, attachments: Attachment[]): string {
+function titleFrom(text: string, attachments: Attachment[], images: ImageAttachment[]): string {
   const line = text.trim().split('\n')[0] ?? '';
-  const base = line || (attachments[0] ? `About ${attachments[0].name}` : 'New chat');
+  const base = line || (attachments[0] ? `About ${attachments[0].name}` : images[0] ? `Image: ${images[0].name}` : 'New chat');
   return base.length > TITLE_LENGTH ? `${base.slice(0, TITLE_LENGTH - 1)}…` : base;
 }
 
@@ -20,7 +29,8 @@ class Store {
   chats = $state<Chat[]>([]);
   currentId = $state<string | null>(null);
   loaded = $state(false);
-  health = $state<Health>({ state: 'loading', phase: 'connecting' });
+  /** `connecting` until the first health check answers. */
+  health = $state<Health>({ state: 'connecting' });
   model = $state<ModelInfo | null>(null);
   /** Id of the chat whose answer is streaming, if any. */
   streamingChatId = $state<string | null>(null);
@@ -146,19 +156,38 @@ class Store {
     return chat.settings.contextLength ?? this.limits.maxContext;
   }
 
-  /** Sends `text` (and documents) as the next user message of `chat`, and streams the answer. */
-  async send(chat: Chat, text: string, attachments: Attachment[]): Promise<void> {
+  /** Sends `text` (with documents and images) as the next user message of `chat`, and streams the answer. */
+  async send(chat: Chat, text: string, attachments: Attachment[], images: ImageAttachment[] = []): Promise<void> {
     if (this.streamingChatId) return;
-    if (chat.messages.length === 0) chat.title = titleFrom(text, attachments);
-    chat.messages.push({ role: 'user', content: text, attachments: attachments.length ? attachments : undefined, at: Date.now() });
+    if (chat.messages.length === 0) chat.title = titleFrom(text, attachments, images);
+    chat.messages.push(userMessage(text, attachments, images));
     await this.answer(chat);
   }
 
-  /** Answers the last user message of `chat` again (after an error, or to regenerate). */
-  async retry(chat: Chat): Promise<void> {
+  /**
+   * Replaces the user message at `index` of `chat` with a new text (and documents and images), drops everything
+   * after it, and streams the answer: the conversation forks there (see `fork.ts`).
+   */
+  async edit(chat: Chat, index: number, text: string, attachments: Attachment[], images: ImageAttachment[]): Promise<void> {
     if (this.streamingChatId) return;
-    while (chat.messages.length && chat.messages[chat.messages.length - 1].role === 'assistant') chat.messages.pop();
-    if (chat.messages.length) await this.answer(chat);
+    const kept = keptForEdit(chat.messages, index);
+    if (kept === null) return;
+    chat.messages.splice(kept, chat.messages.length - kept, userMessage(text, attachments, images));
+    await this.answer(chat);
+  }
+
+  /** Drops the answer at `index` of `chat` and everything after it, and answers its question again. */
+  async regenerate(chat: Chat, index: number): Promise<void> {
+    if (this.streamingChatId) return;
+    const kept = keptForRegenerate(chat.messages, index);
+    if (kept === null) return;
+    chat.messages.splice(kept);
+    await this.answer(chat);
+  }
+
+  /** Answers the last user message of `chat` again (after an error). */
+  async retry(chat: Chat): Promise<void> {
+    await this.regenerate(chat, chat.messages.length - 1);
   }
 
   private async answer(chat: Chat): Promise<void> {
@@ -243,6 +272,16 @@ class Store {
   stop(): void {
     this.controller?.abort();
   }
+}
+
+function userMessage(text: string, attachments: Attachment[], images: ImageAttachment[]): UserMessage {
+  return {
+    role: 'user',
+    content: text,
+    attachments: attachments.length ? attachments : undefined,
+    images: images.length ? images : undefined,
+    at: Date.now(),
+  };
 }
 
 export const store = new Store();

@@ -22,10 +22,25 @@ export interface AnswerStats {
   finishReason?: string;
 }
 
+/** An image attached to a user message, sent to the model as an OpenAI `image_url` part with a data URL. */
+export interface ImageAttachment {
+  name: string;
+  /** `image/png`, `image/jpeg`, `image/webp` or `image/gif`, read from the file's first bytes. */
+  mime: string;
+  /** Bytes of the original file (the data URL is about 4/3 of this). */
+  size: number;
+  /** Pixels, as the browser decoded the image (absent when it was not decoded). */
+  width?: number;
+  height?: number;
+  /** `data:<mime>;base64,<the file's bytes>`: the image as sent and as stored. */
+  dataUrl: string;
+}
+
 export interface UserMessage {
   role: 'user';
   content: string;
   attachments?: Attachment[];
+  images?: ImageAttachment[];
   at: number;
 }
 
