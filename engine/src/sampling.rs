@@ -147,16 +147,22 @@ pub fn logprobs_of(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
 
 /// Index of the largest finite value, lowest index on ties; `None` if every value is `-inf` or NaN.
 pub fn argmax(logits: &[f32]) -> Option<usize> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in logits.iter().enumerate() {
-        if v.is_nan() || v == f32::NEG_INFINITY {
-            continue;
-        }
-        if best.is_none_or(|(_, b)| v > b) {
-            best = Some((i, v));
+    // Two passes the compiler vectorises (the maximum over lanes, then the first position holding it) instead of
+    // one branchy pass: a 248,320-entry row is read twice from cache in a fraction of the time. `f32::max`
+    // ignores NaN, so NaN never wins; a row of only NaN and -inf has no choice.
+    const LANES: usize = 16;
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut chunks = logits.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = a.max(v);
         }
     }
-    best.map(|b| b.0)
+    let best = chunks.remainder().iter().fold(acc.iter().copied().fold(f32::NEG_INFINITY, f32::max), |m, &v| m.max(v));
+    if best == f32::NEG_INFINITY || best.is_nan() {
+        return None;
+    }
+    logits.iter().position(|&v| v == best)
 }
 
 impl Sampler {
@@ -401,6 +407,43 @@ fn sort_by_logit_desc(cand: &mut [(u32, f32)]) {
 
 #[cfg(test)]
 mod tests {
+    /// The vectorised arg-max against the definition (a serial scan keeping the first strictly larger finite
+    /// value): ties go to the lowest index, NaN and -inf never win, +inf does, rows of only NaN and -inf have
+    /// none, lengths that are not a multiple of the lane count included.
+    #[test]
+    fn argmax_is_the_first_largest_value() {
+        fn scan(v: &[f32]) -> Option<usize> {
+            let mut best: Option<(usize, f32)> = None;
+            for (i, &x) in v.iter().enumerate() {
+                if !x.is_nan() && x != f32::NEG_INFINITY && best.is_none_or(|(_, b)| x > b) {
+                    best = Some((i, x));
+                }
+            }
+            best.map(|b| b.0)
+        }
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for len in [0usize, 1, 5, 15, 16, 17, 33, 1000, 248_320] {
+            for case in 0..6 {
+                let mut v: Vec<f32> = (0..len).map(|_| ((next() % 64) as f32) - 32.0).collect();
+                match case {
+                    1 => v.iter_mut().step_by(3).for_each(|e| *e = f32::NAN),
+                    2 => v.iter_mut().for_each(|e| *e = f32::NEG_INFINITY),
+                    3 => v.iter_mut().for_each(|e| *e = if next() % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY }),
+                    4 if len > 3 => v[len - 2] = f32::INFINITY,
+                    5 => v.iter_mut().for_each(|e| *e = 7.0),
+                    _ => {}
+                }
+                assert_eq!(super::argmax(&v), scan(&v), "length {len}, case {case}");
+            }
+        }
+    }
+
     /// A vocabulary-sized row (the parallel path of `distribution`) against a plain serial softmax computed here:
     /// the same tokens, the same probabilities (to f64 rounding), the arg-max first; with top-p, sorted, a prefix
     /// reaching `top_p`.

@@ -74,7 +74,7 @@ impl Default for PlacementConfig {
             prefetch_layers: 1,
             direct_io: true,
             lock_memory: true,
-            handoff: 0.9,
+            handoff: 0.0,
             omit_marginal: 0.0,
         }
     }
@@ -204,7 +204,8 @@ pub struct PlacementFlags {
     #[arg(long)]
     pub prefetch_layers: Option<usize>,
     /// CUDA backend with a placement: hand a token's routed MoE to the CPU when GPU-resident experts cover less
-    /// than this fraction of its router weight. Default: 0.9.
+    /// than this fraction of its router weight (0.9: the original rule). Default: 0 (the resident experts on the GPU,
+    /// the others on the CPU, for every token: the faster exact schedule).
     #[arg(long, allow_negative_numbers = true, value_parser = fraction)]
     pub handoff: Option<f32>,
     /// CUDA backend with a placement: drop a token's lightest CPU-side experts within this fraction of its router

@@ -123,7 +123,8 @@ pub struct PlacementOptions {
     /// another number gets the counts scaled to its own (the 28 MB demo model has 32). `None`: counts as given.
     pub counts_for_experts: Option<usize>,
     /// Hybrid GPU backend: a token whose GPU-resident experts cover less than this fraction of its
-    /// router weight has the layer's whole routed MoE computed on the CPU. Default 0.9.
+    /// router weight has the layer's whole routed MoE computed on the CPU. Default 0: every token's resident experts
+    /// run on the GPU and the others on the CPU (measured faster than the original rule's 0.9).
     pub handoff: f32,
     /// Hybrid GPU backend: the lightest CPU-side experts of a token are dropped while their summed weight stays
     /// within this fraction of the token's mass (marginal-expert omission; 0 = strict, the default).
@@ -149,7 +150,7 @@ impl Default for PlacementOptions {
             reader: None,
             source: "options".into(),
             counts_for_experts: None,
-            handoff: 0.9,
+            handoff: 0.0,
             omit_marginal: 0.0,
         }
     }

@@ -467,7 +467,10 @@ fn run_mtp_in(
     let (rows, costs) = runner.run(MtpBench { opts: &opts, repeats: args.pass_repeats, print })?;
     if !costs.is_empty() {
         println!("one pass alone (median of {}), at position {}:", args.pass_repeats, args.prompt);
-        println!("{:>5} {:>10} {:>10} {:>8} {:>11} {:>10}", "rows", "verify ms", "step ms", "steps", "rollback ms", "draft ms");
+        println!(
+            "{:>5} {:>10} {:>10} {:>8} {:>11} {:>10}",
+            "rows", "verify ms", "step ms", "steps", "rollback ms", "draft ms"
+        );
         for c in &costs {
             println!(
                 "{:>5} {:>10.3} {:>10.3} {:>8.2} {:>11.3} {:>10.3}",

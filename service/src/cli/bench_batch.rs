@@ -158,6 +158,7 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().context("setting the compute threads")?;
     }
     let source = args.profile.as_ref().map_or("flags".to_owned(), |p| format!("profile {}", p.display()));
+    let steps = StepTimes::default();
     let widest = args.concurrency.iter().copied().max().unwrap_or(1).max(1);
     let opts = EngineOptions {
         max_context: Some(args.prompt + args.tokens + 8),
@@ -172,6 +173,7 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
             mode: if args.deterministic { BatchMode::Deterministic } else { BatchMode::Fast },
             ..Default::default()
         },
+        step_observer: Some(steps.observer()),
         ..Default::default()
     };
     let t = Instant::now();
@@ -270,5 +272,54 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
             or_dash(&op95, 3),
         );
     }
+    steps.print();
     Ok(())
+}
+
+/// Decode passes by batch size (sequences), from the engine's step observer: how long `forward_batch` took and
+/// how long a whole step took (from one pass's end to the next's: the pass plus the scheduler's host work, for
+/// steps that follow each other).
+#[derive(Clone, Default)]
+struct StepTimes(std::sync::Arc<std::sync::Mutex<StepTally>>);
+
+#[derive(Default)]
+struct StepTally {
+    /// sequences -> (passes, pass seconds, steps timed, step seconds)
+    by_size: std::collections::BTreeMap<usize, (u64, f64, u64, f64)>,
+    last: Option<Instant>,
+}
+
+impl StepTimes {
+    fn observer(&self) -> nebula_engine::worker::StepObserver {
+        let tally = self.0.clone();
+        nebula_engine::worker::StepObserver(std::sync::Arc::new(move |r| {
+            let now = Instant::now();
+            let mut t = tally.lock().expect("step tally lock");
+            let gap = t.last.map(|l| now.duration_since(l).as_secs_f64());
+            t.last = Some(now);
+            if r.decode_rows == r.tokens && r.sequences > 0 {
+                let e = t.by_size.entry(r.sequences).or_default();
+                e.0 += 1;
+                e.1 += r.seconds;
+                // A gap much longer than the pass is a pause between requests, not a step.
+                if let Some(g) = gap.filter(|&g| g < 4.0 * r.seconds + 0.05) {
+                    e.2 += 1;
+                    e.3 += g;
+                }
+            }
+        }))
+    }
+
+    fn print(&self) {
+        let t = self.0.lock().expect("step tally lock");
+        println!();
+        println!(
+            "decode passes by batch size (every round and warm-up): forward_batch ms, whole step ms (pass + host)"
+        );
+        println!("{:>9} {:>8} {:>10} {:>10}", "sequences", "passes", "pass ms", "step ms");
+        for (&size, &(n, pass, m, step)) in &t.by_size {
+            let mean = |s: f64, k: u64| if k == 0 { f64::NAN } else { s / k as f64 * 1e3 };
+            println!("{size:>9} {n:>8} {:>10.3} {:>10.3}", mean(pass, n), mean(step, m));
+        }
+    }
 }

@@ -235,7 +235,8 @@ impl CudaModel {
         if !ple_rows.is_empty() {
             stream.memcpy_htod(&ple_rows, &mut g.ple_rows)?;
         }
-        let (ids_p, rows_p, logits_p) = (ptr(&g.ids, &stream, 0), ptr(&g.ple_rows, &stream, 0), ptr(&g.logits, &stream, 0));
+        let (ids_p, rows_p, logits_p) =
+            (ptr(&g.ids, &stream, 0), ptr(&g.ple_rows, &stream, 0), ptr(&g.logits, &stream, 0));
         let x = {
             let seqs: Vec<PassSeq<'_>> = items
                 .iter()

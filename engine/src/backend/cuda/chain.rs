@@ -222,7 +222,7 @@ impl CudaModel {
                     dev.launch(
                         "argmax_rows",
                         (1, 1, 1),
-                        256,
+                        1024,
                         &[Arg::Ptr(logits), Arg::I32(cfg.vocab as i32), Arg::Ptr(ids + 4)],
                     )?;
                     ctx.dtod(ctx.addr(&ms_ref.draft_bank, 0), x, dim)?;
