@@ -276,6 +276,9 @@ pub struct EngineOptions {
     /// MTP speculative decoding (server switch): load the model's MTP block and draft with it. Off, the block is
     /// not loaded at all.
     pub mtp: bool,
+    /// How the attention caches store their rows ([`crate::model::KvCacheType`]; `f32`, the exact path, by
+    /// default), on every backend.
+    pub kv_cache: crate::model::KvCacheType,
     /// Where the forward pass runs: the CPU model, or one GPU ([`BackendKind::Cuda`]: the GPU by index and an
     /// optional VRAM budget checked before anything is allocated; all-GPU, or hybrid with a placement). The
     /// prefix cache and MTP drafting work on every backend.
@@ -353,6 +356,7 @@ impl Default for EngineOptions {
             prefix_cache: PrefixCacheOptions::default(),
             placement: None,
             mtp: true,
+            kv_cache: crate::model::KvCacheType::F32,
             backend: BackendKind::Cpu,
             cuda_tuning: Default::default(),
             batch: BatchOptions::default(),
@@ -474,7 +478,7 @@ impl Engine {
             .flatten()
             .map(str::to_string)
             .unwrap_or_else(|| path.file_stem().map_or("model".into(), |s| s.to_string_lossy().into_owned()));
-        let mut model = Qwen4Exp::from_gguf_with(file, LoadOptions { mtp: opts.mtp })?;
+        let mut model = Qwen4Exp::from_gguf_with(file, LoadOptions { mtp: opts.mtp, kv_cache: opts.kv_cache })?;
         if let Some(p) = &opts.placement {
             model.place(p).map_err(ModelError::from)?;
         }
