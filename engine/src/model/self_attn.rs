@@ -226,6 +226,19 @@ impl Attention {
         let scale = 1.0 / (hd as f32).sqrt();
         let mut attn = vec![0f32; n * nh * hd];
         let state = &*state;
+        // The pooled block keys every query of the call scores, as f32 (in place for an f32 cache).
+        let pooled: std::borrow::Cow<'_, [f32]> = match (&self.indexer, state.pooled.as_f32()) {
+            (_, Some(f)) => std::borrow::Cow::Borrowed(f),
+            (None, None) => std::borrow::Cow::Owned(Vec::new()),
+            (Some(ix), None) => {
+                let ihd = ix.cfg.head_dim;
+                let mut all = vec![0f32; state.pooled.len() * ihd];
+                for (b, row) in all.chunks_exact_mut(ihd).enumerate() {
+                    state.pooled.read(b, 0, row);
+                }
+                std::borrow::Cow::Owned(all)
+            }
+        };
         attn.par_chunks_mut(nh * hd).enumerate().for_each(|(t, out)| {
             let pos = pos0 + t;
             debug_assert!(pos < total);
@@ -233,7 +246,7 @@ impl Attention {
                 (Some(ix), Some(iq)) => ix.select(
                     &iq[t * ix.cfg.n_heads * ix.cfg.head_dim..(t + 1) * ix.cfg.n_heads * ix.cfg.head_dim],
                     pos,
-                    state,
+                    &pooled,
                 ),
                 _ => (0..=pos).collect(),
             };
@@ -370,8 +383,9 @@ impl Indexer {
         q
     }
 
-    /// The key positions query `q` (at `pos`) attends to, ascending within blocks, tail last.
-    fn select(&self, q: &[f32], pos: usize, state: &AttnState) -> Vec<usize> {
+    /// The key positions query `q` (at `pos`) attends to, ascending within blocks, tail last; `pooled` the
+    /// block keys (`[blocks, head_dim]`).
+    fn select(&self, q: &[f32], pos: usize, pooled: &[f32]) -> Vec<usize> {
         let (nih, ihd, r) = (self.cfg.n_heads, self.cfg.head_dim, self.compress_ratio);
         let visible = pos + 1;
         let complete = visible / r;
@@ -380,16 +394,9 @@ impl Indexer {
             return (0..visible).collect();
         }
         let inv = 1.0 / (ihd as f32).sqrt();
-        let mut buf = vec![0f32; ihd];
         let mut scored: Vec<(f32, usize)> = (0..complete)
             .map(|b| {
-                let kb = match state.pooled.as_f32() {
-                    Some(f) => &f[b * ihd..(b + 1) * ihd],
-                    None => {
-                        state.pooled.read(b, 0, &mut buf);
-                        &buf[..]
-                    }
-                };
+                let kb = &pooled[b * ihd..(b + 1) * ihd];
                 let s: f32 = q
                     .chunks_exact(ihd)
                     .take(nih)

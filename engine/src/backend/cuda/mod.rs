@@ -148,6 +148,8 @@ pub struct CudaModel {
     pub(crate) hybrid: Option<Hybrid>,
     /// The MTP draft block (when the model has one loaded).
     pub(crate) mtp: Option<DevMtpBlock>,
+    /// The VRAM budget the model was loaded with less the hybrid staging ring, bytes (`None`: what is free).
+    pub(crate) vram_budget: Option<u64>,
 }
 
 impl std::fmt::Debug for CudaModel {
@@ -288,6 +290,8 @@ impl CudaModel {
             weight_bytes,
             hybrid: None,
             mtp,
+            // What the states may take of the budget: less the streamed prefill's staging (`extra`).
+            vram_budget: vram_budget.map(|b| b.saturating_sub(extra as u64)),
         })
     }
 
@@ -370,6 +374,18 @@ impl CudaModel {
             stream.synchronize()?;
         }
         Ok(t.elapsed().as_secs_f64() / 200.0)
+    }
+
+    /// Device bytes the sequence states may take: what the GPU has free now, within the VRAM budget the model
+    /// was loaded with (less its weights and the staging buffers).
+    ///
+    /// Errors: the device query failed.
+    pub fn state_room(&self) -> Result<usize, CudaError> {
+        let (free, _) = self.launch.dev.gpu.mem_info()?;
+        let within = self
+            .vram_budget
+            .map_or(usize::MAX, |b| (b as usize).saturating_sub(self.weight_bytes + self.staging_bytes()));
+        Ok(free.min(within))
     }
 
     /// Device bytes of the shared staging buffers of windowed KV caches (0 until a windowed state was made).
