@@ -24,6 +24,17 @@ Configurations:
               types; for the quantized recipes (convert/recipe.rs). Its weights are rounded to bfloat16 and stored so (the
               reference ran on those exact values in float32), which halves the fixture.
 
+A long case runs past 8K positions, for the KV cache types (f32, and the 8- and 4-bit caches of the engine):
+  long10k     10,240 tokens read with a cache in chunks of 1,024 (the reference's own multi-token cached path),
+              QSA budget 64 tokens (16 of up to 2,560 blocks), two KV heads of 64 and indexer keys of 32 (whole
+              32-value blocks), 8 indexer heads (with 4, some early query, just past 16 blocks, finds fewer than
+              17 blocks with a positive score and its selection is a tie among zeros), 8 layers of width 64 (QSA on layers 3 and 7). To keep the fixture small it stores only
+              what the test reads: the top-1 id and its margin over the second at every position from 8,192 on
+              (`top1`, `top1_margin` in golden.json) and the logits of every 8th of those positions (`logits.bin`,
+              rows in the order of `logit_positions`); weights in bfloat16. Among 2,048 positions some top-1
+              margins are necessarily within rounding (the smallest was 2e-4 of 43), so the test compares top-1
+              where the margin is clear and the logits everywhere they are stored.
+
 Usage: python3 scripts/make_golden.py [--out tests/fixtures/golden] [--only NAME ...]
 """
 
@@ -80,16 +91,30 @@ CONFIGS = {
     ),
 }
 
+# Long-context cases: (tokens, first position checked, chunk of the cached prefill, stride of stored logits).
+LONG_CASES = {"long10k": (10240, 8192, 1024, 8)}
+
+CONFIGS["long10k"] = dict(
+    vocab_size=256, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+    num_experts_per_tok=2, hc_count=2, hc_lowrank=16, ple_layer_ids=[2], ple_embed_dim=64,
+    ngram_vocab_size_base=200, split_ngram_parts=1, indexer_n_heads=8, indexer_kv_heads=1,
+    indexer_head_dim=32, indexer_budget=64, indexer_compress_ratio=4, eos_token_id=9,
+    output_gate_type="sigmoid", rotary=(0.25, [3, 3, 2]), max_position_embeddings=16384,
+)
+
 # Cases whose weights are rounded to bfloat16 (and saved as such) before the reference runs.
-BF16_WEIGHTS = {"wide256"}
+BF16_WEIGHTS = {"wide256", "long10k"}
 
 
 def build_config(spec):
     spec = dict(spec)
     factor, sections = spec.pop("rotary")
+    max_pos = spec.pop("max_position_embeddings", 4096)
     return Qwen4ExpTextConfig(
         **spec,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_pos,
         initializer_range=0.1,
         rope_parameters={
             "rope_type": "default",
@@ -136,8 +161,8 @@ def randomize(model, gen):
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
-def token_ids(cfg, gen):
-    ids = torch.randint(0, cfg.vocab_size, (N_TOKENS,), generator=gen)
+def token_ids(cfg, gen, n=N_TOKENS):
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
     eos = cfg.eos_token_id
     ids[ids == eos] = (eos + 1) % cfg.vocab_size
     # EOS at the very start, twice in a row, once before the decode phase and once inside it.
@@ -236,6 +261,70 @@ def run(name, spec, out_dir, seed):
     return margin / meta["max_abs_logit"]
 
 
+def run_long(name, spec, out_dir, seed):
+    """A long case: the cached prefill in chunks, top-1 ids from `first` on and every `stride`-th row of logits."""
+    n_tokens, first, chunk, stride = LONG_CASES[name]
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cfg = build_config(spec)
+    model = Qwen4ExpForCausalLM(cfg).to(torch.float32)
+    model.config._attn_implementation = "eager"
+    randomize(model, gen)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    model.eval()
+    ids = token_ids(cfg, gen, n_tokens).unsqueeze(0)
+    rows = []
+    with torch.no_grad(), TopkGaps() as gaps:
+        cache = None
+        for c0 in range(0, n_tokens, chunk):
+            out = model(ids[:, c0 : c0 + chunk], cache=cache, use_cache=True)
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values
+            rows.append(out.logits[0][max(0, first - c0) :] if c0 + chunk > first else out.logits[0][:0])
+            print(f"  {name}: {c0 + chunk} of {n_tokens} tokens", flush=True)
+    logits = torch.cat(rows, 0)
+    assert logits.shape[0] == n_tokens - first
+    top2 = torch.sort(logits, dim=-1, descending=True).values[:, :2]
+    max_abs = logits.abs().max().item()
+    margins = top2[:, 0] - top2[:, 1]
+    top1 = logits.argmax(-1)
+    positions = list(range(first, n_tokens, stride))
+    stored = logits[[p - first for p in positions]]
+
+    d = out_dir / name
+    d.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    stored.numpy().astype("<f4").tofile(d / "logits.bin")
+    meta = {
+        "source": "transformers Qwen4ExpForCausalLM, random init, cached prefill in chunks (scripts/make_golden.py)",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "seed": seed,
+        "vocab_size": cfg.vocab_size,
+        "n_tokens": n_tokens,
+        "prefill_chunk": chunk,
+        "first_checked": first,
+        "token_ids": ids[0].tolist(),
+        "top1": top1.tolist(),
+        "top1_margin": [float(f"{v:.4g}") for v in margins.tolist()],
+        "logit_positions": positions,
+        "logits_shape": list(stored.shape),
+        "max_abs_logit": max_abs,
+        "min_top1_margin": margins.min().item(),
+        "top1_margin_quantiles": {q: margins.quantile(q).item() for q in (0.01, 0.05, 0.5)},
+        "min_topk_selection_gap": gaps.min_gap,
+    }
+    (d / "golden.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"{name}: seed {seed} max|logit| {max_abs:.3f} min top-1 margin {meta['min_top1_margin']:.2e} "
+          f"min top-k gap {gaps.min_gap:.2e}")
+    # A router or QSA selection that is a tie would test torch's tie-breaking instead of the model (top-1
+    # margins are stored instead, see above). Over 10,240 tokens some selection always comes within a few 1e-7
+    # (3e-7 and 2e-7 for the first two seeds), so the bar is 1e-7: the engine's f32 scores are within that of
+    # the reference's, which tests/kv_cache.rs then confirms on every stored logit.
+    return 0.0 if gaps.min_gap < 1e-7 else 1.0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests/fixtures/golden"))
@@ -247,6 +336,11 @@ def main():
         if args.only and name not in args.only:
             continue
         seed = 1000 + i
+        if name in LONG_CASES:
+            while run_long(name, spec, out, seed) == 0.0:
+                seed += 100
+                print(f"  {name}: a top-k selection gap too small, trying seed {seed}")
+            continue
         # A top-1 that is nearly tied could flip on rounding: move to the next seed until the margin is clear.
         while run(name, spec, out, seed) < 1e-3:
             seed += 100

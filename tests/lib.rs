@@ -222,3 +222,122 @@ pub fn spawn_server(
     });
     rx.recv().expect("the server thread reports its address")
 }
+
+/// The long-context golden case (`tests/fixtures/golden/long10k`, written by `scripts/make_golden.py` from
+/// transformers 5.24 `Qwen4ExpForCausalLM`): 10,240 tokens, the reference's top-1 id and margin at every
+/// position from `first` on, and its logits at `positions`.
+pub struct LongGolden {
+    /// Every token.
+    pub ids: Vec<u32>,
+    /// First position whose top-1 is stored (8,192).
+    pub first: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// The reference's argmax at positions `first..`.
+    pub top1: Vec<u32>,
+    /// Its margin over the second largest logit there.
+    pub margin: Vec<f32>,
+    /// Positions whose logits are stored (every 8th from `first`).
+    pub positions: Vec<usize>,
+    /// Those logits, `[positions.len(), vocab]`.
+    pub logits: Vec<f32>,
+    /// Largest |logit| over every position from `first` on.
+    pub max_abs_logit: f32,
+}
+
+/// Reads [`LongGolden`].
+///
+/// Panics: the fixture is missing or malformed (test setup).
+pub fn load_long_golden() -> LongGolden {
+    let dir = repo_root().join("tests/fixtures/golden/long10k");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let u32s =
+        |k: &str| -> Vec<u32> { meta[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
+    let bytes = std::fs::read(dir.join("logits.bin")).unwrap();
+    LongGolden {
+        ids: u32s("token_ids"),
+        first: meta["first_checked"].as_u64().unwrap() as usize,
+        vocab: meta["vocab_size"].as_u64().unwrap() as usize,
+        top1: u32s("top1"),
+        margin: meta["top1_margin"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect(),
+        positions: u32s("logit_positions").into_iter().map(|p| p as usize).collect(),
+        logits: bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        max_abs_logit: meta["max_abs_logit"].as_f64().unwrap() as f32,
+    }
+}
+
+/// The long-context golden checkpoint converted to an F32 GGUF in `tmp`; returns its path.
+///
+/// Panics: the conversion fails (test setup).
+pub fn long_golden_gguf(tmp: &std::path::Path) -> PathBuf {
+    use nebula_engine::convert::{ConvertOptions, OutType, convert};
+    let out = tmp.join("long10k.gguf");
+    let dir = repo_root().join("tests/fixtures/golden/long10k");
+    convert(&dir, &out, &ConvertOptions { out_type: OutType::F32, ..Default::default() }).unwrap();
+    out
+}
+
+/// What a backend produced on [`LongGolden`]: its argmax at positions `first..` and its logits at the stored
+/// positions.
+pub struct LongRun {
+    /// Argmax at `first..`.
+    pub top1: Vec<u32>,
+    /// Logits at [`LongGolden::positions`], `[positions, vocab]`.
+    pub logits: Vec<f32>,
+}
+
+/// Runs `backend` over the long golden's tokens: prefill chunks of `chunk` tokens up to `decode_from`, then one
+/// token a step, collecting [`LongRun`].
+///
+/// Panics: a forward pass fails (the test fails with its error).
+pub fn run_long<B: nebula_engine::backend::Backend>(
+    backend: &B,
+    g: &LongGolden,
+    chunk: usize,
+    decode_from: usize,
+) -> LongRun {
+    use nebula_engine::model::LogitsFor;
+    let n = g.ids.len();
+    let mut state = backend.new_state(n, false).expect("a state for the long golden");
+    let (mut top1, mut logits) = (Vec::new(), Vec::new());
+    let mut keep = |pos: usize, row: &[f32]| {
+        if pos >= g.first {
+            let best =
+                row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b });
+            top1.push(best.0 as u32);
+        }
+        if g.positions.binary_search(&pos).is_ok() {
+            logits.extend_from_slice(row);
+        }
+    };
+    let mut pos = 0;
+    while pos < n {
+        let len = if pos < decode_from { chunk.min(decode_from - pos) } else { 1 };
+        let want = if pos + len > g.first { LogitsFor::All } else { LogitsFor::None };
+        let out = backend.forward(&mut state, &g.ids[pos..pos + len], want).expect("a long-golden pass");
+        if want == LogitsFor::All {
+            for (i, row) in out.chunks_exact(g.vocab).enumerate() {
+                keep(pos + i, row);
+            }
+        }
+        pos += len;
+    }
+    LongRun { top1, logits }
+}
+
+/// (Share of positions `first..` where `run`'s top-1 is the reference's, largest |logit - reference| at the
+/// stored positions relative to the reference's largest |logit|, positions whose top-1 differs although the
+/// reference's margin exceeds `clear` times its largest |logit|).
+pub fn long_agreement(g: &LongGolden, run: &LongRun, clear: f32) -> (f64, f32, Vec<usize>) {
+    assert_eq!(run.top1.len(), g.top1.len(), "top-1 rows");
+    assert_eq!(run.logits.len(), g.logits.len(), "logit rows");
+    let same = run.top1.iter().zip(&g.top1).filter(|(a, b)| a == b).count();
+    let worst = run.logits.iter().zip(&g.logits).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst.is_finite(), "non-finite logits");
+    let clear_flips = (0..g.top1.len())
+        .filter(|&i| run.top1[i] != g.top1[i] && g.margin[i] > clear * g.max_abs_logit)
+        .map(|i| g.first + i)
+        .collect();
+    (same as f64 / g.top1.len() as f64, worst / g.max_abs_logit, clear_flips)
+}

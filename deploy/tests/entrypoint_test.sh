@@ -107,11 +107,13 @@ placement() {
 done_case() { if [ "$CASE_OK" = 1 ]; then PASSED=$((PASSED + 1)); echo "ok   $CASE"; fi; }
 
 # ---- every row of the product's table, typed in again here -------------------------------------------------------
-# VRAM step: nvidia-smi MiB of a real card of that size, GPU experts, max prefill, max context.
+# VRAM step: nvidia-smi MiB of a real card of that size, GPU experts, max prefill, Nebula's max context (the
+# original's 8192/24576/49152/98304 raised by the 8-bit KV cache and its hot window) and KV window.
 declare -A VRAM_MIB=([8]=8188 [12]=12282 [16]=16376 [24]=24564)
 declare -A GPU_EXPERTS=([8]=11 [12]=27 [16]=34 [24]=54)
 declare -A PREFILL=([8]=1024 [12]=2048 [16]=4096 [24]=8182)
-declare -A CONTEXT=([8]=8192 [12]=24576 [16]=49152 [24]=98304)
+declare -A CONTEXT=([8]=65536 [12]=131072 [16]=262144 [24]=262144)
+declare -A KV_WINDOW=([8]=16384 [12]=65536 [16]=131072 [24]=0)
 # RAM step: MemTotal (kB) of a machine with that much installed.
 declare -A MEMTOTAL=([32]=32612000 [64]=65700000 [96]=98500000 [128]=131600000)
 # CPU experts and SSD experts per (VRAM, RAM).
@@ -133,7 +135,8 @@ for vram in 8 12 16 24; do
         # expert size (larger experts, so no more than the table's GPU experts; the three tiers still hold 512).
         expect_profile "name = \"${vram}gb-vram-${ram}gb-ram\"" 'backend = "cuda"' 'source = "original-expert-size"' \
             "vram_gb = $vram" "ram_gb = $ram" "max_context = ${CONTEXT[$vram]}" "max_prefill = ${PREFILL[$vram]}" \
-            "ngram_table = \"$ngram\"" "threads = $EXPECT_THREADS" "model = \"$DEMO_MODEL\""
+            "ngram_table = \"$ngram\"" "threads = $EXPECT_THREADS" "model = \"$DEMO_MODEL\"" \
+            'kv_cache_type = "q8_0"' "kv_window = ${KV_WINDOW[$vram]}"
         read -r g r c d <<< "$(placement | sed -E 's/gpu=([0-9]+) ram=([0-9]+)\+([0-9]+) ssd=([0-9]+)/\1 \2 \3 \4/')"
         { [ "$((g + r + d))" = 512 ] && [ "$g" -le "${GPU_EXPERTS[$vram]}" ] && [ "$c" = "$g" ] &&
           [ "$d" -ge "${SSD_EXPERTS[$vram,$ram]}" ]; } ||

@@ -213,11 +213,13 @@ pub fn decode_bytes(cfg: &ModelConfig, dense_weight_bytes: u64, expert_bytes: u6
                 state += 2 * (cfg.ssm_v_heads * cfg.ssm_head_dim * cfg.ssm_head_dim * 4) as u64;
             }
             LayerKind::IndexedAttention { compress_ratio } => {
+                // The selected keys and values, and every pooled block key, in the cache's type.
                 let keys =
                     if *compress_ratio > 0 { ctx.min(cfg.indexer.token_budget + compress_ratio - 1) } else { ctx };
-                state += (2 * keys * cfg.n_head_kv * cfg.head_dim * 4) as u64;
+                let [kv, _, pooled] = cfg.attention_row_bytes(*compress_ratio);
+                state += (2 * keys * kv) as u64;
                 if *compress_ratio > 0 {
-                    state += ((ctx / compress_ratio) * cfg.indexer.head_dim * 4) as u64;
+                    state += ((ctx / compress_ratio) * pooled) as u64;
                 }
             }
         }

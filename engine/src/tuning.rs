@@ -191,6 +191,12 @@ pub struct CudaTuning {
     pub tensor_cores: bool,
     /// Programmatic dependent launch on compute capability 9.0 and newer (`NEBULA_CUDA_PDL=0` turns it off).
     pub pdl: bool,
+    /// The hot window of the KV cache, tokens (`NEBULA_CUDA_KV_WINDOW`; 0, the default, keeps every token's keys
+    /// and values in VRAM): a QSA layer of a longer sequence keeps only its most recent `kv_window` rows of K, V
+    /// and raw indexer keys in VRAM and every row in pinned host memory, and fetches the blocks each step
+    /// selects from there (`backend::cuda::kv_cache`). The tokens do not change. At least the QSA token budget
+    /// plus a block, and a pass (a prefill chunk) may hold at most `kv_window` minus a block of tokens.
+    pub kv_window: usize,
     /// The hybrid backend's.
     pub hybrid: HybridTuning,
 }
@@ -207,6 +213,7 @@ impl Default for CudaTuning {
             fuse: CudaFusions::ALL,
             tensor_cores: true,
             pdl: true,
+            kv_window: 0,
             hybrid: HybridTuning::default(),
         }
     }
@@ -245,6 +252,12 @@ impl CudaTuning {
         }
         if let Some(v) = lookup("NEBULA_CUDA_PDL") {
             self.pdl = v != "0";
+        }
+        if let Some(v) = lookup("NEBULA_CUDA_KV_WINDOW") {
+            self.kv_window = v
+                .trim()
+                .parse::<usize>()
+                .map_err(|_| invalid("NEBULA_CUDA_KV_WINDOW", &v, "takes a token count (0: every token in VRAM)"))?;
         }
         self.hybrid.apply_env(lookup);
         Ok(())

@@ -1,5 +1,210 @@
 // Gated attention with the QSA indexer (engine/src/model/self_attn.rs; reference `Qwen4ExpTextQSAIndexer`).
+//
+// The caches (K, V, the indexer's raw keys, its pooled block keys) hold rows in a KV cache type (ggml type ids
+// T_F32, T_F16, T_Q8_0, T_Q4_0; layouts in engine/src/model/kv_cache.rs: ggml blocks of 32 along each row, so a
+// head's slice of a row is whole blocks). The kernels of a family are instantiated per type; the f32 ones compute
+// exactly what they did before the types existed.
+//
+// A sequence's K, V and raw indexer keys may live in a ring of `ring_len` rows in VRAM (row j in slot j %
+// ring_len) with every row also in pinned host memory (engine/src/backend/cuda/kv_cache.rs). A pass over n rows
+// at positions [pos, pos + n) then reads the keys below cold_end = kv_cold_end(pos + n, window, r) from a
+// position-indexed staging buffer (`Kcold`, `Vcold`) that kv_cold_gather (decode) or a bulk copy (prefill) filled
+// from the host, and the others from the ring; `window` = 0 (every row in VRAM, ring_len = the capacity) reads
+// the ring only, at row j.
 #include "common.cuh"
+
+// f32 to IEEE half bits, round to nearest even (the CPU's `half::f16::from_f32`).
+__device__ __forceinline__ unsigned short f32_to_half_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Bytes of `w` values (a whole number of blocks) of KV type T.
+template <int T>
+__device__ __forceinline__ long long kv_bytes(long long w) {
+    if constexpr (T == T_F32) return 4 * w;
+    else if constexpr (T == T_F16) return 2 * w;
+    else if constexpr (T == T_Q8_0) return (w >> 5) * 34;
+    else return (w >> 5) * 18;
+}
+
+// Value i of a row of KV type T (ggml's dequantization: q * d for Q8_0, d * (u - 8) for Q4_0).
+template <int T>
+__device__ __forceinline__ float kv_get(const uint8_t* __restrict__ row, int i) {
+    if constexpr (T == T_F32) return reinterpret_cast<const float*>(row)[i];
+    else if constexpr (T == T_F16) return half_bits_to_f32(reinterpret_cast<const unsigned short*>(row)[i]);
+    else if constexpr (T == T_Q8_0) {
+        const uint8_t* b = row + (i >> 5) * 34;
+        return (float)(signed char)b[2 + (i & 31)] * ld_f16(b);
+    } else {
+        const uint8_t* b = row + (i >> 5) * 18;
+        const int j = i & 31;
+        const int u = j < 16 ? (b[2 + j] & 15) : (b[2 + j - 16] >> 4);
+        return ld_f16(b) * (float)(u - 8);
+    }
+}
+
+// Stores x as value i of a row of KV type T, for a warp whose 32 lanes store values 32b .. 32b + 31 of the row
+// together (lane l value 32b + l): the quantized types form one ggml block from them, bit-exact with the CPU's
+// quantizers (engine/src/quant: Q8_0 d = max|x| / 127, q = round-half-away(x / d); Q4_0 d = max / -8 with max the
+// first value of largest magnitude, u = min(15, trunc(x / d + 8.5))). Products and sums are rounded one by one
+// (no fused multiply-add), as on the CPU.
+template <int T>
+__device__ __forceinline__ void kv_put(uint8_t* row, int i, float x) {
+    if constexpr (T == T_F32) reinterpret_cast<float*>(row)[i] = x;
+    else if constexpr (T == T_F16) reinterpret_cast<unsigned short*>(row)[i] = f32_to_half_bits(x);
+    else if constexpr (T == T_Q8_0) {
+        const int lane = i & 31;
+        const float amax = warp_max(fabsf(x));
+        const float d = __fdiv_rn(amax, 127.f);
+        const float id = d == 0.f ? 0.f : __fdiv_rn(1.f, d);
+        uint8_t* b = row + (i >> 5) * 34;
+        if (lane == 0) {
+            const unsigned short h = f32_to_half_bits(d);
+            b[0] = (uint8_t)(h & 255);
+            b[1] = (uint8_t)(h >> 8);
+        }
+        b[2 + lane] = (uint8_t)(signed char)(int)roundf(__fmul_rn(x, id));
+    } else {
+        const int lane = i & 31;
+        // The value of largest magnitude, the first (lowest lane) among equals.
+        float best = x, amax = fabsf(x);
+        int at = lane;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const float oa = __shfl_xor_sync(0xffffffffu, amax, o);
+            const int oat = __shfl_xor_sync(0xffffffffu, at, o);
+            if (oa > amax || (oa == amax && oat < at)) {
+                best = ob;
+                amax = oa;
+                at = oat;
+            }
+        }
+        const float d = __fdiv_rn(best, -8.f);
+        const float id = d == 0.f ? 0.f : __fdiv_rn(1.f, d);
+        const int u = min(15, (int)truncf(__fadd_rn(__fmul_rn(x, id), 8.5f)));
+        const int hi = __shfl_down_sync(0xffffffffu, u, 16);
+        uint8_t* b = row + (i >> 5) * 18;
+        if (lane == 0) {
+            const unsigned short h = f32_to_half_bits(d);
+            b[0] = (uint8_t)(h & 255);
+            b[1] = (uint8_t)(h >> 8);
+        }
+        if (lane < 16) b[2 + lane] = (uint8_t)(u | (hi << 4));
+    }
+}
+
+// The first key of a pass ending at position `end` (exclusive) that the ring still holds, rounded up to a whole
+// block of r keys (0 when nothing is offloaded: window 0).
+__device__ __forceinline__ int kv_cold_end(int end, int window, int r) {
+    if (window <= 0 || end <= window) return 0;
+    const int c = end - window;
+    return r > 1 ? (c + r - 1) / r * r : c;
+}
+
+// Row j of a cache: the staging copy below cold_end, else ring slot j % ring_len.
+__device__ __forceinline__ const uint8_t* kv_row(const uint8_t* ring, const uint8_t* cold, long long rb, int ring_len,
+                                                 int cold_end, int j) {
+    return j < cold_end ? cold + (long long)j * rb : ring + (long long)(j % ring_len) * rb;
+}
+
+// Writes the n rows src[t] (f32, `width` values each, width a whole number of blocks) at positions pos + t of a
+// cache of type T: into ring slot (pos + t) % ring_len and, when `host` is given, also at row pos + t of the host
+// copy (pinned memory mapped into the device's address space). pos = *pos_dev. One thread per value (the
+// quantized types: each warp one block).
+template <int T>
+__device__ __forceinline__ void kv_store_rows_body(const float* __restrict__ src, uint8_t* ring, uint8_t* host,
+                                                   const int* pos_dev, int n, int width, int ring_len) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * width) return;  // whole warps for the quantized types (n * width % 32 == 0)
+    const int t = (int)(idx / width), i = (int)(idx % width);
+    const int pos = *pos_dev + t;
+    const float x = src[idx];
+    const long long rb = kv_bytes<T>(width);
+    kv_put<T>(ring + (long long)(pos % ring_len) * rb, i, x);
+    if (host) kv_put<T>(host + (long long)pos * rb, i, x);
+}
+
+#define KV_STORE(NAME, T)                                                                                          \
+    extern "C" __global__ void kv_store_rows_##NAME(const float* __restrict__ src, uint8_t* ring, uint8_t* host, \
+                                                    const int* pos_dev, int n, int width, int ring_len) {        \
+        pdl_entry();                                                                                               \
+        kv_store_rows_body<T>(src, ring, host, pos_dev, n, width, ring_len);                                      \
+    }
+KV_STORE(f32, T_F32)
+KV_STORE(f16, T_F16)
+KV_STORE(q8_0, T_Q8_0)
+KV_STORE(q4_0, T_Q4_0)
+
+// Copies, for the n queries of a decode-sized pass, the selected key blocks below cold_end (all r keys of a block
+// are cold or none are) from the host copies of K and V to the same rows of the staging buffers, so attention
+// reads them as if they were in VRAM. One warp per (query t, block entry e of its list: tokens e*r .. e*r + r -
+// 1, which begin at a multiple of r for a selected block); a block an earlier query of the pass also selected is
+// copied by that query only (the lists are ascending: binary search). `rb` bytes a row; 16-byte words when a
+// block's bytes allow.
+extern "C" __global__ void kv_cold_gather(const int* __restrict__ sel, const int* __restrict__ count, int cap, int n,
+                                          int entries, int pos0, const int* pos_dev, int window, int r,
+                                          const uint8_t* __restrict__ host_k, const uint8_t* __restrict__ host_v,
+                                          uint8_t* cold_k, uint8_t* cold_v, int rb) {
+    pdl_entry();
+    if (pos_dev) pos0 = *pos_dev;
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (w >= (long long)n * entries) return;  // uniform over the warp
+    const int t = (int)(w / entries), e = (int)(w % entries);
+    const int cold_end = kv_cold_end(pos0 + n, window, r);
+    const int idx = e * r;
+    if (idx >= count[t]) return;
+    const int j0 = sel[(long long)t * cap + idx];
+    if (j0 % r != 0 || j0 + r > cold_end) return;
+    for (int u = 0; u < t; u++) {
+        const int* l = sel + (long long)u * cap;
+        int lo = 0, hi = count[u];
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (l[mid] < j0) lo = mid + 1;
+            else hi = mid;
+        }
+        if (lo < count[u] && l[lo] == j0) return;
+    }
+    const long long bytes = (long long)r * rb, at = (long long)j0 * rb;
+    if ((bytes & 15) == 0) {
+        const uint4* sk = reinterpret_cast<const uint4*>(host_k + at);
+        const uint4* sv = reinterpret_cast<const uint4*>(host_v + at);
+        uint4* dk = reinterpret_cast<uint4*>(cold_k + at);
+        uint4* dv = reinterpret_cast<uint4*>(cold_v + at);
+        for (long long i = lane; i < bytes / 16; i += 32) {
+            dk[i] = sk[i];
+            dv[i] = sv[i];
+        }
+    } else {
+        for (long long i = lane; i < bytes; i += 32) {
+            cold_k[at + i] = host_k[at + i];
+            cold_v[at + i] = host_v[at + i];
+        }
+    }
+}
+
+// Rows [first, first + count) of a ring of ring_len slots from their host copies, for K, V (rb_kv bytes a row)
+// and the raw indexer keys (rb_ik): what a cut-back sequence (restore, rollback) needs where later rows
+// overwrote their slots. One block per row.
+extern "C" __global__ void kv_ring_fill(const uint8_t* __restrict__ host_k, uint8_t* ring_k,
+                                        const uint8_t* __restrict__ host_v, uint8_t* ring_v, int rb_kv,
+                                        const uint8_t* __restrict__ host_ik, uint8_t* ring_ik, int rb_ik, int first,
+                                        int ring_len) {
+    pdl_entry();
+    const long long j = first + (long long)blockIdx.x;
+    const long long slot = j % ring_len;
+    for (int i = threadIdx.x; i < rb_kv; i += blockDim.x) {
+        ring_k[slot * rb_kv + i] = host_k[j * rb_kv + i];
+        ring_v[slot * rb_kv + i] = host_v[j * rb_kv + i];
+    }
+    if (host_ik)
+        for (int i = threadIdx.x; i < rb_ik; i += blockDim.x) ring_ik[slot * rb_ik + i] = host_ik[j * rb_ik + i];
+}
+
 
 // q[t][h] = P[t][h][0:hd] and gate[t][h] = P[t][h][hd:2hd] (q_proj packs query and output gate per head).
 extern "C" __global__ void attn_split_q(const float* __restrict__ P, float* q, float* gate, int n, int nh, int hd) {
@@ -13,20 +218,24 @@ extern "C" __global__ void attn_split_q(const float* __restrict__ P, float* q, f
 }
 
 // Pools the blocks completed by the n tokens appended at [pos, pos + n) (pos = *pos_dev when given): block b's
-// raw indexer keys are averaged, RMS-normed with kn_w and rotated at the block's first position b*r (dims [0,
-// rope_dim) in rotate-half pairs). Block i of the grid handles block pos/r + i when it is complete.
-extern "C" __global__ void qsa_pool_new(const float* __restrict__ raw, float* pooled, int pos0, const int* pos_dev, int n,
-                                        int r, int ihd, const float* __restrict__ kn_w, float eps, int rope_dim,
-                                        float theta) {
-    pdl_entry();
+// raw indexer keys (type T, ring slot tok % ring_len) are averaged, RMS-normed with kn_w and rotated at the
+// block's first position b*r (dims [0, rope_dim) in rotate-half pairs), and stored as row b of `pooled` (type T).
+// Block i of the grid handles block pos/r + i when it is complete. 128 threads (whole warps over each 32 values,
+// as the quantized store needs).
+template <int T>
+__device__ __forceinline__ void qsa_pool_new_body(const uint8_t* __restrict__ raw, uint8_t* pooled, int pos0,
+                                                  const int* pos_dev, int n, int r, int ihd,
+                                                  const float* __restrict__ kn_w, float eps, int rope_dim,
+                                                  float theta, int ring_len) {
     const int pos = pos_dev ? *pos_dev : pos0;
     const int b = pos / r + blockIdx.x;
     if ((b + 1) * r > pos + n || (b + 1) * r <= pos) return;
     __shared__ float mean[256];
+    const long long rb = kv_bytes<T>(ihd);
     float ss = 0.f;
     for (int i = threadIdx.x; i < ihd; i += blockDim.x) {
         float acc = 0.f;
-        for (int tok = b * r; tok < (b + 1) * r; tok++) acc += raw[(long long)tok * ihd + i];
+        for (int tok = b * r; tok < (b + 1) * r; tok++) acc += kv_get<T>(raw + (long long)(tok % ring_len) * rb, i);
         acc /= (float)r;
         mean[i] = acc;
         ss += acc * acc;
@@ -37,9 +246,11 @@ extern "C" __global__ void qsa_pool_new(const float* __restrict__ raw, float* po
     for (int i = threadIdx.x; i < ihd; i += blockDim.x) mean[i] = mean[i] * inv * kn_w[i];
     __syncthreads();
     const int half = rope_dim / 2;
-    float* out = pooled + (long long)b * ihd;
-    for (int i = threadIdx.x; i < ihd; i += blockDim.x) {
-        float v = mean[i];
+    uint8_t* out = pooled + (long long)b * rb;
+    // Whole warps through the row (a quantized store forms each 32-value block from one warp's lanes).
+    const int span = (ihd + 31) / 32 * 32;
+    for (int i = threadIdx.x; i < span; i += blockDim.x) {
+        float v = i < ihd ? mean[i] : 0.f;
         if (i < rope_dim) {
             const int k = i < half ? i : i - half;
             const float inv_freq = 1.f / powf(theta, (float)(2 * k) / (float)rope_dim);
@@ -47,15 +258,33 @@ extern "C" __global__ void qsa_pool_new(const float* __restrict__ raw, float* po
             const float c = (float)cos((double)a), sn = (float)sin((double)a);
             v = i < half ? mean[i] * c - mean[i + half] * sn : mean[i] * c + mean[i - half] * sn;
         }
-        out[i] = v;
+        if constexpr (T == T_F32 || T == T_F16) {
+            if (i < ihd) kv_put<T>(out, i, v);
+        } else {
+            kv_put<T>(out, i, v);  // ihd is whole blocks for the quantized types
+        }
     }
 }
 
+#define QSA_POOL(NAME, T)                                                                                          \
+    extern "C" __global__ void qsa_pool_new_##NAME(const uint8_t* __restrict__ raw, uint8_t* pooled, int pos0,  \
+                                                   const int* pos_dev, int n, int r, int ihd,                     \
+                                                   const float* __restrict__ kn_w, float eps, int rope_dim,       \
+                                                   float theta, int ring_len) {                                   \
+        pdl_entry();                                                                                               \
+        qsa_pool_new_body<T>(raw, pooled, pos0, pos_dev, n, r, ihd, kn_w, eps, rope_dim, theta, ring_len);        \
+    }
+QSA_POOL(f32, T_F32)
+QSA_POOL(f16, T_F16)
+QSA_POOL(q8_0, T_Q8_0)
+
 // scores[t][b] = sum_h relu(<qI[t][h], pooled[b]>) / sqrt(ihd) for the complete blocks b < (pos0+t+1)/r; -inf
-// after. One warp per (t, b): lanes stride the head dims, each head's dot product a shuffle-tree sum.
-extern "C" __global__ void qsa_scores(const float* __restrict__ qI, const float* __restrict__ pooled, float* scores,
-                                      int n, int pos0, const int* pos_dev, int r, int nih, int ihd, int max_blocks) {
-    pdl_entry();
+// after. One warp per (t, b): lanes stride the head dims, each head's dot product a shuffle-tree sum. `pooled`
+// rows of type T.
+template <int T>
+__device__ __forceinline__ void qsa_scores_body(const float* __restrict__ qI, const uint8_t* __restrict__ pooled,
+                                                float* scores, int n, int pos0, const int* pos_dev, int r, int nih,
+                                                int ihd, int max_blocks) {
     if (pos_dev) pos0 = *pos_dev;
     const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
@@ -66,16 +295,32 @@ extern "C" __global__ void qsa_scores(const float* __restrict__ qI, const float*
         if (lane == 0) scores[w] = -INFINITY;
         return;
     }
-    const float* k = pooled + (long long)b * ihd;
+    const uint8_t* krow = pooled + (long long)b * kv_bytes<T>(ihd);
     float s = 0.f;
     for (int h = 0; h < nih; h++) {
         const float* q = qI + ((long long)t * nih + h) * ihd;
         float d = 0.f;
-        for (int i = lane; i < ihd; i += 32) d += q[i] * __ldg(k + i);
+        if constexpr (T == T_F32) {
+            const float* k = reinterpret_cast<const float*>(krow);
+            for (int i = lane; i < ihd; i += 32) d += q[i] * __ldg(k + i);
+        } else {
+            for (int i = lane; i < ihd; i += 32) d += q[i] * kv_get<T>(krow, i);
+        }
         s += fmaxf(warp_sum(d), 0.f);
     }
     if (lane == 0) scores[w] = s * rsqrtf((float)ihd);
 }
+
+#define QSA_SCORES(NAME, T)                                                                                       \
+    extern "C" __global__ void qsa_scores_##NAME(const float* __restrict__ qI, const uint8_t* __restrict__ pooled, \
+                                                 float* scores, int n, int pos0, const int* pos_dev, int r,       \
+                                                 int nih, int ihd, int max_blocks) {                              \
+        pdl_entry();                                                                                              \
+        qsa_scores_body<T>(qI, pooled, scores, n, pos0, pos_dev, r, nih, ihd, max_blocks);                        \
+    }
+QSA_SCORES(f32, T_F32)
+QSA_SCORES(f16, T_F16)
+QSA_SCORES(q8_0, T_Q8_0)
 
 __device__ __forceinline__ unsigned int order_key(float f) {
     const unsigned int u = __float_as_uint(f);
@@ -181,16 +426,28 @@ extern "C" __global__ void qsa_select(const float* __restrict__ scores, int max_
 
 // Online softmax of query (t, h) over keys [k0, k1) of its list (sel/count) or, when sel is null, of keys
 // 0..pos0+t, in tiles of 32: m (running max), l (running sum) and acc (unnormalised output, dims tid + 128 c).
-// K/V caches are [len][nkv*hd]; head h reads kv head h / (nh/nkv). VEC4 scores with 16-byte loads (hd % 4 == 0).
-// block = 128 threads (4 warps), hd <= 512. Every thread of the block must call it.
-template <bool VEC4>
-__device__ __forceinline__ void attend_keys(const float* __restrict__ qh, const float* __restrict__ Kc,
-                                            const float* __restrict__ Vc, const int* list, int k0, int k1, int kvh,
-                                            int kvw, int hd, float scale, float& m, float& l, float (&acc)[4]) {
+// K/V rows are [nkv*hd] values of type T (`kv` the ring and staging addresses, see the file's head); head h reads
+// kv head h / (nh/nkv). VEC4 (f32 only) scores with 16-byte loads (hd % 4 == 0). block = 128 threads (4 warps),
+// hd <= 512. Every thread of the block must call it.
+struct KvView {
+    const uint8_t* k;
+    const uint8_t* v;
+    const uint8_t* k_cold;
+    const uint8_t* v_cold;
+    long long rb;
+    int ring_len;
+    int cold_end;
+};
+
+template <bool VEC4, int T>
+__device__ __forceinline__ void attend_keys(const float* __restrict__ qh, const KvView& kv, const int* list, int k0,
+                                            int k1, int kvh, int hd, float scale, float& m, float& l,
+                                            float (&acc)[4]) {
     __shared__ float qs[512];
     __shared__ float ps[32];
     __shared__ int ks[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const long long head = kv_bytes<T>((long long)kvh * hd);
     for (int i = tid; i < hd; i += blockDim.x) qs[i] = qh[i];
     m = -INFINITY;
     l = 0.f;
@@ -208,16 +465,21 @@ __device__ __forceinline__ void attend_keys(const float* __restrict__ qh, const 
             key[u] = 0;
             if (j < tile) {
                 key[u] = list ? list[base + j] : base + j;
-                const float* k = Kc + (long long)key[u] * kvw + kvh * hd;
-                if constexpr (VEC4) {
-                    const float4* k4 = reinterpret_cast<const float4*>(k);
-                    const float4* q4 = reinterpret_cast<const float4*>(qs);
-                    for (int i = lane; i < hd / 4; i += 32) {
-                        const float4 a = q4[i], b = __ldg(k4 + i);
-                        d[u] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                const uint8_t* krow = kv_row(kv.k, kv.k_cold, kv.rb, kv.ring_len, kv.cold_end, key[u]) + head;
+                if constexpr (T == T_F32) {
+                    const float* k = reinterpret_cast<const float*>(krow);
+                    if constexpr (VEC4) {
+                        const float4* k4 = reinterpret_cast<const float4*>(k);
+                        const float4* q4 = reinterpret_cast<const float4*>(qs);
+                        for (int i = lane; i < hd / 4; i += 32) {
+                            const float4 a = q4[i], b = __ldg(k4 + i);
+                            d[u] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                        }
+                    } else {
+                        for (int i = lane; i < hd; i += 32) d[u] += qs[i] * k[i];
                     }
                 } else {
-                    for (int i = lane; i < hd; i += 32) d[u] += qs[i] * k[i];
+                    for (int i = lane; i < hd; i += 32) d[u] += qs[i] * kv_get<T>(krow, i);
                 }
             }
         }
@@ -241,10 +503,14 @@ __device__ __forceinline__ void attend_keys(const float* __restrict__ qh, const 
         for (int j = 0; j < tile; j++) {
             const float p = expf(ps[j] - m_new);
             l += p;
-            const float* v = Vc + (long long)ks[j] * kvw + kvh * hd;
+            const uint8_t* vrow = kv_row(kv.v, kv.v_cold, kv.rb, kv.ring_len, kv.cold_end, ks[j]) + head;
             for (int c = 0; c < 4; c++) {
                 const int i = tid + 128 * c;
-                if (i < hd) acc[c] += p * v[i];
+                if constexpr (T == T_F32) {
+                    if (i < hd) acc[c] += p * reinterpret_cast<const float*>(vrow)[i];
+                } else {
+                    if (i < hd) acc[c] += p * kv_get<T>(vrow, i);
+                }
             }
         }
         m = m_new;
@@ -252,19 +518,31 @@ __device__ __forceinline__ void attend_keys(const float* __restrict__ qh, const 
     }
 }
 
+// The KV view of a pass over n rows ending at pos0 + n (see the file's head).
+template <int T>
+__device__ __forceinline__ KvView kv_view(const uint8_t* Kc, const uint8_t* Vc, const uint8_t* Kcold,
+                                          const uint8_t* Vcold, int ring_len, int window, int r, int end, int width) {
+    return KvView{Kc, Vc, Kcold, Vcold, kv_bytes<T>(width), ring_len, kv_cold_end(end, window, r)};
+}
+
+// The arguments every attention kernel takes first: the queries, the K and V rings and staging, the ring's rows,
+// the window and block size (for cold_end), the pass's row count, the key lists, the position.
+#define ATTN_KV_ARGS                                                                                               \
+    const float *__restrict__ q, const uint8_t *__restrict__ Kc, const uint8_t *__restrict__ Vc,                \
+        const uint8_t *__restrict__ Kcold, const uint8_t *__restrict__ Vcold, int ring_len, int window, int r,    \
+        int n, const int *__restrict__ sel, const int *__restrict__ count, int cap, int pos0, const int *pos_dev
+
 // Attention for query (t, h) = blockIdx.x over all its keys (prefill). block = 128 threads, hd <= 512.
-extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ Kc,
-                                     const float* __restrict__ Vc, const int* __restrict__ sel,
-                                     const int* __restrict__ count, int cap, int pos0, const int* pos_dev, float* out,
-                                     int nh, int nkv, int hd, float scale) {
-    pdl_entry();
+template <int T>
+__device__ __forceinline__ void attention_body(ATTN_KV_ARGS, float* out, int nh, int nkv, int hd, float scale) {
     if (pos_dev) pos0 = *pos_dev;
+    const KvView kv = kv_view<T>(Kc, Vc, Kcold, Vcold, ring_len, window, r, pos0 + n, nkv * hd);
     const int t = blockIdx.x / nh, h = blockIdx.x % nh;
     const int nkeys = sel ? count[t] : pos0 + t + 1;
     const int* list = sel ? sel + (long long)t * cap : nullptr;
     float m, l, acc[4];
-    attend_keys<false>(q + ((long long)t * nh + h) * hd, Kc, Vc, list, 0, nkeys, h / (nh / nkv), nkv * hd, hd,
-                       scale, m, l, acc);
+    attend_keys<false, T>(q + ((long long)t * nh + h) * hd, kv, list, 0, nkeys, h / (nh / nkv), hd, scale, m, l,
+                          acc);
     float* o = out + ((long long)t * nh + h) * hd;
     for (int c = 0; c < 4; c++) {
         const int i = threadIdx.x + 128 * c;
@@ -278,12 +556,10 @@ extern "C" __global__ void attention(const float* __restrict__ q, const float* _
 // tree; tiles of 32 keys; per head the running max, correction, sum and accumulator updated key by key), so the
 // output equals it bit for bit. block = 128 threads; G <= 16, hd <= 256 and hd % 32 == 0.
 #define AG_MAXG 16
-extern "C" __global__ void attention_gqa(const float* __restrict__ q, const float* __restrict__ Kc,
-                                         const float* __restrict__ Vc, const int* __restrict__ sel,
-                                         const int* __restrict__ count, int cap, int pos0, const int* pos_dev,
-                                         float* out, int nh, int nkv, int hd, float scale) {
-    pdl_entry();
+template <int T>
+__device__ __forceinline__ void attention_gqa_body(ATTN_KV_ARGS, float* out, int nh, int nkv, int hd, float scale) {
     if (pos_dev) pos0 = *pos_dev;
+    const KvView kv = kv_view<T>(Kc, Vc, Kcold, Vcold, ring_len, window, r, pos0 + n, nkv * hd);
     __shared__ float qs[AG_MAXG * 256];
     __shared__ float ps[AG_MAXG][32];
     __shared__ int ks[32];
@@ -293,7 +569,8 @@ extern "C" __global__ void attention_gqa(const float* __restrict__ q, const floa
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nkeys = sel ? count[t] : pos0 + t + 1;
     const int* list = sel ? sel + (long long)t * cap : nullptr;
-    const int kvw = nkv * hd, per_lane = hd / 32;
+    const int per_lane = hd / 32;
+    const long long head = kv_bytes<T>((long long)kvh * hd);
     const float* qt = q + ((long long)t * nh + (long long)kvh * G) * hd;
     for (int i = tid; i < G * hd; i += blockDim.x) qs[i] = qt[i];
     if (tid < G) {
@@ -314,9 +591,16 @@ extern "C" __global__ void attention_gqa(const float* __restrict__ q, const floa
             for (int v = 0; v < 2; v++) {
                 const int j = warp + 4 * (u0 + v);
                 key[v] = j < tile ? (list ? list[base + j] : base + j) : 0;
-                const float* k = Kc + (long long)key[v] * kvw + kvh * hd;
+                const uint8_t* krow = kv_row(kv.k, kv.k_cold, kv.rb, kv.ring_len, kv.cold_end, key[v]) + head;
 #pragma unroll
-                for (int i = 0; i < 8; i++) kr[v][i] = (j < tile && i < per_lane) ? __ldg(k + lane + 32 * i) : 0.f;
+                for (int i = 0; i < 8; i++) {
+                    if constexpr (T == T_F32) {
+                        const float* k = reinterpret_cast<const float*>(krow);
+                        kr[v][i] = (j < tile && i < per_lane) ? __ldg(k + lane + 32 * i) : 0.f;
+                    } else {
+                        kr[v][i] = (j < tile && i < per_lane) ? kv_get<T>(krow, lane + 32 * i) : 0.f;
+                    }
+                }
             }
 #pragma unroll
             for (int v = 0; v < 2; v++) {
@@ -361,9 +645,16 @@ extern "C" __global__ void attention_gqa(const float* __restrict__ q, const floa
             }
         }
         for (int j = 0; j < tile; j++) {
-            const float* v = Vc + (long long)ks[j] * kvw + kvh * hd;
-            const float v0 = tid < hd ? __ldg(v + tid) : 0.f;
-            const float v1 = tid + 128 < hd ? __ldg(v + tid + 128) : 0.f;
+            const uint8_t* vrow = kv_row(kv.v, kv.v_cold, kv.rb, kv.ring_len, kv.cold_end, ks[j]) + head;
+            float v0, v1;
+            if constexpr (T == T_F32) {
+                const float* vf = reinterpret_cast<const float*>(vrow);
+                v0 = tid < hd ? __ldg(vf + tid) : 0.f;
+                v1 = tid + 128 < hd ? __ldg(vf + tid + 128) : 0.f;
+            } else {
+                v0 = tid < hd ? kv_get<T>(vrow, tid) : 0.f;
+                v1 = tid + 128 < hd ? kv_get<T>(vrow, tid + 128) : 0.f;
+            }
 #pragma unroll
             for (int h = 0; h < AG_MAXG; h++) {
                 if (h < G) {
@@ -389,13 +680,11 @@ extern "C" __global__ void attention_gqa(const float* __restrict__ q, const floa
 // [s * per, min((s + 1) * per, nkeys)) of its list, per = ceil(nkeys / S) rounded up to 32, and writes its running
 // max m, sum l and unnormalised accumulator to part_m/part_l [n * nh][S] and part_acc [n * nh][S][hd].
 // attention_combine then merges the S parts. block = 128 threads, hd <= 512, hd % 4 == 0.
-extern "C" __global__ void attention_part(const float* __restrict__ q, const float* __restrict__ Kc,
-                                          const float* __restrict__ Vc, const int* __restrict__ sel,
-                                          const int* __restrict__ count, int cap, int pos0, const int* pos_dev,
-                                          float* part_m, float* part_l, float* part_acc, int nh, int nkv, int hd,
-                                          float scale) {
-    pdl_entry();
+template <int T>
+__device__ __forceinline__ void attention_part_body(ATTN_KV_ARGS, float* part_m, float* part_l, float* part_acc,
+                                                    int nh, int nkv, int hd, float scale) {
     if (pos_dev) pos0 = *pos_dev;
+    const KvView kv = kv_view<T>(Kc, Vc, Kcold, Vcold, ring_len, window, r, pos0 + n, nkv * hd);
     const int S = gridDim.y, s = blockIdx.y;
     const int t = blockIdx.x / nh, h = blockIdx.x % nh;
     const int nkeys = sel ? count[t] : pos0 + t + 1;
@@ -403,8 +692,7 @@ extern "C" __global__ void attention_part(const float* __restrict__ q, const flo
     const int per = ((nkeys + S - 1) / S + 31) / 32 * 32;
     const int k0 = min(nkeys, s * per), k1 = min(nkeys, k0 + per);
     float m, l, acc[4];
-    attend_keys<true>(q + ((long long)t * nh + h) * hd, Kc, Vc, list, k0, k1, h / (nh / nkv), nkv * hd, hd, scale,
-                      m, l, acc);
+    attend_keys<true, T>(q + ((long long)t * nh + h) * hd, kv, list, k0, k1, h / (nh / nkv), hd, scale, m, l, acc);
     const long long part = (long long)blockIdx.x * S + s;
     if (threadIdx.x == 0) {
         part_m[part] = m;
@@ -415,6 +703,29 @@ extern "C" __global__ void attention_part(const float* __restrict__ q, const flo
         if (i < hd) part_acc[part * hd + i] = acc[c];
     }
 }
+
+#define ATTENTION(NAME, T)                                                                                        \
+    extern "C" __global__ void attention_##NAME(ATTN_KV_ARGS, float* out, int nh, int nkv, int hd, float scale) { \
+        pdl_entry();                                                                                              \
+        attention_body<T>(q, Kc, Vc, Kcold, Vcold, ring_len, window, r, n, sel, count, cap, pos0, pos_dev, out,  \
+                          nh, nkv, hd, scale);                                                                    \
+    }                                                                                                             \
+    extern "C" __global__ void attention_gqa_##NAME(ATTN_KV_ARGS, float* out, int nh, int nkv, int hd,            \
+                                                    float scale) {                                                \
+        pdl_entry();                                                                                              \
+        attention_gqa_body<T>(q, Kc, Vc, Kcold, Vcold, ring_len, window, r, n, sel, count, cap, pos0, pos_dev,   \
+                              out, nh, nkv, hd, scale);                                                           \
+    }                                                                                                             \
+    extern "C" __global__ void attention_part_##NAME(ATTN_KV_ARGS, float* part_m, float* part_l, float* part_acc, \
+                                                     int nh, int nkv, int hd, float scale) {                      \
+        pdl_entry();                                                                                              \
+        attention_part_body<T>(q, Kc, Vc, Kcold, Vcold, ring_len, window, r, n, sel, count, cap, pos0, pos_dev,  \
+                               part_m, part_l, part_acc, nh, nkv, hd, scale);                                     \
+    }
+ATTENTION(f32, T_F32)
+ATTENTION(f16, T_F16)
+ATTENTION(q8_0, T_Q8_0)
+ATTENTION(q4_0, T_Q4_0)
 
 // out[(t, h)] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s over the S parts (empty parts have m = -inf).
 // grid n * nh, block 128.

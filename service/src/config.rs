@@ -72,6 +72,14 @@ pub struct ServeArgs {
     /// GPU index for the cuda backend (as nvidia-smi lists them). Default: 0.
     #[arg(long)]
     pub gpu: Option<u64>,
+    /// How the attention caches store their rows: f32 (exact), f16, q8_0 or q4_0 (ggml's blocks, as llama.cpp's
+    /// --cache-type-k/v). Default: the profile's, else f32.
+    #[arg(long)]
+    pub kv_cache_type: Option<nebula_engine::model::KvCacheType>,
+    /// Tokens of each attention layer's keys and values kept in VRAM per sequence on the cuda backend; older ones
+    /// live in pinned host memory (0: all in VRAM). Default: the profile's, else 0.
+    #[arg(long)]
+    pub kv_window: Option<u64>,
     /// Expert placement and emulation flags (`[placement]` of the config).
     #[command(flatten)]
     pub placement: crate::placement::PlacementFlags,
@@ -340,6 +348,11 @@ pub struct ServerConfig {
     pub backend: String,
     /// GPU index for the cuda backend.
     pub gpu: usize,
+    /// How the attention caches store their rows (`f32`, `f16`, `q8_0`, `q4_0`); `None`: the profile's, else `f32`.
+    pub kv_cache_type: Option<nebula_engine::model::KvCacheType>,
+    /// Tokens of K and V kept in VRAM per attention layer and sequence on the cuda backend (0: all); `None`: the
+    /// profile's, else `tuning.cuda.kv_window` (`NEBULA_CUDA_KV_WINDOW`, 0).
+    pub kv_window: Option<usize>,
     /// Tuning of the backends (`[tuning.cuda]`, `[tuning.cuda.hybrid]`, `[tuning.cpu]`); the `NEBULA_CUDA_*`,
     /// `NEBULA_HYBRID_*`, `NEBULA_CPU_*` ... variables of `docs/config.md` override it.
     pub tuning: nebula_engine::tuning::Tuning,
@@ -378,6 +391,8 @@ impl Default for ServerConfig {
             batching: BatchingConfig::default(),
             backend: "cpu".into(),
             gpu: 0,
+            kv_cache_type: None,
+            kv_window: None,
             tuning: nebula_engine::tuning::Tuning::default(),
         }
     }
@@ -547,6 +562,10 @@ struct FlagOverrides {
     backend: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     gpu: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_cache_type: Option<nebula_engine::model::KvCacheType>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_window: Option<u64>,
     #[serde(skip_serializing_if = "is_empty_object")]
     placement: serde_json::Value,
 }
@@ -569,6 +588,8 @@ impl From<&ServeArgs> for FlagOverrides {
             otlp_endpoint: a.otlp_endpoint.clone(),
             backend: a.backend.clone(),
             gpu: a.gpu,
+            kv_cache_type: a.kv_cache_type,
+            kv_window: a.kv_window,
             placement: a.placement.overrides(),
         }
     }

@@ -27,6 +27,7 @@ pub mod conversation;
 pub mod error;
 pub mod extract;
 pub mod generation;
+pub mod kv;
 pub mod layers;
 pub mod metrics;
 pub mod openai;

@@ -20,6 +20,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use nebula_engine::gguf::{GgufErrorKind, GgufFile, SplitPath};
+use nebula_engine::model::KvCacheType;
 use serde::{Deserialize, Serialize};
 
 /// The profile table shipped with the binary: `deploy/profiles.toml`.
@@ -86,8 +87,14 @@ pub struct TableRow {
     pub gpu_experts_per_layer: u32,
     /// Tokens per prefill chunk.
     pub max_prefill: u64,
-    /// Longest prompt + completion, tokens.
+    /// Longest prompt + completion, tokens (Nebula's, with `kv_cache_type` and `kv_window`).
     pub max_context: u64,
+    /// The original table's context (an f32 cache, every token in VRAM).
+    pub original_max_context: u64,
+    /// How the attention caches store their rows.
+    pub kv_cache_type: KvCacheType,
+    /// Tokens of each attention layer's K and V in VRAM per sequence, the rest in pinned host memory (0: all).
+    pub kv_window: u64,
     /// Experts per layer in RAM computed by the CPU, not counting the copies of the GPU experts.
     pub cpu_experts_per_layer: u32,
     /// RAM copies of the GPU experts (the table's "(+X)").
@@ -183,6 +190,12 @@ impl ProfileTable {
                     row.max_prefill, row.max_context
                 )));
             }
+            if row.kv_window > 0 && (row.kv_window >= row.max_context || row.max_prefill + 4 > row.kv_window) {
+                return Err(bad(format!(
+                    "kv_window = {} must be 0, or below max_context = {} and at least max_prefill = {} + 4",
+                    row.kv_window, row.max_context, row.max_prefill
+                )));
+            }
         }
         let wanted = table.vram_steps_gb.len() * table.ram_steps_gb.len();
         if seen.len() != wanted {
@@ -212,6 +225,30 @@ impl ProfileTable {
     pub fn min_ram_gb(&self) -> u32 {
         self.ram_steps_gb[0]
     }
+}
+
+/// Bytes one sequence of `context` tokens holds in its attention caches on the GPU, (VRAM, pinned host memory),
+/// for the released model (`qwen4exp` with 12 QSA layers of 2 KV heads of 256 values, indexer keys of 128 pooled
+/// every 4 tokens, and the dense MTP layer when `drafting`), with caches of type `ty` and a hot window of
+/// `window` tokens (0: none): per QSA layer K, V and the raw indexer keys of the window's rows (of every row
+/// without one) and every pooled block key in VRAM, the staging buffers of one layer's cold K and V, the MTP
+/// layer's K and V; every row of a windowed layer in host memory. The same layout as the CUDA backend's
+/// allocation (`CudaModel::state_alloc_bytes`), for the profile table, which is chosen before any model loads.
+pub fn released_kv_bytes(context: u64, ty: KvCacheType, window: u64, drafting: bool) -> (u64, u64) {
+    const QSA_LAYERS: u64 = 12;
+    let kv = ty.row_bytes(2 * 256) as u64;
+    let ik = ty.index_key_type(128).row_bytes(128) as u64;
+    let windowed = window > 0 && context > window;
+    let ring = if windowed { window } else { context };
+    let mut device = QSA_LAYERS * (ring * (2 * kv + ik) + (context / 4 + 1) * ik);
+    if windowed {
+        device += 2 * context * kv;
+    }
+    if drafting {
+        device += 2 * context * kv;
+    }
+    let host = if windowed { QSA_LAYERS * context * (2 * kv + ik) } else { 0 };
+    (device, host)
 }
 
 /// The largest step that `gib` reaches, counting `gib >= step * (1 - tolerance)` as reaching it.
@@ -503,6 +540,14 @@ pub struct Profile {
     /// are the table's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_mib: Option<f64>,
+    /// How the attention caches store their rows (`kv_cache_type`); absent in older profile files and on the CPU
+    /// (f32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_type: Option<KvCacheType>,
+    /// Tokens of K and V kept in VRAM per attention layer and sequence, the rest in pinned host memory (0: all);
+    /// absent in older profile files and on the CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_window: Option<u64>,
     /// Sequences the server decodes together (`[batching] max_sequences`): Nebula's default for the VRAM step
     /// ([`default_max_sequences`]), not a figure of the original table; absent in older profile files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -776,6 +821,8 @@ pub fn select(table: &ProfileTable, hw: &Hardware, opts: &DetectOptions) -> Resu
             cuda_visible_devices,
             placement: Vec::new(),
             expert_mib: None,
+            kv_cache_type: None,
+            kv_window: None,
             max_sequences: Some(default_max_sequences(vram_step.unwrap_or(0))),
             detected,
         });
@@ -817,6 +864,8 @@ pub fn select(table: &ProfileTable, hw: &Hardware, opts: &DetectOptions) -> Resu
                     },
                 ],
                 expert_mib: None,
+                kv_cache_type: Some(row.kv_cache_type),
+                kv_window: Some(row.kv_window),
                 max_sequences: Some(default_max_sequences(vram_gb)),
                 detected,
             }
@@ -852,6 +901,8 @@ pub fn select(table: &ProfileTable, hw: &Hardware, opts: &DetectOptions) -> Resu
                     },
                 ],
                 expert_mib: None,
+                kv_cache_type: None,
+                kv_window: None,
                 max_sequences: Some(default_max_sequences(0)),
                 detected,
             }

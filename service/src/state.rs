@@ -206,6 +206,20 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
     let placement = placement_config
         .to_options(&source)
         .map_err(|e| ServeError::Config(crate::config::ConfigError(format!("placement.hotlist: {e}"))))?;
+    // The KV cache: the config's (flag, file, NEBULA_KV_*) over the profile's over f32 and no window.
+    let (profile_kv, profile_window) = match &state.profile {
+        Some(p) => crate::kv::from_profile(p).map_err(|e| ServeError::Config(crate::config::ConfigError(e)))?,
+        None => (None, None),
+    };
+    let kv_cache = config.kv_cache_type.or(profile_kv).unwrap_or_default();
+    let mut cuda_tuning = config.tuning.cuda.clone();
+    if let Some(w) = config.kv_window.or(profile_window) {
+        cuda_tuning.kv_window = w;
+    }
+    if config.backend == "cuda" {
+        crate::kv::check_window(cuda_tuning.kv_window, max_prefill)
+            .map_err(|e| ServeError::Config(crate::config::ConfigError(e)))?;
+    }
     let opts = EngineOptions {
         max_context: Some(max_context),
         queue_capacity: config.queue_capacity,
@@ -224,6 +238,7 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         },
         placement,
         mtp: config.mtp.enabled,
+        kv_cache,
         backend: match config.backend.as_str() {
             "cpu" => nebula_engine::backend::BackendKind::Cpu,
             _ => nebula_engine::backend::BackendKind::Cuda {
@@ -231,7 +246,7 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
                 vram_budget: config.placement.vram_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64),
             },
         },
-        cuda_tuning: config.tuning.cuda.clone(),
+        cuda_tuning,
         batch: batch_options(config, state),
         step_observer: Some(state.metrics.step_observer()),
     };
@@ -270,6 +285,7 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         model = %label,
         id = %id,
         max_context = engine.max_context(),
+        kv_cache = %engine.config().kv_cache,
         max_prefill,
         trained_context = engine.config().context_length,
         seconds = format_args!("{:.2}", started.elapsed().as_secs_f64()),

@@ -6,6 +6,7 @@
 use crate::gguf::{GgufFile, MetadataValue};
 
 use super::error::ModelError;
+use super::kv_cache::KvCacheType;
 
 /// Activation of the Gated DeltaNet output gate (`output_gate_type` in HF; llama.cpp's `qwen4exp` always uses
 /// sigmoid). Nebula's converter writes `qwen4exp.ssm.gate_activation = "silu"` for the rare checkpoints that use
@@ -138,6 +139,9 @@ pub struct ModelConfig {
     pub nextn_compress_ratio: usize,
     /// PLE, if the model has it.
     pub ple: Option<PleConfig>,
+    /// How the attention caches store their rows (not a property of the file: [`crate::model::LoadOptions`]
+    /// or [`crate::model::Qwen4Exp::set_kv_cache`] choose it; `f32` by default).
+    pub kv_cache: KvCacheType,
 }
 
 impl ModelConfig {
@@ -158,32 +162,52 @@ impl ModelConfig {
         2 * self.ssm_key_dim() + self.ssm_value_dim()
     }
 
-    /// Bytes of `f32` state a sequence of `max_len` tokens holds once full, on either backend (both keep `f32`
-    /// caches): per attention layer keys and values (`2 * n_head_kv * head_dim` a token), the indexer's raw
-    /// keys and pooled blocks; per Gated DeltaNet layer its conv history and `[v_heads, head_dim, head_dim]`
-    /// recurrent state; the PLE conv history; with `mtp`, the MTP block's dense attention cache and bank.
-    /// What admission into a batch reserves for a sequence.
+    /// Bytes of state a sequence of `max_len` tokens holds once full, on either backend (both lay the caches out
+    /// alike): per attention layer keys and values (`n_head_kv * head_dim` values each a token, in
+    /// [`ModelConfig::kv_cache`]'s type), the indexer's raw keys and pooled blocks (in the type's
+    /// [`KvCacheType::index_key_type`]); per Gated DeltaNet layer its `f32` conv history and `[v_heads,
+    /// head_dim, head_dim]` recurrent state; the PLE conv history; with `mtp`, the MTP block's dense attention
+    /// cache and bank. What admission into a batch reserves for a sequence.
     pub fn state_bytes(&self, max_len: usize, mtp: bool) -> usize {
-        let kv = 2 * self.n_head_kv * self.head_dim;
-        let idx = self.indexer.head_dim;
-        let attn = |ratio: usize| {
-            let pooled = if ratio > 0 { (max_len / ratio + 1) * idx } else { 0 };
-            max_len * (kv + if ratio > 0 { idx } else { 0 }) + pooled
-        };
         let layers: usize = self
             .layer_kinds
             .iter()
             .map(|k| match *k {
                 LayerKind::LinearAttention => {
-                    (self.ssm_conv_kernel.saturating_sub(1)) * self.ssm_conv_dim()
-                        + self.ssm_v_heads * self.ssm_head_dim * self.ssm_head_dim
+                    4 * ((self.ssm_conv_kernel.saturating_sub(1)) * self.ssm_conv_dim()
+                        + self.ssm_v_heads * self.ssm_head_dim * self.ssm_head_dim)
                 }
-                LayerKind::IndexedAttention { compress_ratio } => attn(compress_ratio),
+                LayerKind::IndexedAttention { compress_ratio } => self.attention_cache_bytes(max_len, compress_ratio),
             })
             .sum();
-        let ple = self.ple.as_ref().map_or(0, |p| p.conv_state_len() * self.hc_dim());
-        let mtp = if mtp && self.n_nextn > 0 { attn(self.nextn_compress_ratio) + self.hc_dim() } else { 0 };
-        4 * (layers + ple + mtp)
+        let ple = self.ple.as_ref().map_or(0, |p| 4 * p.conv_state_len() * self.hc_dim());
+        let mtp = if mtp && self.n_nextn > 0 {
+            self.attention_cache_bytes(max_len, self.nextn_compress_ratio) + 4 * self.hc_dim()
+        } else {
+            0
+        };
+        layers + ple + mtp
+    }
+
+    /// Bytes of one attention layer's caches for `max_len` tokens (`compress_ratio` 0: dense, no indexer):
+    /// [`KvCacheType::row_bytes`] of K and V per token, with the indexer its raw key per token and `max_len /
+    /// compress_ratio + 1` pooled block keys (as the CUDA backend allocates them).
+    pub fn attention_cache_bytes(&self, max_len: usize, compress_ratio: usize) -> usize {
+        let [kv, raw, pooled] = self.attention_row_bytes(compress_ratio);
+        let blocks = max_len.checked_div(compress_ratio).map_or(0, |b| b + 1);
+        max_len * (2 * kv + raw) + blocks * pooled
+    }
+
+    /// Bytes of one row of an attention layer's caches under [`ModelConfig::kv_cache`]: a token's K (or V), a
+    /// token's raw indexer key and a pooled block key (both 0 without an indexer, `compress_ratio` 0).
+    pub fn attention_row_bytes(&self, compress_ratio: usize) -> [usize; 3] {
+        let kv = self.kv_cache.row_bytes(self.n_head_kv * self.head_dim);
+        if compress_ratio == 0 {
+            return [kv, 0, 0];
+        }
+        let ihd = self.indexer.head_dim;
+        let ik = self.kv_cache.index_key_type(ihd).row_bytes(ihd);
+        [kv, ik, ik]
     }
 
     /// Reads the configuration from a GGUF file's `qwen4exp.*` metadata and checks it for consistency.
@@ -398,6 +422,7 @@ impl ModelConfig {
             layer_kinds,
             nextn_compress_ratio,
             ple,
+            kv_cache: KvCacheType::F32,
         })
     }
 }

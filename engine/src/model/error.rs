@@ -46,6 +46,9 @@ pub enum ModelError {
     /// A state snapshot does not belong to this sequence.
     #[error("snapshot at position {snapshot} cannot be restored into a sequence at position {current}")]
     BadSnapshot { snapshot: usize, current: usize },
+    /// The KV cache type cannot hold this model's attention caches.
+    #[error("kv_cache_type {ty}: {problem}")]
+    KvCacheType { ty: String, problem: String },
     /// MTP drafting was asked for but cannot run (no MTP block, empty sequence, cache out of step).
     #[error("MTP drafting is unavailable: {reason}")]
     MtpUnavailable { reason: String },

@@ -12,6 +12,7 @@ mod forward;
 
 pub(crate) use forward::check_tokens;
 pub mod hyper_connection;
+pub mod kv_cache;
 pub mod linear_attn;
 pub mod moe;
 pub mod mtp;
@@ -33,6 +34,7 @@ use crate::quant::Matrix;
 
 pub use config::{GateActivation, LayerKind, ModelConfig};
 pub use error::ModelError;
+pub use kv_cache::{KvCacheType, KvRows};
 pub use linear_attn::GdnAlgorithm;
 pub use mtp::{MtpBlock, MtpState};
 pub use state::{SequenceState, Snapshot};
@@ -101,12 +103,14 @@ pub struct LoadOptions {
     /// Load the MTP block when the file has one (`qwen4exp.nextn_predict_layers = 1`); without it the model
     /// cannot draft, and its states carry no MTP cache.
     pub mtp: bool,
+    /// How the attention caches store their rows ([`KvCacheType`]; `f32`, the exact path, by default).
+    pub kv_cache: KvCacheType,
 }
 
 impl Default for LoadOptions {
     /// Everything the file has.
     fn default() -> Self {
-        Self { mtp: true }
+        Self { mtp: true, kv_cache: KvCacheType::F32 }
     }
 }
 
@@ -255,7 +259,7 @@ impl Qwen4Exp {
         } else {
             None
         };
-        Ok(Self {
+        let mut model = Self {
             mtp,
             embed_tokens: w.matrix("token_embd.weight", vocab, d)?,
             lm_head: w.matrix("output.weight", vocab, d)?,
@@ -267,7 +271,26 @@ impl Qwen4Exp {
             file,
             placement: None,
             placement_stats: Arc::default(),
-        })
+        };
+        model.set_kv_cache(opts.kv_cache)?;
+        Ok(model)
+    }
+
+    /// Sets how the attention caches of states made from now on store their rows (the trunk's and the MTP
+    /// block's; states made before keep theirs).
+    ///
+    /// Errors: [`ModelError::KvCacheType`] when an attention layer's heads are not whole blocks of `ty`.
+    pub fn set_kv_cache(&mut self, ty: KvCacheType) -> Result<(), ModelError> {
+        for l in &self.layers {
+            if let TokenMixer::SelfAttention(a) = &l.mixer {
+                a.check_kv_cache(ty)?;
+            }
+        }
+        if let Some(m) = &self.mtp {
+            m.self_attn.check_kv_cache(ty)?;
+        }
+        self.config.kv_cache = ty;
+        Ok(())
     }
 
     /// Places the routed experts and the n-gram table in tiers as `opts` says (see [`crate::placement`]): reads
@@ -488,11 +511,11 @@ impl Qwen4Exp {
                 .iter()
                 .map(|l| match &l.mixer {
                     TokenMixer::LinearAttention(g) => LayerState::LinearAttention(g.new_state()),
-                    TokenMixer::SelfAttention(a) => LayerState::Attention(a.new_state()),
+                    TokenMixer::SelfAttention(a) => LayerState::Attention(a.new_state(self.config.kv_cache)),
                 })
                 .collect(),
             ple: self.layers.iter().find_map(|l| l.ple.as_ref().map(|p| p.new_state())),
-            mtp: self.mtp.as_ref().map(MtpBlock::new_state),
+            mtp: self.mtp.as_ref().map(|m| m.new_state(self.config.kv_cache)),
         }
     }
 
@@ -505,8 +528,7 @@ impl Qwen4Exp {
             match (ls, saved, &layer.mixer) {
                 (LayerState::LinearAttention(g), Some(s), _) => g.clone_from(s),
                 (LayerState::Attention(a), None, TokenMixer::SelfAttention(att)) => {
-                    let (idim, ratio) = att.index_shape();
-                    a.truncate(snap.pos, att.kv_width(), idim, ratio);
+                    a.truncate(snap.pos, att.index_shape().1);
                 }
                 _ => return Err(ModelError::BadSnapshot { snapshot: snap.pos, current: state.pos }),
             }
@@ -547,16 +569,7 @@ impl Qwen4Exp {
             layers.push(match (ls, saved, &layer.mixer) {
                 (LayerState::LinearAttention(_), Some(s), _) => LayerState::LinearAttention(s.clone()),
                 (LayerState::Attention(a), None, TokenMixer::SelfAttention(att)) => {
-                    let (idim, ratio) = att.index_shape();
-                    let kv = snap.pos * att.kv_width();
-                    let blocks = snap.pos.checked_div(ratio).unwrap_or(0);
-                    let prefix = |v: &Vec<f32>, n: usize| v.get(..n).map(<[f32]>::to_vec).ok_or_else(bad);
-                    LayerState::Attention(self_attn::AttnState {
-                        k: prefix(&a.k, kv)?,
-                        v: prefix(&a.v, kv)?,
-                        index_k: prefix(&a.index_k, snap.pos * idim)?,
-                        pooled: prefix(&a.pooled, blocks * idim)?,
-                    })
+                    LayerState::Attention(a.prefix(snap.pos, att.index_shape().1).ok_or_else(bad)?)
                 }
                 _ => return Err(bad()),
             });
@@ -678,8 +691,7 @@ impl Qwen4Exp {
                     net.replay(g, rec, keep);
                 }
                 (LayerState::Attention(a), TokenMixer::SelfAttention(att), None, _) => {
-                    let (idim, ratio) = att.index_shape();
-                    a.truncate(new_pos, att.kv_width(), idim, ratio);
+                    a.truncate(new_pos, att.index_shape().1);
                 }
                 _ => return Err(ModelError::BadSnapshot { snapshot: new_pos, current: record.pos0 + record.n }),
             }

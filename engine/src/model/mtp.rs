@@ -24,6 +24,7 @@ use crate::quant::Matrix;
 use super::config::ModelConfig;
 use super::error::ModelError;
 use super::hyper_connection::GatedResidual;
+use super::kv_cache::KvCacheType;
 use super::moe::SparseMoe;
 use super::norm::rms_norm_into;
 use super::rope::Rope;
@@ -99,33 +100,24 @@ impl MtpBlock {
         })
     }
 
-    /// An empty MTP state.
-    pub fn new_state(&self) -> MtpState {
-        MtpState { attn: self.self_attn.new_state(), last_bank: Vec::new(), drafted_with: None }
+    /// An empty MTP state whose cache stores rows as `ty`.
+    pub fn new_state(&self, ty: KvCacheType) -> MtpState {
+        MtpState { attn: self.self_attn.new_state(ty), last_bank: Vec::new(), drafted_with: None }
     }
 
     /// Rows held by an MTP attention cache.
     pub fn rows(&self, state: &AttnState) -> usize {
-        state.len(self.self_attn.kv_width())
+        state.len()
     }
 
     /// A copy of the first `rows` rows of `state` (`None` when it holds fewer).
     pub fn prefix(&self, state: &AttnState, rows: usize) -> Option<AttnState> {
-        let (idim, ratio) = self.self_attn.index_shape();
-        let kv = rows * self.self_attn.kv_width();
-        let blocks = rows.checked_div(ratio).unwrap_or(0);
-        Some(AttnState {
-            k: state.k.get(..kv)?.to_vec(),
-            v: state.v.get(..kv)?.to_vec(),
-            index_k: state.index_k.get(..rows * idim)?.to_vec(),
-            pooled: state.pooled.get(..blocks * idim)?.to_vec(),
-        })
+        state.prefix(rows, self.self_attn.index_shape().1)
     }
 
     /// Drops every row of `state` from `rows` on.
     pub fn truncate(&self, state: &mut AttnState, rows: usize) {
-        let (idim, ratio) = self.self_attn.index_shape();
-        state.truncate(rows, self.self_attn.kv_width(), idim, ratio);
+        state.truncate(rows, self.self_attn.index_shape().1);
     }
 
     /// Runs `n = tokens.len()` MTP rows at positions `pos0..pos0+n`, appending to the block's cache `state` (which

@@ -14,36 +14,57 @@ use crate::quant::Matrix;
 
 use super::config::{IndexerConfig, ModelConfig};
 use super::error::ModelError;
+use super::kv_cache::{KvCacheType, KvRows};
 use super::norm::{rms_norm, sigmoid, softmax};
 use super::rope::Rope;
 use super::weights::TensorLoader;
 
-/// KV cache and indexer keys of one attention layer for one sequence.
+/// KV cache and indexer keys of one attention layer for one sequence, stored in the model's
+/// [`KvCacheType`] (`super::kv_cache`: `f32` is the exact path).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttnState {
     /// Keys after norm and RoPE, `[len, kv_heads * head_dim]`.
-    pub k: Vec<f32>,
+    pub k: KvRows,
     /// Values, `[len, kv_heads * head_dim]`.
-    pub v: Vec<f32>,
-    /// Raw indexer keys (before pooling, norm and RoPE), `[len, indexer_head_dim]`.
-    pub index_k: Vec<f32>,
+    pub v: KvRows,
+    /// Raw indexer keys (before pooling, norm and RoPE), `[len, indexer_head_dim]` (no rows when dense).
+    pub index_k: KvRows,
     /// Pooled, normed and rotated keys of the complete blocks, `[blocks, indexer_head_dim]` (derived from
     /// `index_k`, kept so each block is pooled once).
-    pub pooled: Vec<f32>,
+    pub pooled: KvRows,
 }
 
 impl AttnState {
     /// Tokens held.
-    pub fn len(&self, kv_width: usize) -> usize {
-        self.k.len() / kv_width
+    pub fn len(&self) -> usize {
+        self.k.len()
     }
-    /// Drops everything after the first `len` tokens.
-    pub fn truncate(&mut self, len: usize, kv_width: usize, index_dim: usize, ratio: usize) {
-        self.k.truncate(len * kv_width);
-        self.v.truncate(len * kv_width);
-        self.index_k.truncate(len * index_dim);
-        let blocks = if ratio > 0 { len / ratio } else { 0 };
-        self.pooled.truncate(blocks * index_dim);
+    /// Whether no token is held.
+    pub fn is_empty(&self) -> bool {
+        self.k.is_empty()
+    }
+    /// Drops everything after the first `len` tokens (`ratio` the indexer's compress ratio, 0 when dense).
+    pub fn truncate(&mut self, len: usize, ratio: usize) {
+        self.k.truncate(len);
+        self.v.truncate(len);
+        self.index_k.truncate(len);
+        self.pooled.truncate(len.checked_div(ratio).unwrap_or(0));
+    }
+    /// A copy of the first `len` tokens (`None` when fewer are held).
+    pub fn prefix(&self, len: usize, ratio: usize) -> Option<Self> {
+        let blocks = len.checked_div(ratio).unwrap_or(0);
+        // A dense layer keeps no indexer keys.
+        let raw = if ratio > 0 { len } else { 0 };
+        Some(Self {
+            k: self.k.prefix(len)?,
+            v: self.v.prefix(len)?,
+            index_k: self.index_k.prefix(raw)?,
+            pooled: self.pooled.prefix(blocks)?,
+        })
+    }
+    /// Bytes held.
+    pub fn held_bytes(&self) -> usize {
+        self.k.held_bytes() + self.v.held_bytes() + self.index_k.held_bytes() + self.pooled.held_bytes()
     }
 }
 
@@ -107,9 +128,24 @@ impl Attention {
         })
     }
 
-    /// An empty cache.
-    pub fn new_state(&self) -> AttnState {
-        AttnState { k: Vec::new(), v: Vec::new(), index_k: Vec::new(), pooled: Vec::new() }
+    /// An empty cache in type `ty` (checked against the head widths by [`Attention::check_kv_cache`]).
+    pub fn new_state(&self, ty: KvCacheType) -> AttnState {
+        let kvw = self.kv_width();
+        let ihd = self.indexer.as_ref().map_or(0, |i| i.cfg.head_dim);
+        let ity = ty.index_key_type(ihd);
+        AttnState {
+            k: KvRows::new(ty, kvw),
+            v: KvRows::new(ty, kvw),
+            index_k: KvRows::new(ity, ihd),
+            pooled: KvRows::new(ity, ihd),
+        }
+    }
+
+    /// Checks that this layer's heads can be cached as `ty`.
+    ///
+    /// Errors: [`ModelError::KvCacheType`] naming the width.
+    pub fn check_kv_cache(&self, ty: KvCacheType) -> Result<(), ModelError> {
+        ty.check_head_dim(self.head_dim)
     }
 
     /// Width of one token's keys.
@@ -178,17 +214,31 @@ impl Attention {
                 rope.apply(kh, &angles[t]);
             }
         }
-        state.k.extend_from_slice(&k);
-        state.v.extend_from_slice(v);
+        state.k.push(&k);
+        state.v.push(v);
 
         let index_q = match (&self.indexer, &proj.index) {
             (Some(ix), Some(ip)) => Some(ix.prepare(ip, rows.clone(), &angles, state, rope, self.eps)),
             _ => None,
         };
-        let total = state.k.len() / kvw;
+        let total = state.k.len();
         let group = nh / nkv;
         let scale = 1.0 / (hd as f32).sqrt();
         let mut attn = vec![0f32; n * nh * hd];
+        let state = &*state;
+        // The pooled block keys every query of the call scores, as f32 (in place for an f32 cache).
+        let pooled: std::borrow::Cow<'_, [f32]> = match (&self.indexer, state.pooled.as_f32()) {
+            (_, Some(f)) => std::borrow::Cow::Borrowed(f),
+            (None, None) => std::borrow::Cow::Owned(Vec::new()),
+            (Some(ix), None) => {
+                let ihd = ix.cfg.head_dim;
+                let mut all = vec![0f32; state.pooled.len() * ihd];
+                for (b, row) in all.chunks_exact_mut(ihd).enumerate() {
+                    state.pooled.read(b, 0, row);
+                }
+                std::borrow::Cow::Owned(all)
+            }
+        };
         attn.par_chunks_mut(nh * hd).enumerate().for_each(|(t, out)| {
             let pos = pos0 + t;
             debug_assert!(pos < total);
@@ -196,24 +246,47 @@ impl Attention {
                 (Some(ix), Some(iq)) => ix.select(
                     &iq[t * ix.cfg.n_heads * ix.cfg.head_dim..(t + 1) * ix.cfg.n_heads * ix.cfg.head_dim],
                     pos,
-                    state,
+                    &pooled,
                 ),
                 _ => (0..=pos).collect(),
             };
             let mut scores = vec![0f32; selected.len()];
-            for h in 0..nh {
-                let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
-                let kvh = h / group;
-                for (sc, &j) in scores.iter_mut().zip(&selected) {
-                    let kj = &state.k[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
-                    *sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+            // `f32` caches are read in place; other types have each kv head's selected rows decoded once for the
+            // query heads of its group. The arithmetic per head is the same either way.
+            let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
+            for kvh in 0..nkv {
+                let direct = state.k.as_f32().zip(state.v.as_f32());
+                if direct.is_none() {
+                    kbuf.resize(selected.len() * hd, 0f32);
+                    vbuf.resize(selected.len() * hd, 0f32);
+                    for (i, &j) in selected.iter().enumerate() {
+                        state.k.read(j, kvh * hd, &mut kbuf[i * hd..(i + 1) * hd]);
+                        state.v.read(j, kvh * hd, &mut vbuf[i * hd..(i + 1) * hd]);
+                    }
                 }
-                softmax(&mut scores);
-                let oh = &mut out[h * hd..(h + 1) * hd];
-                for (&w, &j) in scores.iter().zip(&selected) {
-                    let vj = &state.v[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
-                    for (o, &vv) in oh.iter_mut().zip(vj) {
-                        *o += w * vv;
+                let key = |i: usize| -> &[f32] {
+                    match direct {
+                        Some((kf, _)) => &kf[selected[i] * kvw + kvh * hd..selected[i] * kvw + (kvh + 1) * hd],
+                        None => &kbuf[i * hd..(i + 1) * hd],
+                    }
+                };
+                let value = |i: usize| -> &[f32] {
+                    match direct {
+                        Some((_, vf)) => &vf[selected[i] * kvw + kvh * hd..selected[i] * kvw + (kvh + 1) * hd],
+                        None => &vbuf[i * hd..(i + 1) * hd],
+                    }
+                };
+                for h in kvh * group..(kvh + 1) * group {
+                    let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+                    for (i, sc) in scores.iter_mut().enumerate() {
+                        *sc = qh.iter().zip(key(i)).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    }
+                    softmax(&mut scores);
+                    let oh = &mut out[h * hd..(h + 1) * hd];
+                    for (i, &w) in scores.iter().enumerate() {
+                        for (o, &vv) in oh.iter_mut().zip(value(i)) {
+                            *o += w * vv;
+                        }
                     }
                 }
             }
@@ -281,13 +354,21 @@ impl Indexer {
                 rope.apply(qh, &angles[t]);
             }
         }
-        state.index_k.extend_from_slice(&proj.k[rows.start * ihd..rows.end * ihd]);
-        let len = state.index_k.len() / ihd;
-        let mut blocks = state.pooled.len() / ihd;
+        state.index_k.push(&proj.k[rows.start * ihd..rows.end * ihd]);
+        let len = state.index_k.len();
+        let mut blocks = state.pooled.len();
+        let mut raw = vec![0f32; ihd];
         while (blocks + 1) * r <= len {
             let mut mean = vec![0f32; ihd];
             for tok in blocks * r..(blocks + 1) * r {
-                for (m, &kv) in mean.iter_mut().zip(&state.index_k[tok * ihd..(tok + 1) * ihd]) {
+                let kv = match state.index_k.as_f32() {
+                    Some(f) => &f[tok * ihd..(tok + 1) * ihd],
+                    None => {
+                        state.index_k.read(tok, 0, &mut raw);
+                        &raw[..]
+                    }
+                };
+                for (m, &kv) in mean.iter_mut().zip(kv) {
                     *m += kv;
                 }
             }
@@ -296,14 +377,15 @@ impl Indexer {
             }
             rms_norm(&mut mean, &self.k_norm, eps);
             rope.apply(&mut mean, &rope.angles(blocks * r));
-            state.pooled.extend_from_slice(&mean);
+            state.pooled.push(&mean);
             blocks += 1;
         }
         q
     }
 
-    /// The key positions query `q` (at `pos`) attends to, ascending within blocks, tail last.
-    fn select(&self, q: &[f32], pos: usize, state: &AttnState) -> Vec<usize> {
+    /// The key positions query `q` (at `pos`) attends to, ascending within blocks, tail last; `pooled` the
+    /// block keys (`[blocks, head_dim]`).
+    fn select(&self, q: &[f32], pos: usize, pooled: &[f32]) -> Vec<usize> {
         let (nih, ihd, r) = (self.cfg.n_heads, self.cfg.head_dim, self.compress_ratio);
         let visible = pos + 1;
         let complete = visible / r;
@@ -314,7 +396,7 @@ impl Indexer {
         let inv = 1.0 / (ihd as f32).sqrt();
         let mut scored: Vec<(f32, usize)> = (0..complete)
             .map(|b| {
-                let kb = &state.pooled[b * ihd..(b + 1) * ihd];
+                let kb = &pooled[b * ihd..(b + 1) * ihd];
                 let s: f32 = q
                     .chunks_exact(ihd)
                     .take(nih)

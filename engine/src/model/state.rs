@@ -15,7 +15,9 @@ use super::self_attn::AttnState;
 /// fills them). States saved by one version are never resumed by another: the on-disk prefix cache
 /// ([`crate::prefix_cache::disk`]) mixes it into the model identity its entries are keyed by. Bump it whenever a
 /// change makes a state written before it unfit to resume (a new part, a new shape, a changed recurrence).
-pub const STATE_LAYOUT_VERSION: u32 = 1;
+/// Version 2: attention caches are typed rows ([`crate::model::KvRows`], the KV cache type of the module docs of
+/// `kv_cache`), the type part of the identity.
+pub const STATE_LAYOUT_VERSION: u32 = 2;
 
 /// The state of one decoder layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -90,14 +92,12 @@ impl SequenceState {
             .layers
             .iter()
             .map(|l| match l {
-                LayerState::LinearAttention(g) => g.conv.len() + g.recurrent.len(),
-                LayerState::Attention(a) => a.k.len() + a.v.len() + a.index_k.len() + a.pooled.len(),
+                LayerState::LinearAttention(g) => 4 * (g.conv.len() + g.recurrent.len()),
+                LayerState::Attention(a) => a.held_bytes(),
             })
             .sum();
-        let ple = self.ple.as_ref().map_or(0, |p| p.conv.len());
-        let mtp = self.mtp.as_ref().map_or(0, |m| {
-            m.attn.k.len() + m.attn.v.len() + m.attn.index_k.len() + m.attn.pooled.len() + m.last_bank.len()
-        });
-        4 * (layers + ple + mtp)
+        let ple = self.ple.as_ref().map_or(0, |p| 4 * p.conv.len());
+        let mtp = self.mtp.as_ref().map_or(0, |m| m.attn.held_bytes() + 4 * m.last_bank.len());
+        layers + ple + mtp
     }
 }

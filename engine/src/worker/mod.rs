@@ -63,6 +63,27 @@ pub enum LoadError {
     /// The model could not be put on the chosen backend (no GPU, over the VRAM budget, kernels missing).
     #[error("backend: {source}")]
     Backend { path: String, source: crate::backend::cuda::CudaError },
+    /// One sequence of the full context would not fit in the memory left after the weights.
+    #[error(
+        "a sequence of max_context = {max_context} tokens needs {need_mib} MiB of {memory} (KV cache {kv_cache}{window}) \
+         but {have_mib} MiB are left after the weights: lower max_context, or use kv_cache_type = \"q8_0\"{hint}"
+    )]
+    ContextTooLarge {
+        /// The context limit asked for, tokens.
+        max_context: usize,
+        /// `VRAM` or `host memory`.
+        memory: &'static str,
+        /// What one full state holds there, MiB.
+        need_mib: usize,
+        /// What is free there, MiB.
+        have_mib: usize,
+        /// The cache type in effect.
+        kv_cache: crate::model::KvCacheType,
+        /// `, kv_window N` when a window is in effect.
+        window: String,
+        /// A further way out.
+        hint: &'static str,
+    },
 }
 
 /// Why a request was refused before it started.
@@ -276,6 +297,9 @@ pub struct EngineOptions {
     /// MTP speculative decoding (server switch): load the model's MTP block and draft with it. Off, the block is
     /// not loaded at all.
     pub mtp: bool,
+    /// How the attention caches store their rows ([`crate::model::KvCacheType`]; `f32`, the exact path, by
+    /// default), on every backend.
+    pub kv_cache: crate::model::KvCacheType,
     /// Where the forward pass runs: the CPU model, or one GPU ([`BackendKind::Cuda`]: the GPU by index and an
     /// optional VRAM budget checked before anything is allocated; all-GPU, or hybrid with a placement). The
     /// prefix cache and MTP drafting work on every backend.
@@ -353,6 +377,7 @@ impl Default for EngineOptions {
             prefix_cache: PrefixCacheOptions::default(),
             placement: None,
             mtp: true,
+            kv_cache: crate::model::KvCacheType::F32,
             backend: BackendKind::Cpu,
             cuda_tuning: Default::default(),
             batch: BatchOptions::default(),
@@ -474,7 +499,7 @@ impl Engine {
             .flatten()
             .map(str::to_string)
             .unwrap_or_else(|| path.file_stem().map_or("model".into(), |s| s.to_string_lossy().into_owned()));
-        let mut model = Qwen4Exp::from_gguf_with(file, LoadOptions { mtp: opts.mtp })?;
+        let mut model = Qwen4Exp::from_gguf_with(file, LoadOptions { mtp: opts.mtp, kv_cache: opts.kv_cache })?;
         if let Some(p) = &opts.placement {
             model.place(p).map_err(ModelError::from)?;
         }
@@ -495,6 +520,7 @@ impl Engine {
             stop_tokens.push(e);
         }
         let max_context = opts.max_context.unwrap_or(config.context_length).min(config.context_length).max(1);
+        check_context_fits(&backend, max_context, mtp)?;
         let (jobs, rx) = std::sync::mpsc::channel::<Job>();
         let waiting = Arc::new(AtomicUsize::new(0));
         let running = Arc::new(AtomicUsize::new(0));
@@ -695,6 +721,54 @@ impl Engine {
 }
 
 /// `MemAvailable` of `/proc/meminfo`, bytes (`None` where there is no such file).
+/// Refuses a context limit one sequence of which (its state once full, drafting included when the model has an
+/// MTP block) cannot fit: on the GPU in the VRAM free after the weights (within the budget) and in host memory
+/// (the host copies of windowed caches), on the CPU in `MemAvailable`.
+///
+/// Errors: [`LoadError::ContextTooLarge`] naming the numbers; a device query failed.
+fn check_context_fits(backend: &Loaded, max_context: usize, mtp: bool) -> Result<(), LoadError> {
+    const MIB: usize = 1 << 20;
+    let available = mem_available();
+    let (held, device_room, window) = match backend {
+        Loaded::Cpu(m) => {
+            (crate::backend::HeldBytes { device: 0, host: m.config.state_bytes(max_context, mtp) }, None, 0)
+        }
+        Loaded::Cuda(m) => {
+            let room = m.state_room().map_err(|source| LoadError::Backend { path: String::new(), source })?;
+            (m.state_alloc_bytes(max_context, mtp), Some(room), m.kv_window())
+        }
+    };
+    let kv_cache = backend.config().kv_cache;
+    let window_text = if window > 0 { format!(", kv_window {window}") } else { String::new() };
+    if let Some(room) = device_room
+        && held.device > room
+    {
+        return Err(LoadError::ContextTooLarge {
+            max_context,
+            memory: "VRAM",
+            need_mib: held.device.div_ceil(MIB),
+            have_mib: room / MIB,
+            kv_cache,
+            window: window_text,
+            hint: ", or keep fewer tokens in VRAM with kv_window",
+        });
+    }
+    if let Some(avail) = available
+        && held.host > avail
+    {
+        return Err(LoadError::ContextTooLarge {
+            max_context,
+            memory: "host memory",
+            need_mib: held.host.div_ceil(MIB),
+            have_mib: avail / MIB,
+            kv_cache,
+            window: window_text,
+            hint: if window > 0 { ", or a larger kv_window" } else { "" },
+        });
+    }
+    Ok(())
+}
+
 fn mem_available() -> Option<usize> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;

@@ -34,10 +34,18 @@ pub struct BenchModelArgs {
     #[arg(long)]
     pub csv: Option<PathBuf>,
     /// Hardware profile file (`nebula profile detect`) whose expert tiers, n-gram table place, budgets and threads
-    /// to emulate (on `--backend cuda` the run is hybrid: GPU-tier experts on the GPU, the rest on the CPU); the
-    /// placement flags below override it.
+    /// to emulate (on `--backend cuda` the run is hybrid: GPU-tier experts on the GPU, the rest on the CPU), and
+    /// its KV cache type and window; the placement and KV flags below override it.
     #[arg(long)]
     pub profile: Option<PathBuf>,
+    /// How the attention caches store their rows: f32 (exact), f16, q8_0 or q4_0. Default: the profile's, else
+    /// f32.
+    #[arg(long)]
+    pub kv_cache_type: Option<nebula_engine::model::KvCacheType>,
+    /// The CUDA hot window of the KV cache, tokens (0: every token in VRAM). Default: the profile's, else
+    /// `NEBULA_CUDA_KV_WINDOW`, else 0.
+    #[arg(long)]
+    pub kv_window: Option<usize>,
     /// Expert placement and emulation.
     #[command(flatten)]
     pub placement: crate::placement::PlacementFlags,
@@ -68,7 +76,11 @@ fn tuning_from_env() -> anyhow::Result<nebula_engine::tuning::Tuning> {
 
 /// Runs `nebula bench model`.
 pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
-    let tuning = tuning_from_env()?;
+    let mut tuning = tuning_from_env()?;
+    let kv = crate::kv::resolve(args.profile.as_deref(), args.kv_cache_type, args.kv_window)?;
+    if let Some(w) = kv.window {
+        tuning.cuda.kv_window = w;
+    }
     let placement = crate::placement::resolve(args.profile.as_deref(), &args.placement).map_err(anyhow::Error::msg)?;
     if let Some(threads) = placement.threads {
         rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().context("setting the compute threads")?;
@@ -84,6 +96,7 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             Qwen4Exp::from_gguf(std::sync::Arc::new(f))?
         }
     };
+    model.set_kv_cache(kv.cache_type)?;
     let cfg = model.config.clone();
     let (dense, experts, table) = model.weight_bytes();
     // The floor is a plain decode step's: without the MTP block, which `bench model` never drafts with.
@@ -98,6 +111,15 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
     let runner =
         Loaded::new(std::sync::Arc::new(model), bench_backend(args.backend, args.gpu, &placement), &tuning.cuda)?;
     println!("model: {} layers, loaded on {} in {:.1} s", cfg.n_layer, runner.describe(), t.elapsed().as_secs_f64());
+    println!(
+        "KV cache: {} ({} bytes a token per attention layer for K and V), {}",
+        cfg.kv_cache,
+        2 * cfg.attention_row_bytes(0)[0],
+        match runner.cuda().map(|m| m.kv_window()) {
+            Some(0) | None => "every token in VRAM".to_owned(),
+            Some(w) => format!("hot window of {w} tokens in VRAM, the rest in pinned host memory"),
+        }
+    );
     let per_expert = experts / (cfg.n_layer * cfg.n_expert) as u64;
     let bw = runner.cuda().map(|m| m.copy_bandwidth(1 << 30)).transpose()?;
     if let Some(bw) = bw {

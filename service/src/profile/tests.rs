@@ -17,6 +17,14 @@ const SPEC_TABLE: [SpecLine; 4] = [
 ];
 const RAM_STEPS: [u32; 4] = [32, 64, 96, 128];
 
+/// Nebula's context per VRAM step: (VRAM GB, max context, KV window), with 8-bit KV caches (`q8_0`).
+const NEBULA_CONTEXT: [(u32, u64, u64); 4] =
+    [(8, 65536, 16384), (12, 131072, 65536), (16, 262144, 131072), (24, 262144, 0)];
+
+fn nebula_context(vram: u32) -> (u64, u64) {
+    NEBULA_CONTEXT.iter().find(|c| c.0 == vram).map(|c| (c.1, c.2)).expect("a VRAM step")
+}
+
 /// A `nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits` answer.
 fn smi(lines: &[(u32, &str, u64)]) -> String {
     lines.iter().map(|(i, n, m)| format!("{i}, {n}, {m}\n")).collect()
@@ -74,7 +82,10 @@ fn embedded_table_is_the_spec_table() {
                 ram_gb: ram,
                 gpu_experts_per_layer: gpu,
                 max_prefill: prefill,
-                max_context: ctx,
+                max_context: nebula_context(vram).0,
+                original_max_context: ctx,
+                kv_cache_type: KvCacheType::Q8_0,
+                kv_window: nebula_context(vram).1,
                 cpu_experts_per_layer: cpu[i],
                 gpu_copies_in_ram: gpu,
                 ssd_experts_per_layer: ssd[i],
@@ -93,7 +104,7 @@ fn embedded_table_is_the_spec_table() {
 fn every_row_is_detected_from_fake_nvidia_smi_and_meminfo() {
     let next_vram = [12.0, 16.0, 24.0, 80.0];
     let next_ram = [64.0, 96.0, 128.0, 1024.0];
-    for (vi, (vram, gpu, prefill, ctx, cpu, ssd)) in SPEC_TABLE.into_iter().enumerate() {
+    for (vi, (vram, gpu, prefill, _original_context, cpu, ssd)) in SPEC_TABLE.into_iter().enumerate() {
         for (ri, ram) in RAM_STEPS.into_iter().enumerate() {
             let exact = (f64::from(vram), f64::from(ram));
             // Just under the next step, beyond its tolerance: still this row.
@@ -107,7 +118,9 @@ fn every_row_is_detected_from_fake_nvidia_smi_and_meminfo() {
                 assert_eq!((p.vram_gb, p.ram_gb), (vram, ram), "{what}");
                 assert_eq!(p.backend, "cuda");
                 assert_eq!(p.source, "original");
-                assert_eq!((p.max_prefill, p.max_context), (prefill, ctx), "{what}");
+                assert_eq!((p.max_prefill, p.max_context), (prefill, nebula_context(vram).0), "{what}");
+                assert_eq!(p.kv_cache_type, Some(KvCacheType::Q8_0), "{what}");
+                assert_eq!(p.kv_window, Some(nebula_context(vram).1), "{what}");
                 let seqs = match vram {
                     8 | 12 => 8,
                     16 => 16,
@@ -413,7 +426,9 @@ fn the_profile_file_round_trips_and_has_the_documented_keys() {
         "source = \"original\"",
         "vram_gb = 12",
         "ram_gb = 64",
-        "max_context = 24576",
+        "max_context = 131072",
+        "kv_cache_type = \"q8_0\"",
+        "kv_window = 65536",
         "max_prefill = 2048",
         "threads = 8",
         "ngram_table = \"ssd\"",
@@ -427,7 +442,7 @@ fn the_profile_file_round_trips_and_has_the_documented_keys() {
     // As JSON it is the shape the WebUI reads from /v1/models `profile`.
     let json = serde_json::to_value(&p).unwrap();
     assert_eq!(json["placement"][1], serde_json::json!({"tier": "ram", "experts_per_layer": 383, "gpu_copies": 27}));
-    assert_eq!(json["max_context"], 24576);
+    assert_eq!(json["max_context"], 131072);
 }
 
 // --- the model check -------------------------------------------------------------------------------------------
@@ -551,11 +566,11 @@ fn detect_writes_the_profile_file_and_checks_the_model() {
 
     // An edited table is used when given.
     let table = dir.path().join("table.toml");
-    std::fs::write(&table, EMBEDDED_TABLE.replace("max_context = 98304", "max_context = 131072")).unwrap();
+    std::fs::write(&table, EMBEDDED_TABLE.replace("max_context = 262144", "max_context = 200000")).unwrap();
     args.model = None;
     args.table = Some(table);
     detect(&args).unwrap();
-    assert_eq!(Profile::load(&args.out).unwrap().max_context, 131072);
+    assert_eq!(Profile::load(&args.out).unwrap().max_context, 200000);
 }
 
 #[test]
@@ -690,4 +705,44 @@ fn detect_recounts_for_a_low_bit_model_file() {
     assert_eq!(p.expert_mib, Some(0.018));
     assert_eq!(tier(&p, "gpu").experts_per_layer, 39);
     assert_eq!(tier(&p, "ssd").experts_per_layer, 289);
+}
+
+/// The raised contexts fit where the original ones did: with its KV cache type and window, one full-context
+/// sequence of every row takes no more VRAM than the original's f32 cache at the original context (every token
+/// in VRAM, MTP drafting on in both), and its pinned host copies at most half the RAM the original left free.
+/// The 12 GB rows reach 128K tokens.
+#[test]
+fn every_rows_context_fits_the_memory_the_original_used() {
+    let table = ProfileTable::embedded();
+    for row in &table.profile {
+        let (device, host) = released_kv_bytes(row.max_context, row.kv_cache_type, row.kv_window, true);
+        let (original, _) = released_kv_bytes(row.original_max_context, KvCacheType::F32, 0, true);
+        assert!(
+            device <= original,
+            "{}: {} MiB of VRAM for {} tokens, the original used {} MiB for {}",
+            row.name,
+            device >> 20,
+            row.max_context,
+            original >> 20,
+            row.original_max_context
+        );
+        let free_ram = (row.free_ram_gb * (1u64 << 30) as f64) as u64;
+        assert!(host <= free_ram / 2, "{}: {} MiB of pinned host memory a sequence", row.name, host >> 20);
+        assert!(row.max_context >= 4 * row.original_max_context / 2, "{}: context not raised", row.name);
+    }
+    assert!(table.profile.iter().filter(|r| r.vram_gb == 12).all(|r| r.max_context >= 131_072));
+    // The 12 GB figures: about 1.2 GiB of VRAM and 1.8 GiB of host memory for 131,072 tokens at q8_0 with a
+    // 64K window, against 1.4 GiB for the original's 24,576 at f32.
+    let (d, h) = released_kv_bytes(131_072, KvCacheType::Q8_0, 65_536, true);
+    assert_eq!((d >> 20, h >> 20), (1241, 1836));
+}
+
+/// A row whose window cannot hold its prefill chunk, or is not below its context, is refused naming the row.
+#[test]
+fn a_window_that_cannot_hold_a_prefill_chunk_is_refused() {
+    let bad = EMBEDDED_TABLE.replacen("kv_window = 16384", "kv_window = 1000", 1);
+    let e = ProfileTable::parse(&bad, "t").unwrap_err().to_string();
+    assert!(e.contains("8gb-vram-32gb-ram") && e.contains("kv_window = 1000") && e.contains("max_prefill"), "{e}");
+    let bad = EMBEDDED_TABLE.replacen("kv_window = 16384", "kv_window = 65536", 1);
+    assert!(ProfileTable::parse(&bad, "t").is_err());
 }

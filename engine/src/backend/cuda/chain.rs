@@ -18,7 +18,8 @@
 //!   decoder cuts the chain there and runs that token as an exact step); a row at or above it has its other
 //!   experts computed on the CPU as a plain step would, so trusted rows are exact (reported as coverage 1). With `verify_handoff` (`hybrid::policy`) low-coverage rows are
 //!   handed to the CPU inside the verify pass instead (every row exact, coverage 1).
-//! - **Rollback**: attention KV and indexer keys are position-indexed (nothing to undo); GDN and PLE states are
+//! - **Rollback**: attention KV and indexer keys are position-indexed (nothing to undo but, with the hot window,
+//!   the ring slots the dropped rows overwrote, refilled from the host copies); GDN and PLE states are
 //!   restored from the copies and only their recurrences are replayed over the kept rows (no projection, router,
 //!   MoE or head work is redone); the n-gram context is rebuilt on the host; the MTP cache is realigned over the
 //!   kept rows from the recorded banks.
@@ -418,6 +419,8 @@ impl CudaModel {
                 state.context.copy_from_slice(&hist[hist.len() - len..]);
             }
         }
+        // Windowed caches: the slots the dropped rows overwrote get their earlier rows back.
+        self.refill_rings(st, record.pos0 + keep, record.pos0 + n)?;
         st.pos = record.pos0 + keep;
         let t = std::time::Instant::now();
         if keep > 0 && st.mtp.is_some() {

@@ -14,6 +14,10 @@
 
 use nebula_kernels::cudarc::driver::CudaSlice;
 
+use nebula_kernels::cudarc::driver::sys as driver_sys;
+
+use super::device::{Arg, htod};
+use super::kv_cache::{HostKv, MappedHost};
 use super::memory::zeros;
 use super::self_attn::{AttnState as DevAttnState, DevAttention};
 use super::state::LayerState as DevLayerState;
@@ -23,7 +27,7 @@ use crate::model::mtp::MtpState;
 use crate::model::ple::PleState;
 use crate::model::self_attn::AttnState;
 use crate::model::state::LayerState;
-use crate::model::{ModelError, SequenceState, Snapshot};
+use crate::model::{KvRows, ModelError, SequenceState, Snapshot};
 
 /// A snapshot of a sequence on the GPU ([`CudaModel::snapshot_state`]).
 pub struct CudaSnapshot {
@@ -80,45 +84,40 @@ enum Source<'a> {
     Host(&'a [f32]),
 }
 
-/// A sequence's attention caches, wherever they are.
+/// A sequence's attention caches, wherever they are: a live state's device caches, or a host image's rows.
 enum AttnSource<'a> {
-    Device { k: &'a CudaSlice<f32>, v: &'a CudaSlice<f32>, raw: &'a CudaSlice<f32>, pooled: &'a CudaSlice<f32> },
+    Device(&'a DevAttnState),
     Host(&'a AttnState),
 }
 
 impl<'a> AttnSource<'a> {
     fn of_layer(ls: &'a DevLayerState) -> Option<Self> {
         match ls {
-            DevLayerState::Attention(a) => Some(Self::of_device(a)),
+            DevLayerState::Attention(a) => Some(AttnSource::Device(a)),
             DevLayerState::LinearAttention(_) => None,
-        }
-    }
-    fn of_device(a: &'a DevAttnState) -> Self {
-        AttnSource::Device { k: &a.k, v: &a.v, raw: &a.index_k, pooled: &a.pooled }
-    }
-    fn parts(&self) -> [Source<'a>; 4] {
-        match *self {
-            AttnSource::Device { k, v, raw, pooled } => {
-                [Source::Device(k), Source::Device(v), Source::Device(raw), Source::Device(pooled)]
-            }
-            AttnSource::Host(a) => {
-                [Source::Host(&a.k), Source::Host(&a.v), Source::Host(&a.index_k), Source::Host(&a.pooled)]
-            }
         }
     }
 }
 
+/// Which of an attention layer's per-token caches.
+#[derive(Clone, Copy)]
+enum Part {
+    K,
+    V,
+    IndexK,
+}
+
 impl CudaModel {
-    /// Floats of `[K, V, raw indexer keys, pooled blocks]` that hold the first `len` tokens of attention layer
-    /// `attn`'s cache.
-    fn attn_prefix(&self, attn: &DevAttention, len: usize) -> [usize; 4] {
-        let kvw = self.config.n_head_kv * self.config.head_dim;
-        let (ihd, ratio) = attn.indexer.as_ref().map_or((0, 0), |i| (self.config.indexer.head_dim, i.compress_ratio));
-        let blocks = len.checked_div(ratio).unwrap_or(0);
-        [len * kvw, len * kvw, len * ihd, blocks * ihd]
+    /// (bytes of one row of K or V, of one raw indexer key or pooled block key, compress ratio) of attention
+    /// layer `attn`'s caches.
+    fn attn_rows(&self, attn: &DevAttention) -> (usize, usize, usize) {
+        let b = attn.cache_bytes(&self.config, 1, 0);
+        (b.kv_row, b.ik_row, attn.indexer.as_ref().map_or(0, |i| i.compress_ratio))
     }
 
-    /// Copies the first `rows` tokens of the attention caches `src` (of layer `attn`) into `dst`.
+    /// Copies the first `rows` tokens of the attention caches `src` (of layer `attn`) into `dst` (a fresh state's
+    /// cache): the pooled block keys device to device or from the image; K, V and the raw indexer keys into
+    /// `dst`'s host copies (when windowed) and into its ring (the last `ring` of them, or all).
     fn copy_attn_prefix(
         &self,
         dst: &mut DevAttnState,
@@ -126,12 +125,191 @@ impl CudaModel {
         attn: &DevAttention,
         rows: usize,
     ) -> Result<(), CudaError> {
-        let n = self.attn_prefix(attn, rows);
-        let parts = [&mut dst.k, &mut dst.v, &mut dst.index_k, &mut dst.pooled];
-        for ((dst, part), n) in parts.into_iter().zip(src.parts()).zip(n) {
-            self.fill(dst, part, n)?;
+        let (kv_row, ik_row, ratio) = self.attn_rows(attn);
+        let blocks = rows.checked_div(ratio).unwrap_or(0);
+        let stream = self.launch.dev.stream();
+        let short = |have: usize| CudaError::Model(ModelError::BadSnapshot { snapshot: rows, current: have });
+        match src {
+            AttnSource::Device(a) => {
+                self.copy_bytes(self.launch.addr(&dst.pooled, 0), self.launch.addr(&a.pooled, 0), blocks * ik_row)?
+            }
+            AttnSource::Host(h) => {
+                if h.pooled.len() < blocks || h.k.len() < rows || h.v.len() < rows {
+                    return Err(short(h.k.len()));
+                }
+                let bytes = h.pooled.bytes(blocks);
+                htod(stream, self.launch.addr(&dst.pooled, 0), bytes.as_ptr(), bytes.len())?;
+                // The copy reads `bytes` before this function returns.
+                stream.synchronize()?;
+            }
+        }
+        for part in [Part::K, Part::V, Part::IndexK] {
+            let row = match part {
+                Part::K | Part::V => kv_row,
+                Part::IndexK if ratio > 0 => ik_row,
+                Part::IndexK => continue,
+            };
+            self.copy_rows(dst, src, part, row, rows)?;
         }
         Ok(())
+    }
+
+    /// Rows `[0, rows)` of one per-token cache `part` (`row` bytes a row) from `src` into `dst`.
+    fn copy_rows(
+        &self,
+        dst: &mut DevAttnState,
+        src: &AttnSource<'_>,
+        part: Part,
+        row: usize,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        let stream = self.launch.dev.stream();
+        let bytes = rows * row;
+        // Where the source's rows are readable from the host, when they are: its host copy or the image.
+        let image;
+        let host_src: Option<&[u8]> = match src {
+            AttnSource::Device(a) => match &a.host {
+                Some(h) => {
+                    // Kernels of the source's last pass may still be writing its host copy.
+                    stream.synchronize()?;
+                    Some(host_part(h, part).slice(bytes))
+                }
+                None => None,
+            },
+            AttnSource::Host(h) => {
+                image = match part {
+                    Part::K => h.k.bytes(rows),
+                    Part::V => h.v.bytes(rows),
+                    Part::IndexK => h.index_k.bytes(rows),
+                };
+                if image.len() < bytes {
+                    return Err(CudaError::Model(ModelError::BadSnapshot { snapshot: rows, current: image.len() }));
+                }
+                Some(&image[..bytes])
+            }
+        };
+        let ring = dst.ring;
+        let dst_addr = self.launch.addr(dev_part(dst, part), 0);
+        match (dst.host.as_mut(), host_src) {
+            (Some(h), Some(from)) => host_part_mut(h, part).slice_mut(bytes).copy_from_slice(from),
+            (Some(h), None) => {
+                // A device source of every row (not windowed): straight into the pinned host copy.
+                let AttnSource::Device(a) = src else { unreachable!("host sources are read above") };
+                let dst_host = host_part_mut(h, part).slice_mut(bytes).as_mut_ptr();
+                super::device::dtoh(
+                    stream,
+                    dst_host as *mut std::ffi::c_void,
+                    self.launch.addr(dev_part(a, part), 0),
+                    bytes,
+                )?;
+                stream.synchronize()?;
+            }
+            (None, None) => {
+                let AttnSource::Device(a) = src else { unreachable!("host sources are read above") };
+                return self.copy_bytes(dst_addr, self.launch.addr(dev_part(a, part), 0), bytes);
+            }
+            (None, Some(from)) => {
+                htod(stream, dst_addr, from.as_ptr(), bytes)?;
+                stream.synchronize()?;
+                return Ok(());
+            }
+        }
+        // A windowed destination: its ring gets the last `ring` rows from its own host copy.
+        let first = rows.saturating_sub(ring);
+        let h = dst.host.as_ref().expect("windowed above");
+        self.put_ring_rows(dev_part(dst, part), ring, row, host_part(h, part), first, rows - first)?;
+        stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Copies host rows `[first, first + count)` of `host` (`row` bytes each) into ring slots `j % ring` of
+    /// `dst` (at most two contiguous pieces).
+    fn put_ring_rows(
+        &self,
+        dst: &CudaSlice<u8>,
+        ring: usize,
+        row: usize,
+        host: &super::kv_cache::MappedHost,
+        first: usize,
+        count: usize,
+    ) -> Result<(), CudaError> {
+        let stream = self.launch.dev.stream();
+        let mut j = first;
+        while j < first + count {
+            let slot = j % ring;
+            let run = (ring - slot).min(first + count - j);
+            htod(stream, self.launch.addr(dst, slot * row), host.host_ptr(j * row), run * row)?;
+            j += run;
+        }
+        Ok(())
+    }
+
+    /// Refills the ring slots of `st`'s windowed caches that rows past `len` overwrote, when the state is cut back
+    /// from `old` rows to `len` (restore, rollback): rows `[len - ring, min(old - ring, len))` from the host
+    /// copies (kernels/cuda/attention.cu `kv_ring_fill`).
+    ///
+    /// Errors: a launch failed.
+    pub(crate) fn refill_rings(&self, st: &CudaState, len: usize, old: usize) -> Result<(), CudaError> {
+        let dev = &self.launch.dev;
+        for (ls, layer) in st.layers.iter().zip(&self.layers) {
+            let (DevLayerState::Attention(a), DevTokenMixer::SelfAttention(attn)) = (ls, &layer.mixer) else {
+                continue;
+            };
+            let Some(h) = &a.host else { continue };
+            let first = len.saturating_sub(a.ring);
+            let last = old.saturating_sub(a.ring).min(len);
+            if last <= first {
+                continue;
+            }
+            let (kv_row, ik_row, _) = self.attn_rows(attn);
+            dev.launch(
+                "kv_ring_fill",
+                ((last - first) as u32, 1, 1),
+                128,
+                &[
+                    Arg::Ptr(h.k.device_addr(0)),
+                    Arg::Ptr(self.launch.addr(&a.k, 0)),
+                    Arg::Ptr(h.v.device_addr(0)),
+                    Arg::Ptr(self.launch.addr(&a.v, 0)),
+                    Arg::I32(kv_row as i32),
+                    Arg::Ptr(h.index_k.device_addr(0)),
+                    Arg::Ptr(self.launch.addr(&a.index_k, 0)),
+                    Arg::I32(ik_row as i32),
+                    Arg::I32(first as i32),
+                    Arg::I32(a.ring as i32),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Copies `bytes` from device address `src` to `dst`, stream-ordered (nothing for 0).
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both are live device allocations of at least `bytes` (callers size them), ordered on the
+        // model's stream like every kernel that touches them.
+        let r = unsafe { driver_sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.launch.dev.stream().cu_stream()) };
+        super::device::check(r, "a device-to-device copy")
+    }
+
+    /// The first `rows` rows (`row` bytes each) of one per-token cache of `a` in host memory (synchronises).
+    fn download_rows(&self, a: &DevAttnState, part: Part, row: usize, rows: usize) -> Result<Vec<u8>, CudaError> {
+        let stream = self.launch.dev.stream();
+        let bytes = rows * row;
+        let mut out = vec![0u8; bytes];
+        if bytes == 0 {
+            return Ok(out);
+        }
+        match &a.host {
+            Some(h) => {
+                stream.synchronize()?;
+                out.copy_from_slice(host_part(h, part).slice(bytes));
+            }
+            None => stream.memcpy_dtoh(&dev_part(a, part).slice(0..bytes), &mut out)?,
+        }
+        Ok(out)
     }
 
     /// Copies `n` floats from `src` to the start of `dst` (stream-ordered).
@@ -304,6 +482,7 @@ impl CudaModel {
             return Err(ModelError::BadSnapshot { snapshot: snap.pos, current: st.pos }.into());
         }
         let rows = st.mtp.as_ref().map_or(0, |m| m.rows);
+        self.refill_rings(st, snap.pos, st.pos)?;
         self.apply_snapshot(st, snap, rows)
     }
 
@@ -352,14 +531,11 @@ impl CudaModel {
         if let (Some(ms), Some(block)) = (st.mtp.as_mut(), self.mtp.as_ref()) {
             let (src, held) = match source {
                 Kept::Live(s) => match &s.mtp {
-                    Some(m) => (Some(AttnSource::of_device(&m.attn)), m.rows),
+                    Some(m) => (Some(AttnSource::Device(&m.attn)), m.rows),
                     None => (None, 0),
                 },
                 Kept::Host(h) => match &h.mtp {
-                    Some(m) => {
-                        let kvw = self.config.n_head_kv * self.config.head_dim;
-                        (Some(AttnSource::Host(&m.attn)), m.attn.k.len() / kvw.max(1))
-                    }
+                    Some(m) => (Some(AttnSource::Host(&m.attn)), m.attn.len()),
                     None => (None, 0),
                 },
             };
@@ -379,12 +555,24 @@ impl CudaModel {
     pub fn state_image(&self, st: &CudaState) -> Result<SequenceState, CudaError> {
         let pos = st.pos;
         let attn_image = |a: &DevAttention, cache: &DevAttnState, len: usize| -> Result<AttnState, CudaError> {
-            let [nk, nv, nr, np] = self.attn_prefix(a, len);
+            let (kv_row, ik_row, ratio) = self.attn_rows(a);
+            let (ty, ity) = a.kv_types(&self.config);
+            let kvw = self.config.n_head_kv * self.config.head_dim;
+            let ihd = if ratio > 0 { self.config.indexer.head_dim } else { 0 };
+            let raw = if ratio > 0 { len } else { 0 };
+            let blocks = len.checked_div(ratio).unwrap_or(0);
+            let mut pooled = vec![0u8; blocks * ik_row];
+            if !pooled.is_empty() {
+                self.launch.dev.stream().memcpy_dtoh(&cache.pooled.slice(0..pooled.len()), &mut pooled)?;
+            }
+            let rows = |ty, w, bytes| {
+                KvRows::from_bytes(ty, w, bytes).map_err(|e| CudaError::Unsupported(format!("a cache image: {e}")))
+            };
             Ok(AttnState {
-                k: self.download(&cache.k, nk)?,
-                v: self.download(&cache.v, nv)?,
-                index_k: self.download(&cache.index_k, nr)?,
-                pooled: self.download(&cache.pooled, np)?,
+                k: rows(ty, kvw, self.download_rows(cache, Part::K, kv_row, len)?)?,
+                v: rows(ty, kvw, self.download_rows(cache, Part::V, kv_row, len)?)?,
+                index_k: rows(ity, ihd, self.download_rows(cache, Part::IndexK, ik_row, raw)?)?,
+                pooled: rows(ity, ihd, pooled)?,
             })
         };
         let mut layers = Vec::with_capacity(st.layers.len());
@@ -424,15 +612,25 @@ impl CudaModel {
         let attn = |a: &DevAttnState| a.k.len() + a.v.len() + a.index_k.len() + a.pooled.len();
         let layer = |ls: &DevLayerState| match ls {
             DevLayerState::LinearAttention(g) => g.conv.len() + g.recurrent.len(),
-            DevLayerState::Attention(a) => attn(a),
+            DevLayerState::Attention(_) => 0,
         };
+        let cache_bytes: usize = st
+            .layers
+            .iter()
+            .filter_map(|ls| match ls {
+                DevLayerState::Attention(a) => Some(attn(a)),
+                DevLayerState::LinearAttention(_) => None,
+            })
+            .sum::<usize>()
+            + st.mtp.as_ref().map_or(0, |m| attn(&m.attn));
         let layers: usize = st.layers.iter().map(layer).sum();
         let ple = st.ple.as_ref().map_or(0, |p| p.conv.len());
         let step = &st.step;
         let fixed = st.pos_dev.len() + step.token.len() + step.ple_rows.len() + step.logits.len() + step.choice.len();
-        let mtp = st.mtp.as_ref().map_or(0, |m| {
-            attn(&m.attn) + m.last_bank.len() + m.draft_bank.len() + m.draft_ids.len() + m.draft_positions.len()
-        });
+        let mtp = st
+            .mtp
+            .as_ref()
+            .map_or(0, |m| m.last_bank.len() + m.draft_bank.len() + m.draft_ids.len() + m.draft_positions.len());
         let chain = st.chain.as_ref().map_or(0, |c| {
             let gdn: usize = c
                 .gdn
@@ -449,12 +647,38 @@ impl CudaModel {
                 + c.ple_rows.len()
                 + c.logits.len()
         });
-        // f32 and i32 buffers alike: four bytes a value.
-        4 * (layers + ple + fixed + mtp + chain)
+        // f32 and i32 buffers alike: four bytes a value; the attention caches are bytes.
+        4 * (layers + ple + fixed + mtp + chain) + cache_bytes
     }
 
     /// Marks device buffers as rewritten outside the kernels, so no cached 8-bit activation is reused across it.
     fn bump_writes(&self) {
         self.launch.dev.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A windowed cache's host copy of `part`.
+fn host_part(h: &HostKv, part: Part) -> &MappedHost {
+    match part {
+        Part::K => &h.k,
+        Part::V => &h.v,
+        Part::IndexK => &h.index_k,
+    }
+}
+
+fn host_part_mut(h: &mut HostKv, part: Part) -> &mut MappedHost {
+    match part {
+        Part::K => &mut h.k,
+        Part::V => &mut h.v,
+        Part::IndexK => &mut h.index_k,
+    }
+}
+
+/// A cache's device buffer of `part` (its ring when windowed).
+fn dev_part(a: &DevAttnState, part: Part) -> &CudaSlice<u8> {
+    match part {
+        Part::K => &a.k,
+        Part::V => &a.v,
+        Part::IndexK => &a.index_k,
     }
 }

@@ -409,3 +409,78 @@ fn the_cuda_grids_equal_the_cpu_grids() {
     assert_eq!(table("ksigns_iq2xs"), KSIGNS_IQ2XS.iter().map(|&v| v as u64).collect::<Vec<_>>());
     assert_eq!(table("kvalues_mxfp4"), KVALUES_MXFP4.iter().map(|&v| v as i64 as u64).collect::<Vec<_>>());
 }
+
+/// Every kernel a KV cache type's attention launches exists for that type (no GPU needed): the row store, the
+/// three attention kernels and, for the indexer key types, pooling and scoring.
+#[test]
+fn every_kv_cache_type_has_its_attention_kernels() {
+    use crate::model::KvCacheType;
+    let names = nebula_kernels::all_kernel_names();
+    for ty in KvCacheType::ALL {
+        let s = super::kv_cache::kv_suffix(ty);
+        let mut want = vec![
+            format!("kv_store_rows_{s}"),
+            format!("attention_{s}"),
+            format!("attention_gqa_{s}"),
+            format!("attention_part_{s}"),
+        ];
+        // The indexer keys of every cache type, whatever their width (KvCacheType::index_key_type).
+        for w in [16, 128] {
+            let it = super::kv_cache::kv_suffix(ty.index_key_type(w));
+            want.extend([format!("kv_store_rows_{it}"), format!("qsa_pool_new_{it}"), format!("qsa_scores_{it}")]);
+        }
+        for w in want {
+            assert!(names.contains(&w), "{ty}: no kernel {w}");
+        }
+    }
+    for w in ["kv_cold_gather", "kv_ring_fill"] {
+        assert!(names.iter().any(|n| n == w), "no kernel {w}");
+    }
+}
+
+/// The device's KV row store writes the CPU cache's bytes (`model::KvRows`, ggml's quantizers) bit for bit from
+/// the same f32 rows, for every type, into ring slots and the mapped host copy alike.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-engine -- --ignored kernel_types"]
+fn kernel_types_kv_cache_rows_match_the_cpu() {
+    use crate::model::{KvCacheType, KvRows};
+    let ctx = launch();
+    let stream = ctx.dev.stream();
+    let (n, width, ring) = (6, 128, 4);
+    let x = activations(n, width, 11);
+    for ty in KvCacheType::ALL {
+        let rb = ty.row_bytes(width);
+        let mut cpu = KvRows::new(ty, width);
+        cpu.push(&x);
+        let want = cpu.bytes(n).into_owned();
+        let src = upload(&ctx, &x);
+        let ring_buf = stream.alloc_zeros::<u8>(ring * rb).unwrap();
+        // Rows 0..n at positions 2..2+n: ring slots (2 + t) % 4, host rows 2 + t (the host copy holds n + 2).
+        let host = super::kv_cache::MappedHost::new((n + 2) * rb).unwrap();
+        let pos = upload(&ctx, &[2i32]);
+        ctx.dev
+            .launch_1d(
+                &format!("kv_store_rows_{}", super::kv_cache::kv_suffix(ty)),
+                n * width,
+                &[
+                    Arg::Ptr(ptr(&src, stream, 0)),
+                    Arg::Ptr(ptr(&ring_buf, stream, 0)),
+                    Arg::Ptr(host.device_addr(0)),
+                    Arg::Ptr(ptr(&pos, stream, 0)),
+                    Arg::I32(n as i32),
+                    Arg::I32(width as i32),
+                    Arg::I32(ring as i32),
+                ],
+            )
+            .unwrap();
+        let mut back = vec![0u8; ring * rb];
+        stream.memcpy_dtoh(&ring_buf, &mut back).unwrap();
+        stream.synchronize().unwrap();
+        assert_eq!(host.slice((n + 2) * rb)[2 * rb..], want[..], "{ty}: the host copy differs from the CPU's bytes");
+        // The ring holds the last 4 rows (t = 2..6 at slots 0..4 after the wrap).
+        for t in n - ring..n {
+            let slot = (2 + t) % ring;
+            assert_eq!(back[slot * rb..(slot + 1) * rb], want[t * rb..(t + 1) * rb], "{ty}: ring row {t}");
+        }
+    }
+}

@@ -57,13 +57,15 @@ impl LaunchFlags {
 /// One sequence's rows in a pass over the rows of several sequences (`CudaModel::forward_batch`; a single
 /// forward is one of them covering every row): its part `st` of the state a block keeps per sequence, its first
 /// row `r0` and row count `n` in the pass's `[rows, ..]` buffers, the device address of its position (`pos_dev`,
-/// an `i32`: the position its first row takes) and its token capacity.
+/// an `i32`: the position its first row takes), that position on the host (`pos`: what eager passes plan their
+/// copies with; graph replays read `pos_dev`) and its token capacity.
 #[derive(Clone, Copy)]
 pub(crate) struct Seq<'a, T> {
     pub(crate) st: &'a T,
     pub(crate) r0: usize,
     pub(crate) n: usize,
     pub(crate) pos_dev: u64,
+    pub(crate) pos: usize,
     pub(crate) capacity: usize,
 }
 
@@ -99,6 +101,10 @@ pub(crate) struct Launch {
     pub(crate) exact_rows: AtomicBool,
     /// During a hybrid verify pass, the device address of the per-row coverage buffer (0 otherwise).
     pub(crate) coverage_out: AtomicU64,
+    /// Tokens of a QSA layer's K and V kept in VRAM per sequence (0: all; [`CudaTuning::kv_window`]).
+    pub(crate) kv_window: usize,
+    /// The staging buffers of cold KV rows and the copy stream (`kv_cache.rs`).
+    pub(crate) cold: Mutex<super::kv_cache::ColdStaging>,
 }
 
 impl Launch {
@@ -114,6 +120,8 @@ impl Launch {
             profile: (tuning.profile == CudaProfile::Phases).then(|| Mutex::new(PhaseTimes::default())),
             exact_rows: Default::default(),
             coverage_out: Default::default(),
+            kv_window: tuning.kv_window,
+            cold: Mutex::default(),
         }
     }
 

@@ -28,6 +28,7 @@ pub mod hybrid;
 mod hyper_connection;
 #[cfg(test)]
 mod kernel_tests;
+mod kv_cache;
 mod launch;
 mod linear_attn;
 mod memory;
@@ -126,7 +127,7 @@ pub(crate) struct PassSeq<'a> {
 impl<'a> PassSeq<'a> {
     /// The sequence's rows with `part`, a block's part of its state.
     fn part<T>(&self, part: &'a T) -> Seq<'a, T> {
-        Seq { st: part, r0: self.r0, n: self.n, pos_dev: self.pos_dev, capacity: self.st.max_len }
+        Seq { st: part, r0: self.r0, n: self.n, pos_dev: self.pos_dev, pos: self.st.pos, capacity: self.st.max_len }
     }
 }
 
@@ -149,6 +150,8 @@ pub struct CudaModel {
     pub(crate) mtp: Option<DevMtpBlock>,
     /// CUDA Graphs of batched decode steps, by the batch's sequences ([`batch::BatchGraphs`]).
     pub(crate) batch_graphs: std::sync::Mutex<batch::BatchGraphs>,
+    /// The VRAM budget the model was loaded with less the hybrid staging ring, bytes (`None`: what is free).
+    pub(crate) vram_budget: Option<u64>,
 }
 
 impl std::fmt::Debug for CudaModel {
@@ -279,6 +282,7 @@ impl CudaModel {
         let head = TokenHead::upload(&mut up, &dev, model)?;
         let hyper_connection_mixer = DevGatedResidual::upload(&mut up, &model.hyper_connection_mixer, "output_hc")?;
         let weight_bytes = up.bytes;
+        check_kv_window(&cfg, tuning.kv_window)?;
         Ok(Self {
             launch: Launch::new(dev, cfg.clone(), tuning),
             config: cfg,
@@ -289,6 +293,8 @@ impl CudaModel {
             hybrid: None,
             mtp,
             batch_graphs: Default::default(),
+            // What the states may take of the budget: less the streamed prefill's staging (`extra`).
+            vram_budget: vram_budget.map(|b| b.saturating_sub(extra as u64)),
         })
     }
 
@@ -373,6 +379,28 @@ impl CudaModel {
         Ok(t.elapsed().as_secs_f64() / 200.0)
     }
 
+    /// Device bytes the sequence states may take: what the GPU has free now, within the VRAM budget the model
+    /// was loaded with (less its weights and the staging buffers).
+    ///
+    /// Errors: the device query failed.
+    pub fn state_room(&self) -> Result<usize, CudaError> {
+        let (free, _) = self.launch.dev.gpu.mem_info()?;
+        let within = self
+            .vram_budget
+            .map_or(usize::MAX, |b| (b as usize).saturating_sub(self.weight_bytes + self.staging_bytes()));
+        Ok(free.min(within))
+    }
+
+    /// Device bytes of the shared staging buffers of windowed KV caches (0 until a windowed state was made).
+    pub fn staging_bytes(&self) -> usize {
+        self.launch.cold.lock().expect("staging lock").held()
+    }
+
+    /// The hot window of the KV cache in effect, tokens (0: every token in VRAM).
+    pub fn kv_window(&self) -> usize {
+        self.launch.kv_window
+    }
+
     /// The GPU's name.
     pub fn gpu_name(&self) -> &str {
         &self.launch.dev.gpu.name
@@ -394,7 +422,7 @@ impl CudaModel {
         for l in &self.layers {
             layers.push(match &l.mixer {
                 DevTokenMixer::LinearAttention(_) => LayerState::LinearAttention(GdnState::new(ctx)?),
-                DevTokenMixer::SelfAttention(a) => LayerState::Attention(a.new_state(ctx, max_len)?),
+                DevTokenMixer::SelfAttention(a) => LayerState::Attention(a.new_state(ctx, max_len, ctx.kv_window)?),
             });
         }
         let ple = self.layers.iter().find_map(|l| l.ple.as_ref());
@@ -425,17 +453,24 @@ impl CudaModel {
     }
 
     /// Bytes of every buffer [`Self::new_state_with`] allocates for `max_len` tokens (`draft` as there): device
-    /// memory (each layer's caches or recurrent state, the PLE conv history, the position, the decode step's
-    /// token, PLE rows, logits and argmax, the MTP cache, banks and draft buffers) and host memory (the PLE n-gram
-    /// context). A verify pass adds its chain buffers to a state later, on its first chain.
+    /// memory (each layer's caches, in the KV cache type and with the hot window, or recurrent state, the PLE conv
+    /// history, the position, the decode step's token, PLE rows, logits and argmax, the MTP cache, banks and draft
+    /// buffers) and host memory (the PLE n-gram context, the host copies of windowed caches). A verify pass adds
+    /// its chain buffers to a state later, on its first chain. The staging buffers of windowed caches are the
+    /// model's, shared by every state ([`Self::staging_bytes`]).
     pub fn state_alloc_bytes(&self, max_len: usize, draft: bool) -> crate::backend::HeldBytes {
         let cfg = &self.config;
         let mut values = 0usize;
+        let (mut cache_device, mut cache_host) = (0usize, 0usize);
         for l in &self.layers {
-            values += match &l.mixer {
-                DevTokenMixer::LinearAttention(_) => GdnState::lens(cfg).iter().sum::<usize>(),
-                DevTokenMixer::SelfAttention(a) => a.cache_lens(cfg, max_len).iter().sum::<usize>(),
-            };
+            match &l.mixer {
+                DevTokenMixer::LinearAttention(_) => values += GdnState::lens(cfg).iter().sum::<usize>(),
+                DevTokenMixer::SelfAttention(a) => {
+                    let b = a.cache_bytes(cfg, max_len, self.launch.kv_window);
+                    cache_device += b.device;
+                    cache_host += b.host;
+                }
+            }
         }
         let ple = self.layers.iter().find_map(|l| l.ple.as_ref());
         values += ple.map_or(0, |p| p.conv_len(cfg));
@@ -445,7 +480,10 @@ impl CudaModel {
             (Some(m), true) => m.state_bytes(cfg, max_len),
             _ => 0,
         };
-        crate::backend::HeldBytes { device: 4 * values + mtp, host: ple.map_or(0, |p| 4 * p.context_len()) }
+        crate::backend::HeldBytes {
+            device: 4 * values + cache_device + mtp,
+            host: ple.map_or(0, |p| 4 * p.context_len()) + cache_host,
+        }
     }
 
     /// A plain decode step that consumes `token` and returns the argmax of its logits (masked vocabulary rows
@@ -546,6 +584,14 @@ impl CudaModel {
         if let (Some(r), [seq]) = (rec, seqs) {
             self.save_chain_states(seq.st, r)?;
         }
+        ctx.settle_cold()?;
+        if let [q] = seqs
+            && let Some((first, ratio)) = self.next_attention(q.st, usize::MAX)
+        {
+            // The first windowed layer's cold keys start copying now.
+            let kv_row = cfg.kv_cache.row_bytes(cfg.n_head_kv * cfg.head_dim);
+            ctx.prefetch_cold(first, q.st.pos, q.n, ratio, kv_row)?;
+        }
         ctx.phase("start")?;
         // X_0 = [e; e; ...; e].
         let x = ctx.tmp(n * dim)?;
@@ -592,7 +638,13 @@ impl CudaModel {
                             LayerState::LinearAttention(_) => unreachable!("state follows the layer kinds"),
                         })
                         .collect();
-                    let y = a.forward_seqs(ctx, mixed.mixed, n, &states)?;
+                    // A prefill pass of one sequence copies the next windowed layer's cold keys while the layers
+                    // in between run (kv_cache.rs).
+                    let next = match seqs {
+                        [q] => self.next_attention(q.st, li),
+                        _ => None,
+                    };
+                    let y = a.forward_seqs(ctx, mixed.mixed, n, &states, next)?;
                     ctx.phase("attention + qsa")?;
                     y
                 }
@@ -613,6 +665,18 @@ impl CudaModel {
             ctx.arena_release(mark);
         }
         Ok(x)
+    }
+
+    /// The cache of the first windowed attention layer of `st` after layer `after` (`usize::MAX`: from the
+    /// first layer), with its compress ratio.
+    fn next_attention<'s>(&self, st: &'s CudaState, after: usize) -> Option<(&'s self_attn::AttnState, usize)> {
+        let from = after.wrapping_add(1);
+        self.layers.iter().zip(&st.layers).enumerate().skip(from).find_map(|(_, (l, ls))| match (&l.mixer, ls) {
+            (DevTokenMixer::SelfAttention(a), LayerState::Attention(at)) if at.host.is_some() => {
+                a.indexer.as_ref().map(|i| (at, i.compress_ratio))
+            }
+            _ => None,
+        })
     }
 
     /// The final hyper-connection mixer and the output head over `rows` pre-mixer banks at `banks` (`[rows,
@@ -800,6 +864,29 @@ impl CudaModel {
         out.truncate(rows * cfg.vocab);
         Ok(out)
     }
+}
+
+/// Checks a hot window of `window` tokens against the model: 0, or at least the QSA token budget plus a block
+/// (queries that attend densely, below the budget, then read only the ring).
+///
+/// Errors: [`CudaError::Unsupported`] naming both numbers.
+fn check_kv_window(cfg: &ModelConfig, window: usize) -> Result<(), CudaError> {
+    let ratio = cfg
+        .layer_kinds
+        .iter()
+        .filter_map(|k| match *k {
+            LayerKind::IndexedAttention { compress_ratio } if compress_ratio > 0 => Some(compress_ratio),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let least = cfg.indexer.token_budget + ratio;
+    if window > 0 && window < least {
+        return Err(CudaError::Unsupported(format!(
+            "a KV window of {window} tokens: it must hold at least the QSA token budget plus a block, {least} tokens"
+        )));
+    }
+    Ok(())
 }
 
 /// Which layer kinds a model has (for reports).

@@ -91,7 +91,7 @@ impl DevMtpBlock {
         let cfg = &ctx.cfg;
         let dev = &ctx.dev;
         Ok(DevMtpState {
-            attn: self.self_attn.new_state(ctx, max_len)?,
+            attn: self.self_attn.new_state(ctx, max_len, 0)?,
             rows: 0,
             last_bank: zeros(dev, cfg.hc_dim())?,
             has_bank: false,
@@ -103,11 +103,11 @@ impl DevMtpBlock {
         })
     }
 
-    /// Device bytes of [`Self::new_state`] for `max_len` tokens: the attention cache, the two banks, the draft
-    /// ids and positions.
+    /// Device bytes of [`Self::new_state`] for `max_len` tokens: the attention cache (dense: never windowed), the
+    /// two banks, the draft ids and positions.
     pub(crate) fn state_bytes(&self, cfg: &ModelConfig, max_len: usize) -> usize {
-        let attn: usize = self.self_attn.cache_lens(cfg, max_len).iter().sum();
-        4 * (attn + 2 * cfg.hc_dim().max(1) + (MAX_CHAIN_ROWS + 1) + MAX_CHAIN_ROWS)
+        let attn = self.self_attn.cache_bytes(cfg, max_len, 0).device;
+        attn + 4 * (2 * cfg.hc_dim().max(1) + (MAX_CHAIN_ROWS + 1) + MAX_CHAIN_ROWS)
     }
 
     /// The MTP block over `n` rows (`crate::model::mtp::MtpBlock::forward`; `host` the hybrid half and the

@@ -8,10 +8,11 @@ use nebula_kernels::cudarc::driver::CudaSlice;
 use super::CudaError;
 use super::device::Arg;
 use super::gemv::GEMV_MAX_TOKENS;
+use super::kv_cache::{GATHER_MAX_ROWS, HostKv, MappedHost, kv_suffix};
 use super::launch::{Launch, Seq};
-use super::memory::zeros;
 use super::weights::{DevMatrix, Uploader};
 use crate::gguf::GgmlType;
+use crate::model::KvCacheType;
 use crate::model::config::ModelConfig;
 use crate::model::self_attn::Attention;
 
@@ -39,17 +40,36 @@ pub(crate) struct DevAttention {
     pub(crate) indexer: Option<DevIndexer>,
 }
 
-/// One attention layer's cache of a sequence on the device (`crate::model::self_attn::AttnState`), sized for the
-/// state's capacity up front; rows are position-indexed.
+/// One attention layer's cache of a sequence on the device (`crate::model::self_attn::AttnState`): rows of the
+/// model's KV cache type (`kv_cache.rs`), position-indexed, sized for the state's capacity up front; with the hot
+/// window, K, V and the raw indexer keys keep a ring of `ring` rows in VRAM and every row in `host`.
 pub(crate) struct AttnState {
-    /// `[max_len, n_kv * head_dim]`.
-    pub(crate) k: CudaSlice<f32>,
-    /// `[max_len, n_kv * head_dim]`.
-    pub(crate) v: CudaSlice<f32>,
-    /// The indexer's raw keys, `[max_len, index_head_dim]` (one value without an indexer).
-    pub(crate) index_k: CudaSlice<f32>,
-    /// The indexer's block-pooled keys, `[max_len / ratio + 1, index_head_dim]`.
-    pub(crate) pooled: CudaSlice<f32>,
+    /// `[ring, kv row bytes]`.
+    pub(crate) k: CudaSlice<u8>,
+    /// `[ring, kv row bytes]`.
+    pub(crate) v: CudaSlice<u8>,
+    /// The indexer's raw keys, `[ring, index row bytes]` (one byte without an indexer).
+    pub(crate) index_k: CudaSlice<u8>,
+    /// The indexer's block-pooled keys, `[max_len / ratio + 1, index row bytes]`, always in VRAM.
+    pub(crate) pooled: CudaSlice<u8>,
+    /// Rows of K, V and raw indexer keys in VRAM: the capacity, or the hot window's.
+    pub(crate) ring: usize,
+    /// Every row of K, V and raw indexer keys in pinned host memory, when windowed.
+    pub(crate) host: Option<HostKv>,
+}
+
+/// Bytes of one attention layer's caches of a state, by where (see [`DevAttention::cache_bytes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct CacheBytes {
+    /// K, V, raw indexer keys (ring or all rows) and pooled keys, as allocated (at least one byte each).
+    pub(crate) device: usize,
+    /// The host copies of a windowed layer.
+    pub(crate) host: usize,
+    /// Bytes of one row of K (and of V), of the raw indexer keys.
+    pub(crate) kv_row: usize,
+    pub(crate) ik_row: usize,
+    /// Rows in VRAM.
+    pub(crate) ring: usize,
 }
 
 impl DevAttention {
@@ -81,25 +101,56 @@ impl DevAttention {
         self.q_proj.ty
     }
 
-    /// An empty cache for `max_len` tokens: K and V, and with the QSA indexer its raw and block-pooled keys.
-    pub(crate) fn new_state(&self, ctx: &Launch, max_len: usize) -> Result<AttnState, CudaError> {
-        let dev = &ctx.dev;
-        let [k, v, index_k, pooled] = self.cache_lens(&ctx.cfg, max_len);
-        Ok(AttnState {
-            k: zeros(dev, k)?,
-            v: zeros(dev, v)?,
-            index_k: zeros(dev, index_k)?,
-            pooled: zeros(dev, pooled)?,
-        })
+    /// The types of K/V and of the indexer keys under the model's cache type.
+    pub(crate) fn kv_types(&self, cfg: &ModelConfig) -> (KvCacheType, KvCacheType) {
+        let ihd = if self.indexer.is_some() { cfg.indexer.head_dim } else { 0 };
+        (cfg.kv_cache, cfg.kv_cache.index_key_type(ihd))
     }
 
-    /// The f32 values of each buffer of [`Self::new_state`] for `max_len` tokens, as allocated (at least one
-    /// each): K, V, the indexer's raw keys, its pooled blocks.
-    pub(crate) fn cache_lens(&self, cfg: &ModelConfig, max_len: usize) -> [usize; 4] {
-        let kvw = cfg.n_head_kv * cfg.head_dim;
-        let (ihd, blocks) =
-            self.indexer.as_ref().map_or((0, 1), |i| (cfg.indexer.head_dim, max_len / i.compress_ratio.max(1) + 1));
-        [max_len * kvw, max_len * kvw, max_len * ihd, blocks * ihd].map(|v| v.max(1))
+    /// The bytes of [`Self::new_state`] for `max_len` tokens with a hot window of `window` tokens (0: none; a
+    /// dense layer, or a state no longer than the window, keeps every row in VRAM): K, V and raw indexer keys of
+    /// `ring` rows and the pooled keys in VRAM (at least one byte each), and the host copies of every row when
+    /// windowed.
+    pub(crate) fn cache_bytes(&self, cfg: &ModelConfig, max_len: usize, window: usize) -> CacheBytes {
+        let (ty, ity) = self.kv_types(cfg);
+        let kv_row = ty.row_bytes(cfg.n_head_kv * cfg.head_dim);
+        let (ik_row, blocks) = self
+            .indexer
+            .as_ref()
+            .map_or((0, 1), |i| (ity.row_bytes(cfg.indexer.head_dim), max_len / i.compress_ratio.max(1) + 1));
+        let windowed = self.indexer.is_some() && window > 0 && max_len > window;
+        let ring = if windowed { window } else { max_len };
+        let device = [ring * kv_row, ring * kv_row, ring * ik_row, blocks * ik_row].iter().map(|&b| b.max(1)).sum();
+        let host = if windowed { max_len * (2 * kv_row + ik_row) } else { 0 };
+        CacheBytes { device, host, kv_row, ik_row, ring }
+    }
+
+    /// An empty cache for `max_len` tokens: K and V, and with the QSA indexer its raw and block-pooled keys; with
+    /// a hot window of `window` tokens (0: none) and a longer state, rings of `window` rows in VRAM and every row
+    /// in pinned host memory, and the shared staging buffers grown to this state's cold rows.
+    pub(crate) fn new_state(&self, ctx: &Launch, max_len: usize, window: usize) -> Result<AttnState, CudaError> {
+        let dev = &ctx.dev;
+        let b = self.cache_bytes(&ctx.cfg, max_len, window);
+        let bytes = |n: usize| dev.stream().alloc_zeros::<u8>(n.max(1));
+        let blocks = self.indexer.as_ref().map_or(1, |i| max_len / i.compress_ratio.max(1) + 1);
+        let host = if b.host > 0 {
+            ctx.reserve_cold_rows(max_len * b.kv_row)?;
+            Some(HostKv {
+                k: MappedHost::new(max_len * b.kv_row)?,
+                v: MappedHost::new(max_len * b.kv_row)?,
+                index_k: MappedHost::new(max_len * b.ik_row)?,
+            })
+        } else {
+            None
+        };
+        Ok(AttnState {
+            k: bytes(b.ring * b.kv_row)?,
+            v: bytes(b.ring * b.kv_row)?,
+            index_k: bytes(b.ring * b.ik_row)?,
+            pooled: bytes(blocks * b.ik_row)?,
+            ring: b.ring,
+            host,
+        })
     }
 
     /// Gated attention for `n` tokens at the position in `pos_dev`; `capacity` is the state's token capacity
@@ -113,24 +164,30 @@ impl DevAttention {
         pos_dev: u64,
         capacity: usize,
     ) -> Result<u64, CudaError> {
-        self.forward_seqs(ctx, m, n, &[Seq { st, r0: 0, n, pos_dev, capacity }])
+        self.forward_seqs(ctx, m, n, &[Seq { st, r0: 0, n, pos_dev, pos: 0, capacity }], None)
     }
 
     /// Gated attention over the `n` rows `m` of several sequences (`seqs` cover the rows in order, each with its
     /// own cache and position): the projections, norms, gate and output projection over all rows at once, rope,
     /// the cache writes, the QSA selection and the attention itself per sequence. Returns the output `[n, d]`.
+    /// `prefetch` (a prefill pass of one sequence): that sequence's cache of the next windowed attention layer,
+    /// whose cold prefix is copied into the staging buffers on the copy stream once this layer has read them.
     pub(crate) fn forward_seqs(
         &self,
         ctx: &Launch,
         m: u64,
         n: usize,
         seqs: &[Seq<'_, AttnState>],
+        prefetch: Option<(&AttnState, usize)>,
     ) -> Result<u64, CudaError> {
         let cfg = &ctx.cfg;
         let rows = self.project(ctx, m, n)?;
         let out = ctx.tmp(n * cfg.n_head * cfg.head_dim)?;
         for s in seqs {
             self.attend(ctx, s, &rows, out)?;
+        }
+        if let ([s], Some((next, ratio))) = (seqs, prefetch) {
+            ctx.prefetch_cold(next, s.pos, s.n, ratio, cfg.kv_cache.row_bytes(cfg.n_head_kv * cfg.head_dim))?;
         }
         let dev = &ctx.dev;
         let width = n * cfg.n_head * cfg.head_dim;
@@ -183,55 +240,79 @@ impl DevAttention {
         let dev = &ctx.dev;
         let cfg = &ctx.cfg;
         let at = self;
-        let AttnState { k: kc, v: vc, index_k: raw, pooled } = s.st;
+        let st = s.st;
         let (n, pos_dev, capacity) = (s.n, s.pos_dev, s.capacity);
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_head_kv, cfg.head_dim);
         let kvw = nkv * hd;
+        let (ty, ity) = self.kv_types(cfg);
+        let (kv_sfx, ik_sfx) = (kv_suffix(ty), kv_suffix(ity));
+        let ring = st.ring as i32;
+        let host = st.host.as_ref();
+        if let (Some(_), Some(ix)) = (host, &at.indexer)
+            && n + ix.compress_ratio > st.ring
+        {
+            // The ring must hold the pass's rows and the block they complete (kv_cache.rs).
+            return Err(CudaError::Unsupported(format!(
+                "a pass of {n} tokens over a KV window of {} tokens (at most {} a pass: a smaller prefill chunk or a \
+                 larger kv_window)",
+                st.ring,
+                st.ring - ix.compress_ratio
+            )));
+        }
         let q = s.row(rows.q, nh * hd);
         let (kn, vn) = (s.row(rows.kn, kvw), s.row(rows.vn, kvw));
         let out = s.row(out, nh * hd);
         ctx.rope(q, n, nh, nh * hd, hd, pos_dev)?;
         ctx.rope(kn, n, nkv, kvw, hd, pos_dev)?;
-        for (src, dst) in [(kn, kc), (vn, vc)] {
+        let store = format!("kv_store_rows_{kv_sfx}");
+        for (src, dst, hc) in [(kn, &st.k, host.map(|h| &h.k)), (vn, &st.v, host.map(|h| &h.v))] {
             dev.launch_1d(
-                "copy_rows_at",
+                &store,
                 n * kvw,
                 &[
                     Arg::Ptr(src),
                     Arg::Ptr(ctx.addr(dst, 0)),
-                    Arg::I32(0),
+                    Arg::Ptr(hc.map_or(0, |h| h.device_addr(0))),
                     Arg::Ptr(pos_dev),
                     Arg::I32(n as i32),
                     Arg::I32(kvw as i32),
+                    Arg::I32(ring),
                 ],
             )?;
         }
         let mut selection: Option<(u64, u64, usize)> = None;
+        let mut window = 0;
+        let mut ratio = 1;
         if let Some(ix) = &at.indexer {
             let ic = cfg.indexer;
             let (nih, ihd, r) = (ic.n_heads, ic.head_dim, ix.compress_ratio);
+            ratio = r;
+            if host.is_some() {
+                window = st.ring;
+            }
             let qi = s.row(rows.qi, nih * ihd);
             let kr = s.row(rows.kr, ihd);
             ctx.rope(qi, n, nih, nih * ihd, ihd, pos_dev)?;
             dev.launch_1d(
-                "copy_rows_at",
+                &format!("kv_store_rows_{ik_sfx}"),
                 n * ihd,
                 &[
                     Arg::Ptr(kr),
-                    Arg::Ptr(ctx.addr(raw, 0)),
-                    Arg::I32(0),
+                    Arg::Ptr(ctx.addr(&st.index_k, 0)),
+                    Arg::Ptr(host.map_or(0, |h| h.index_k.device_addr(0))),
                     Arg::Ptr(pos_dev),
                     Arg::I32(n as i32),
                     Arg::I32(ihd as i32),
+                    Arg::I32(ring),
                 ],
             )?;
             dev.launch(
-                "qsa_pool_new",
+                &format!("qsa_pool_new_{ik_sfx}"),
                 ((n / r + 1) as u32, 1, 1),
                 128,
                 &[
-                    Arg::Ptr(ctx.addr(raw, 0)),
-                    Arg::Ptr(ctx.addr(pooled, 0)),
+                    Arg::Ptr(ctx.addr(&st.index_k, 0)),
+                    Arg::Ptr(ctx.addr(&st.pooled, 0)),
                     Arg::I32(0),
                     Arg::Ptr(pos_dev),
                     Arg::I32(n as i32),
@@ -241,17 +322,18 @@ impl DevAttention {
                     Arg::F32(cfg.rms_eps),
                     Arg::I32(cfg.rope_dim as i32),
                     Arg::F32(cfg.rope_theta),
+                    Arg::I32(ring),
                 ],
             )?;
             let keep = ic.token_budget / r;
             let max_blocks = (capacity / r).max(1);
             let scores = ctx.tmp(n * max_blocks)?;
             dev.launch_1d(
-                "qsa_scores",
+                &format!("qsa_scores_{ik_sfx}"),
                 n * max_blocks * 32, // a warp per (token, block)
                 &[
                     Arg::Ptr(qi),
-                    Arg::Ptr(ctx.addr(pooled, 0)),
+                    Arg::Ptr(ctx.addr(&st.pooled, 0)),
                     Arg::Ptr(scores),
                     Arg::I32(n as i32),
                     Arg::I32(0),
@@ -282,15 +364,51 @@ impl DevAttention {
                 ],
             )?;
             selection = Some((sel, count, cap));
+            if let Some(h) = host {
+                // The cold keys this pass reads, into the staging buffers (see kv_cache.rs).
+                let kv_row = ty.row_bytes(kvw);
+                let (cold_k, cold_v) = ctx.cold_rows();
+                if n <= GATHER_MAX_ROWS {
+                    dev.launch_1d(
+                        "kv_cold_gather",
+                        n * (keep + 1) * 32, // a warp per (query, block entry)
+                        &[
+                            Arg::Ptr(sel),
+                            Arg::Ptr(count),
+                            Arg::I32(cap as i32),
+                            Arg::I32(n as i32),
+                            Arg::I32((keep + 1) as i32),
+                            Arg::I32(0),
+                            Arg::Ptr(pos_dev),
+                            Arg::I32(window as i32),
+                            Arg::I32(r as i32),
+                            Arg::Ptr(h.k.device_addr(0)),
+                            Arg::Ptr(h.v.device_addr(0)),
+                            Arg::Ptr(cold_k),
+                            Arg::Ptr(cold_v),
+                            Arg::I32(kv_row as i32),
+                        ],
+                    )?;
+                } else {
+                    ctx.copy_cold(st, cold_end(s.pos + n, window, r), kv_row)?;
+                }
+            }
         }
         let (sp, cp, cap) = selection.unwrap_or((0, 0, 0));
-        // Both attention kernels take the query, the caches and the key list first, the head shape last; the
-        // output in between (the decode split writes partial sums).
+        let (cold_k, cold_v) = if window > 0 { ctx.cold_rows() } else { (0, 0) };
+        // Every attention kernel takes the query, the caches (rings and staging, the window) and the key list
+        // first, the head shape last; the output in between (the decode split writes partial sums).
         let head = [Arg::I32(nh as i32), Arg::I32(nkv as i32), Arg::I32(hd as i32), Arg::F32(1.0 / (hd as f32).sqrt())];
         let mut args = vec![
             Arg::Ptr(q),
-            Arg::Ptr(ctx.addr(kc, 0)),
-            Arg::Ptr(ctx.addr(vc, 0)),
+            Arg::Ptr(ctx.addr(&st.k, 0)),
+            Arg::Ptr(ctx.addr(&st.v, 0)),
+            Arg::Ptr(cold_k),
+            Arg::Ptr(cold_v),
+            Arg::I32(ring),
+            Arg::I32(window as i32),
+            Arg::I32(ratio as i32),
+            Arg::I32(n as i32),
             Arg::Ptr(sp),
             Arg::Ptr(cp),
             Arg::I32(cap as i32),
@@ -305,7 +423,7 @@ impl DevAttention {
             let pa = ctx.tmp(n * nh * splits * hd)?;
             args.extend([Arg::Ptr(pm), Arg::Ptr(pl), Arg::Ptr(pa)]);
             args.extend(head);
-            dev.launch("attention_part", ((n * nh) as u32, splits as u32, 1), 128, &args)?;
+            dev.launch(&format!("attention_part_{kv_sfx}"), ((n * nh) as u32, splits as u32, 1), 128, &args)?;
             dev.launch(
                 "attention_combine",
                 ((n * nh) as u32, 1, 1),
@@ -324,13 +442,22 @@ impl DevAttention {
             args.extend(head);
             if nh % nkv == 0 && nh / nkv <= 16 && hd <= 256 && hd % 32 == 0 {
                 // The query heads of a kv head together: each key row read once for all of them.
-                dev.launch("attention_gqa", ((n * nkv) as u32, 1, 1), 128, &args)?;
+                dev.launch(&format!("attention_gqa_{kv_sfx}"), ((n * nkv) as u32, 1, 1), 128, &args)?;
             } else {
-                dev.launch("attention", ((n * nh) as u32, 1, 1), 128, &args)?;
+                dev.launch(&format!("attention_{kv_sfx}"), ((n * nh) as u32, 1, 1), 128, &args)?;
             }
         }
         Ok(())
     }
+}
+
+/// The first key a pass ending at `end` reads from the staging buffers: `ceil_r(end - window)` (0 without a
+/// window), as the kernels compute it (`kv_cold_end` in kernels/cuda/attention.cu).
+pub(crate) fn cold_end(end: usize, window: usize, r: usize) -> usize {
+    if window == 0 || end <= window {
+        return 0;
+    }
+    (end - window).div_ceil(r.max(1)) * r.max(1)
 }
 
 /// The row-wise outputs of attention's projections (device addresses of arena temporaries, rows in pass order):

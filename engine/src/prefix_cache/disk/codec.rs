@@ -10,13 +10,17 @@
 //! header   (H bytes)  model identity digest (16 bytes), tokens vec<u32>,
 //!                     checkpoints vec<{pos u64, has_logits u8}>
 //! body     (B bytes)  state: pos u64, max_len u64, layers vec<{tag u8: 0 linear attention (conv vec<f32>,
-//!                     recurrent vec<f32>) | 1 attention (k, v, index_k, pooled: vec<f32>)}>,
+//!                     recurrent vec<f32>) | 1 attention (k, v, index_k, pooled: rows)}>,
 //!                     ple opt<{context vec<u32>, conv vec<f32>}>,
-//!                     mtp opt<{k, v, index_k, pooled, last_bank: vec<f32>, drafted_with opt<u32>}>;
+//!                     mtp opt<{k, v, index_k, pooled: rows, last_bank vec<f32>, drafted_with opt<u32>}>;
 //!                     then per checkpoint of the header: pos u64, recurrent vec<opt<{conv, recurrent}>>,
 //!                     ple opt<...>, mtp_bank opt<vec<f32>>, logits opt<vec<f32>>
 //! trailer  (8 bytes)  body checksum u64 = XXH3-64 of the body
 //! ```
+//!
+//! `rows` is one attention cache in its KV cache type ([`crate::model::KvRows`]): the type's id u8 (ggml's type
+//! ids: 0 f32, 1 f16, 2 q4_0, 8 q8_0), the row width u64, and the stored bytes vec<u8> (the layout of
+//! `model::kv_cache`).
 //!
 //! The header alone is enough to index an entry (what it covers, where it can resume), so a directory of large
 //! entries is scanned without reading their states. Decoding checks everything: magic, version, the file's
@@ -37,12 +41,12 @@ use crate::model::mtp::MtpState;
 use crate::model::ple::PleState;
 use crate::model::self_attn::AttnState;
 use crate::model::state::LayerState;
-use crate::model::{SequenceState, Snapshot};
+use crate::model::{KvCacheType, KvRows, SequenceState, Snapshot};
 
 /// The four bytes every entry starts with.
 pub const MAGIC: [u8; 4] = *b"NBPC";
 /// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// Bytes before the header.
 pub const PRELUDE_BYTES: u64 = 32;
 /// Bytes after the body.
@@ -158,6 +162,13 @@ trait Sink {
             v.iter().try_for_each(|x| self.put(&x.to_le_bytes()))
         }
     }
+    fn rows(&mut self, r: &KvRows) -> io::Result<()> {
+        self.u8(r.ty().id() as u8)?;
+        self.u64(r.width())?;
+        let bytes = r.bytes(r.len());
+        self.u64(bytes.len())?;
+        self.put(&bytes)
+    }
 }
 
 struct Counter(u64);
@@ -194,7 +205,7 @@ fn put_gdn(s: &mut impl Sink, g: &GdnState) -> io::Result<()> {
 }
 
 fn put_attn(s: &mut impl Sink, a: &AttnState) -> io::Result<()> {
-    [&a.k, &a.v, &a.index_k, &a.pooled].into_iter().try_for_each(|v| s.f32s(v))
+    [&a.k, &a.v, &a.index_k, &a.pooled].into_iter().try_for_each(|r| s.rows(r))
 }
 
 fn put_ple(s: &mut impl Sink, p: Option<&PleState>) -> io::Result<()> {
@@ -440,12 +451,24 @@ impl<R: Read> Source<R> {
         Ok(GdnState { conv: self.f32s("GDN conv")?, recurrent: self.f32s("GDN recurrent")? })
     }
 
+    /// One attention cache: its type, width and bytes (a whole number of rows).
+    fn rows(&mut self, field: &str) -> Result<KvRows, CodecError> {
+        let id = self.u8()?;
+        let ty = KvCacheType::from_id(u32::from(id))
+            .ok_or_else(|| malformed(format!("{field}: KV cache type id {id} (0, 1, 2 or 8)")))?;
+        let width = self.usize(field)?;
+        let n = self.count(field, 1)?;
+        let mut bytes = vec![0u8; n];
+        self.fill(&mut bytes)?;
+        KvRows::from_bytes(ty, width, bytes).map_err(|e| malformed(format!("{field}: {e}")))
+    }
+
     fn attn(&mut self) -> Result<AttnState, CodecError> {
         Ok(AttnState {
-            k: self.f32s("attention k")?,
-            v: self.f32s("attention v")?,
-            index_k: self.f32s("indexer keys")?,
-            pooled: self.f32s("pooled keys")?,
+            k: self.rows("attention k")?,
+            v: self.rows("attention v")?,
+            index_k: self.rows("indexer keys")?,
+            pooled: self.rows("pooled keys")?,
         })
     }
 
@@ -640,14 +663,22 @@ fn check_gdn(g: &GdnState, shape: &LayerShape, at: &str) -> Result<(), CodecErro
 
 /// Checks an attention cache of `rows` tokens.
 fn check_attn(a: &AttnState, shape: &LayerShape, rows: usize, at: &str) -> Result<(), CodecError> {
-    let LayerShape::Attention { kv_width, index_dim, ratio } = *shape else {
+    let LayerShape::Attention { kv_width, index_dim, ratio, kv_type, index_type } = *shape else {
         return Err(malformed(format!("{at}: an attention cache where the model has Gated DeltaNet")));
     };
     let blocks = rows.checked_div(ratio).unwrap_or(0);
-    let want = [rows * kv_width, rows * kv_width, rows * index_dim, blocks * index_dim];
-    let got = [a.k.len(), a.v.len(), a.index_k.len(), a.pooled.len()];
+    let raw = if ratio > 0 { rows } else { 0 };
+    let want = [
+        (kv_type, kv_width, rows),
+        (kv_type, kv_width, rows),
+        (index_type, index_dim, raw),
+        (index_type, index_dim, blocks),
+    ];
+    let got = [&a.k, &a.v, &a.index_k, &a.pooled].map(|r| (r.ty(), r.width(), r.len()));
     if want != got {
-        return Err(malformed(format!("{at}: attention cache sizes {got:?} for {rows} tokens, expected {want:?}")));
+        return Err(malformed(format!(
+            "{at}: attention caches (type, width, rows) {got:?} for {rows} tokens, expected {want:?}"
+        )));
     }
     Ok(())
 }
@@ -687,7 +718,7 @@ fn check_entry(
         (Some(m), Some((attn, bank))) => {
             // The block's cache holds at most the rows before the pending token (and that one once drafted
             // from); fewer when not aligned, which drafting and forking refuse by themselves.
-            let rows = m.attn.k.len().checked_div(kv_width(attn)).unwrap_or(0);
+            let rows = m.attn.len();
             if rows > pos {
                 return Err(malformed(format!("MTP cache of {rows} rows at position {pos}")));
             }
@@ -726,11 +757,4 @@ fn check_entry(
         }
     }
     Ok(())
-}
-
-fn kv_width(shape: &LayerShape) -> usize {
-    match *shape {
-        LayerShape::Attention { kv_width, .. } => kv_width,
-        LayerShape::LinearAttention { .. } => 0,
-    }
 }

@@ -5,7 +5,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::gguf::GgufFile;
 use crate::model::state::STATE_LAYOUT_VERSION;
-use crate::model::{Qwen4Exp, SequenceState, TokenMixer};
+use crate::model::{KvCacheType, Qwen4Exp, SequenceState, TokenMixer};
 
 /// Data blocks sampled from each file part's tensor data.
 const SAMPLES_PER_PART: u64 = 64;
@@ -17,9 +17,9 @@ const SAMPLE_BYTES: u64 = 4096;
 pub(crate) enum LayerShape {
     /// Gated DeltaNet: f32 counts of the conv history and of the recurrent `S`.
     LinearAttention { conv: usize, recurrent: usize },
-    /// Attention: f32s per token of keys (and of values), of raw indexer keys, and tokens per pooled block (0: no
-    /// pooling).
-    Attention { kv_width: usize, index_dim: usize, ratio: usize },
+    /// Attention: values per token of keys (and of values), of raw indexer keys, tokens per pooled block (0: no
+    /// pooling), and the KV cache types of the keys and values and of the indexer keys.
+    Attention { kv_width: usize, index_dim: usize, ratio: usize, kv_type: KvCacheType, index_type: KvCacheType },
 }
 
 /// The shapes every [`SequenceState`] and [`crate::model::Snapshot`] of one loaded model has.
@@ -34,9 +34,11 @@ pub(crate) struct StateShape {
 
 impl StateShape {
     fn of(model: &Qwen4Exp) -> Self {
+        let kv_type = model.config.kv_cache;
         let attn = |a: &crate::model::self_attn::Attention| {
             let (index_dim, ratio) = a.index_shape();
-            LayerShape::Attention { kv_width: a.kv_width(), index_dim, ratio }
+            let index_type = kv_type.index_key_type(index_dim);
+            LayerShape::Attention { kv_width: a.kv_width(), index_dim, ratio, kv_type, index_type }
         };
         let layers = model
             .layers
@@ -66,8 +68,8 @@ impl StateShape {
                         word(h, v);
                     }
                 }
-                LayerShape::Attention { kv_width, index_dim, ratio } => {
-                    for v in [1, kv_width, index_dim, ratio] {
+                LayerShape::Attention { kv_width, index_dim, ratio, kv_type, index_type } => {
+                    for v in [1, kv_width, index_dim, ratio, kv_type.id() as usize, index_type.id() as usize] {
                         word(h, v);
                     }
                 }
@@ -78,8 +80,10 @@ impl StateShape {
             None => word(h, 0),
         }
         match self.mtp {
-            Some((LayerShape::Attention { kv_width, index_dim, ratio }, bank)) => {
-                [1, kv_width, index_dim, ratio, bank].into_iter().for_each(|v| word(h, v))
+            Some((LayerShape::Attention { kv_width, index_dim, ratio, kv_type, index_type }, bank)) => {
+                [1, kv_width, index_dim, ratio, kv_type.id() as usize, index_type.id() as usize, bank]
+                    .into_iter()
+                    .for_each(|v| word(h, v))
             }
             _ => word(h, 0),
         }
@@ -94,8 +98,8 @@ impl StateShape {
 /// GGUF, its size in bytes, its whole header (the metadata key-values and the tensor-info table: names, types,
 /// shapes, offsets) and 64 blocks of 4 KiB sampled evenly over its tensor data (so a file rewritten in place
 /// with the same layout but other weights differs too; reading all the data would take minutes for a large
-/// model); the state shapes of the model as loaded (layer kinds, recurrent sizes, attention widths, PLE, whether
-/// the MTP block is loaded); and any tags mixed in with [`ModelIdentity::with_tag`]. Computing it reads the
+/// model); the state shapes of the model as loaded (layer kinds, recurrent sizes, attention widths and KV cache
+/// types, PLE, whether the MTP block is loaded); and any tags mixed in with [`ModelIdentity::with_tag`]. Computing it reads the
 /// header and 256 KiB per part through the memory map.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelIdentity {
