@@ -138,9 +138,12 @@ impl DevSparseMoe {
 
     /// The MoE block of layer `li`: routing, the routed experts (one GEMV per token-expert slot for small
     /// batches, grouped by expert for larger ones, both without a host round trip) and the gated shared expert.
-    /// With a hybrid placement the routed experts the GPU does not hold run on the CPU ([`Self::moe_hybrid_cpu`])
-    /// or are streamed in ([`Self::moe_streamed`]). Returns the output `[n, d]` of the `n` tokens `m`; with
+    /// With a hybrid placement the routed experts the GPU does not hold run on the CPU ([`Self::forward_cpu_split`])
+    /// or are streamed in ([`Self::forward_streamed`]). Returns the output `[n, d]` of the `n` tokens `m`; with
     /// `res = Some((x, a))` the combine kernel also applies the hyper-connection residual update `x += a * out`.
+    /// With `scripted = Some((ids, weights))` (device `[n, k]` each: a routing override's choice,
+    /// `crate::synth::routing`) the router still runs but those experts and weights replace its choice; nothing
+    /// after it changes.
     pub(crate) fn forward(
         &self,
         ctx: &Launch,
@@ -148,6 +151,7 @@ impl DevSparseMoe {
         m: u64,
         n: usize,
         res: Option<(u64, u64)>,
+        scripted: Option<(u64, u64)>,
     ) -> Result<u64, CudaError> {
         let moe = self;
         let dev = &ctx.dev;
@@ -191,6 +195,7 @@ impl DevSparseMoe {
             };
             ctx.matmul(gi, m, n, sgate)?;
         }
+        let (ids, w) = scripted.unwrap_or((ids, w));
         if let Some((h, li)) = host {
             let routed = Routed { ids, w, sgate };
             return match h.policy.path(n, ctx.exact()) {

@@ -227,7 +227,7 @@ impl Hybrid {
             );
         }
         let t = policy.cpu_path_rows();
-        let bufs = HostBufs { pack: Pinned::new(t * d_model + 2 * t * k + t)?, upload: Pinned::new(t * d_model)? };
+        let bufs = HostBufs { pack: Pinned::new(t * d_model + 3 * t * k + t)?, upload: Pinned::new(t * d_model)? };
         let stats = model.placement_stats();
         let cpu_ns: Arc<AtomicU64> = Arc::default();
         let cpu = if !tuning.hybrid.pipeline {
@@ -301,7 +301,7 @@ impl Hybrid {
         let slots = n * k;
         let gpu_slot = ctx.tmp(slots)?;
         let w_gpu = ctx.tmp(slots)?;
-        let pack_len = n * d + 2 * slots + n;
+        let pack_len = n * d + 3 * slots + n;
         let pack = ctx.tmp(pack_len)?;
         let rule = self.policy.split();
         dev.launch_1d(
@@ -356,7 +356,17 @@ impl Hybrid {
         let host = bufs.pack.slice(pack_len).to_vec();
         let (x, rest) = host.split_at(n * d);
         let (ids_h, rest) = rest.split_at(slots);
-        let (w_cpu, flags) = rest.split_at(slots);
+        let (w_cpu, rest) = rest.split_at(slots);
+        let (flags, w_all) = rest.split_at(n);
+        if let Some(log) = self.host.routing_log() {
+            let used: Vec<crate::model::moe::Routing> = (0..n)
+                .map(|t| crate::model::moe::Routing {
+                    experts: ids_h[t * k..(t + 1) * k].iter().map(|e| e.to_bits() as usize).collect(),
+                    weights: w_all[t * k..(t + 1) * k].to_vec(),
+                })
+                .collect();
+            log.record(li, &used);
+        }
         let mut routing = Vec::with_capacity(n);
         let (mut on_gpu, mut omitted, mut handoffs) = (0u64, 0u64, 0u64);
         for (t, flag) in flags.iter().enumerate() {
