@@ -23,6 +23,7 @@
 //! identical for any X, H, pool size and thread count.
 
 pub mod campaign;
+pub mod expert_cache;
 pub mod hotlist;
 pub mod memory;
 pub(crate) mod ngram;

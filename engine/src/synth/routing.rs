@@ -542,12 +542,23 @@ impl RoutingStats {
 #[derive(Debug)]
 pub struct RoutingLog {
     stats: Mutex<RoutingStats>,
+    /// Every row's routing per layer, in arrival order, when kept ([`Self::keeping_rows`]).
+    rows: Option<Mutex<Vec<Vec<Routing>>>>,
 }
 
 impl RoutingLog {
     /// An empty log for `n_layer` layers of `n_expert` experts.
     pub fn new(n_layer: usize, n_expert: usize) -> Arc<Self> {
-        Arc::new(Self { stats: Mutex::new(RoutingStats::new(n_layer, n_expert)) })
+        Arc::new(Self { stats: Mutex::new(RoutingStats::new(n_layer, n_expert)), rows: None })
+    }
+
+    /// An empty log that also keeps every row's routing ([`Self::take_rows`]; tests, short runs: it grows with
+    /// every row).
+    pub fn keeping_rows(n_layer: usize, n_expert: usize) -> Arc<Self> {
+        Arc::new(Self {
+            stats: Mutex::new(RoutingStats::new(n_layer, n_expert)),
+            rows: Some(Mutex::new(vec![Vec::new(); n_layer])),
+        })
     }
 
     /// Adds `layer`'s routing of a pass's rows, in row order.
@@ -555,6 +566,23 @@ impl RoutingLog {
         let mut st = self.stats.lock().expect("routing log lock");
         for r in routing {
             st.push(layer, &r.experts, &r.weights);
+        }
+        if let Some(rows) = &self.rows
+            && let Some(l) = rows.lock().expect("routing log lock").get_mut(layer)
+        {
+            l.extend_from_slice(routing);
+        }
+    }
+
+    /// The rows kept since the last call, per layer (empty unless [`Self::keeping_rows`]); then cleared.
+    pub fn take_rows(&self) -> Vec<Vec<Routing>> {
+        match &self.rows {
+            Some(rows) => {
+                let mut r = rows.lock().expect("routing log lock");
+                let fresh = vec![Vec::new(); r.len()];
+                std::mem::replace(&mut *r, fresh)
+            }
+            None => Vec::new(),
         }
     }
 
@@ -707,6 +735,83 @@ mod tests {
         // Layer 0: masses 0.75, 0.75, 0.5 of 2: top-1 0.375; layer 1: 1, 1 of 2: top-1 0.5.
         assert!((s.top_share(1) - (0.375 + 0.5) / 2.0).abs() < 1e-12);
         assert_eq!(s.new_per_layer_token(5..9), 0.0);
+    }
+
+    /// Replays a table of `(position, layer)` routings (any stream): what a forward recorded.
+    struct Replay {
+        shape: RoutingShape,
+        table: Vec<Vec<Routing>>,
+    }
+
+    impl RoutingOverride for Replay {
+        fn shape(&self) -> RoutingShape {
+            self.shape
+        }
+        fn rows(&self, _stream: u64, pos0: usize, n: usize) -> ScriptedRows {
+            let (mut e, mut w) = (Vec::new(), Vec::new());
+            for pos in pos0..pos0 + n {
+                for layer in &self.table {
+                    e.extend(layer[pos].experts.iter().map(|&x| x as u32));
+                    w.extend_from_slice(&layer[pos].weights);
+                }
+            }
+            ScriptedRows::new(self.shape, n, e, w)
+        }
+        fn describe(&self) -> String {
+            "replay".into()
+        }
+    }
+
+    /// The demo model's prompt of 12 tokens and 4 decode steps with fixed tokens: every call's logits.
+    fn run(model: &crate::model::Qwen4Exp, first: u32) -> Vec<Vec<f32>> {
+        use crate::model::LogitsFor;
+        let mut st = model.new_state(32);
+        let prompt: Vec<u32> = (0..12).map(|i| first + 977 * i).collect();
+        let mut out = vec![model.forward(&mut st, &prompt, LogitsFor::All).unwrap()];
+        for t in [31u32, 4000, 77, 12_345] {
+            out.push(model.forward(&mut st, &[t], LogitsFor::Last).unwrap());
+        }
+        out
+    }
+
+    /// The forward's math does not change under an override: replaying the router's own choices (experts and
+    /// weights, recorded from a run without override) through the override gives the same logits bit for bit,
+    /// while the realistic routing gives other logits and the forward uses exactly the rows the routing gives.
+    #[test]
+    fn an_override_changes_which_experts_run_and_nothing_else() {
+        use std::sync::Arc;
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/nebula-demo.gguf");
+        let mut model = crate::model::Qwen4Exp::load(&path).unwrap();
+        let shape = model.routing_shape();
+        let log = RoutingLog::keeping_rows(shape.n_layer, shape.n_expert);
+        model.set_routing_log(Some(log.clone()));
+        let own = run(&model, 1000);
+        let recorded = log.take_rows();
+        assert!(recorded.iter().all(|l| l.len() == 16), "12 prompt rows and 4 steps per layer");
+        model.set_routing_override(Some(Arc::new(Replay { shape, table: recorded.clone() }))).unwrap();
+        assert_eq!(run(&model, 1000), own, "the router's own choice through the override");
+        assert_eq!(log.take_rows(), recorded);
+
+        let realistic = Arc::new(RealisticRouting::new(shape, 3).unwrap());
+        model.set_routing_override(Some(realistic.clone())).unwrap();
+        let scripted = run(&model, 1000);
+        assert_ne!(scripted, own, "the override takes effect");
+        let used = log.take_rows();
+        let want = realistic.rows(stream_key(1000), 0, 16);
+        for (li, layer) in used.iter().enumerate() {
+            for (pos, r) in layer.iter().enumerate() {
+                assert_eq!(r, &want.routing(pos, li), "layer {li}, position {pos}");
+            }
+        }
+        // Another prompt follows another stream; the same prompt the same one.
+        run(&model, 1001);
+        assert_ne!(log.take_rows(), used);
+        assert_eq!(run(&model, 1000), scripted);
+
+        // A shape the model does not have is refused, naming both.
+        let other = RoutingShape { n_expert: shape.n_expert + 1, ..shape };
+        let e = model.set_routing_override(Some(Arc::new(RealisticRouting::new(other, 3).unwrap()))).unwrap_err();
+        assert!(e.to_string().contains("routing override"), "{e}");
     }
 
     #[test]
