@@ -407,6 +407,11 @@ impl Qwen4Exp {
         }
     }
 
+    /// The placement's GPU expert cache settings for the hybrid GPU backend; static unplaced.
+    pub(crate) fn gpu_cache_options(&self) -> crate::placement::GpuCacheOptions {
+        self.placement.as_ref().map_or_else(Default::default, |p| p.gpu_cache())
+    }
+
     /// The placement's (handoff, marginal omission) fractions for the hybrid GPU backend; (0.9, 0) unplaced.
     pub(crate) fn hybrid_fractions(&self) -> (f32, f32) {
         self.placement.as_ref().map_or((0.9, 0.0), |p| p.hybrid_fractions())

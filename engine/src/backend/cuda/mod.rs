@@ -222,7 +222,9 @@ impl CudaModel {
             .ok_or_else(|| CudaError::Unsupported("hybrid decode without a placement".into()))?;
         let stage = Hybrid::stage_bytes(&model, &params);
         let mut m = Self::build(&model, ordinal, vram_budget, Some(policy.resident_lists()), stage, tuning)?;
-        m.hybrid = Some(Hybrid::new(&m.launch.dev, model, policy, tuning)?);
+        let dev = &m.launch.dev;
+        let stacks = m.layers.iter().map(|l| l.mlp.experts.views(dev).map(|v| (v.ptr, v.rows * v.row_bytes))).collect();
+        m.hybrid = Some(Hybrid::new(&m.launch.dev, model, policy, tuning, stacks)?);
         // The step synchronises with the host once per layer: no whole-step graph.
         m.launch.flags.graphs = false;
         Ok(m)
@@ -326,6 +328,11 @@ impl CudaModel {
     /// The hybrid settings in effect (the CPU/streaming crossover as chosen at load); `None` unless hybrid.
     pub fn hybrid_params(&self) -> Option<hybrid::HybridParams> {
         self.hybrid.as_ref().map(|h| h.policy.params())
+    }
+
+    /// The GPU expert cache in effect (hybrid only; static when the placement asks for none or it cannot adapt).
+    pub fn gpu_cache(&self) -> Option<crate::placement::GpuCacheOptions> {
+        self.hybrid.as_ref().map(|h| h.gpu_cache())
     }
 
     /// Bytes of the RAM tier registered with the GPU driver for full-speed uploads (hybrid only).

@@ -31,7 +31,7 @@ pub(crate) struct DevExperts {
 
 impl DevExperts {
     /// The three stacks by address.
-    fn views(&self, dev: &Dev) -> [StackView; 3] {
+    pub(crate) fn views(&self, dev: &Dev) -> [StackView; 3] {
         [self.gate_proj.view(dev), self.up_proj.view(dev), self.down_proj.view(dev)]
     }
 }
@@ -496,7 +496,7 @@ impl DevSparseMoe {
         let (gpu_slot, w_gpu) = (share.gpu_slot, share.w_gpu);
         // The GPU's share, queued before the host waits: it runs while the CPU computes.
         let ys = ctx.tmp(slots * d)?;
-        let resident = (!h.layers[li].resident.is_empty()).then_some((gpu_slot, ys));
+        let resident = (h.layers[li].slots > 0).then_some((gpu_slot, ys));
         let shared = self.shared_and_routed(ctx, m, n, resident)?;
         let extra = h.run_cpu_share(ctx, li, share, n)?;
         Self::combine(ctx, ys, w_gpu, shared, routed.sgate, extra, n, res)
@@ -524,9 +524,9 @@ impl DevSparseMoe {
         let ys = ctx.tmp(slots * d)?;
         let (offsets, perm) = Self::sort_slots(ctx, routed.ids, slots)?;
         let views = self.experts.views(dev);
-        if !hl.resident.is_empty() {
+        if hl.slots > 0 {
             let se = ptr(&hl.resident_dev, stream, 0);
-            Self::grouped_ffn(ctx, views, hl.resident.len(), se, offsets, perm, m, n, ys, true)?;
+            Self::grouped_ffn(ctx, views, hl.slots, se, offsets, perm, m, n, ys, true)?;
         }
         h.stream_experts(ctx, li, |[gate, up, down], count, slot_expert| {
             let staged = [
