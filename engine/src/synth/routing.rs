@@ -514,7 +514,8 @@ impl RoutingStats {
         let bin = bin.max(1);
         let bins: Vec<String> = (0..self.tokens().div_ceil(bin))
             .map(|b| {
-                format!("{}-{}: {:.2}", b * bin, (b + 1) * bin - 1, self.new_per_layer_token(b * bin..(b + 1) * bin))
+                let end = ((b + 1) * bin).min(self.tokens());
+                format!("{}-{}: {:.2}", b * bin, end - 1, self.new_per_layer_token(b * bin..end))
             })
             .collect();
         format!(
