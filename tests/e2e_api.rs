@@ -475,6 +475,7 @@ async fn metrics_openapi_and_models() {
         "nebula:pcie_bytes_total",
         "nebula:expert_handoffs_total",
         "nebula:experts_omitted_total",
+        "nebula:gpu_cache_uploads_total",
         "nebula:ssd_read_bytes_total",
         "nebula:ssd_read_errors_total",
         "nebula:expert_prefetch_total",

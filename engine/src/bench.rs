@@ -6,11 +6,14 @@
 //! dense trunk, the routed experts actually used, the head row, KV and recurrent state) and, on a GPU, the
 //! measured device copy bandwidth, so decode speed is shown as a fraction of the memory-bandwidth floor.
 
+use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::{Backend, BackendError};
 use crate::model::{LayerKind, LogitsFor, ModelConfig};
 use crate::sampling::argmax;
+use crate::synth::routing::{RoutingLog, RoutingStats, stream_key};
 
 /// Benchmark settings.
 #[derive(Debug, Clone)]
@@ -23,6 +26,9 @@ pub struct BenchOptions {
     pub prefill_chunk: usize,
     /// Seed of the random prompt.
     pub seed: u64,
+    /// The model's routing log ([`crate::model::Qwen4Exp::set_routing_log`]), read around each frontier's timed
+    /// decode steps into [`BenchRow::routing`]; `None`: not collected.
+    pub routing_log: Option<Arc<RoutingLog>>,
 }
 
 /// One frontier's figures.
@@ -52,6 +58,12 @@ pub struct BenchRow {
     /// Hybrid decode only: where the decode steps' time went, and the routed expert uses the CPU computed
     /// (from the placement counters over the timed steps).
     pub hybrid: Option<HybridDecode>,
+    /// The routing the timed decode steps used as the host saw it ([`BenchOptions::routing_log`]: the CPU
+    /// forward, the hybrid CPU path); `None` without a log or where nothing was seen (all-GPU).
+    pub routing: Option<RoutingStats>,
+    /// The routing stream of the frontier's prompt ([`crate::synth::routing::stream_key`] of its first token) and
+    /// the positions the timed decode steps consumed: where a routing override's statistics are read.
+    pub decode_rows: (u64, Range<usize>),
 }
 
 /// The split of hybrid decode steps (see [`crate::backend::cuda::hybrid`]), per token.
@@ -76,6 +88,8 @@ pub struct HybridDecode {
     pub ssd_needed: f64,
     /// Expert reads from SSD per token, prefetches that went unused included.
     pub ssd_reads: f64,
+    /// Experts the adaptive GPU expert cache uploaded per token.
+    pub cache_uploads: f64,
 }
 
 impl BenchRow {
@@ -134,12 +148,16 @@ pub fn run<B: Backend>(runner: &B, opts: &BenchOptions) -> Result<Vec<BenchRow>,
         // Profiles (NEBULA_CUDA_PROFILE) then cover decode only: what prefill and the warm-up step left is dropped.
         runner.take_timings()?;
         let stats0 = runner.placement_stats().map(|s| s.snapshot());
+        if let Some(log) = &opts.routing_log {
+            log.take();
+        }
         let t1 = Instant::now();
         for _ in 0..opts.decode_tokens {
             logits = runner.forward(&mut st, &[tok], LogitsFor::Last)?;
             tok = argmax(&logits).unwrap_or(0) as u32;
         }
         let dec_s = t1.elapsed().as_secs_f64();
+        let routing = opts.routing_log.as_ref().map(|l| l.take()).filter(|s| s.lookups() > 0);
         let decode = runner.take_timings()?;
         let hybrid = match (decode.hybrid, stats0, runner.placement_stats()) {
             (Some(t), Some(s0), Some(s1)) => Some({
@@ -160,6 +178,7 @@ pub fn run<B: Backend>(runner: &B, opts: &BenchOptions) -> Result<Vec<BenchRow>,
                         + (s1.prefetch_hits - s0.prefetch_hits)) as f64
                         / per,
                     ssd_reads: (s1.ssd_expert_reads - s0.ssd_expert_reads) as f64 / per,
+                    cache_uploads: (s1.cache_uploads - s0.cache_uploads) as f64 / per,
                 }
             }),
             _ => None,
@@ -176,6 +195,8 @@ pub fn run<B: Backend>(runner: &B, opts: &BenchOptions) -> Result<Vec<BenchRow>,
             decode_kernels: decode.kernels,
             decode_phases: decode.phases,
             hybrid,
+            routing,
+            decode_rows: (stream_key(prompt.first().copied().unwrap_or(0)), ctx + 1..ctx + 1 + opts.decode_tokens),
         });
     }
     Ok(rows)

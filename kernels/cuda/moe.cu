@@ -144,7 +144,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ys, const float
 // others on the CPU. With `omit` > 0 the lightest CPU experts are dropped while their summed weight stays
 // within `omit` (the marginal-expert omission, a fraction of the token's mass). Every thread also copies m
 // ([n][d]) into the pack the host reads in one copy: pack = [m: n*d floats][ids: n*k ints][w_cpu: n*k floats]
-// [handoff flag per token: n ints]. k <= 32.
+// [handoff flag per token: n ints][w: n*k floats, every slot's router weight, for the host's routing log]. k <= 32.
 extern "C" __global__ void hybrid_split(const float* __restrict__ m, const int* __restrict__ ids,
                                         const float* __restrict__ w, const int* __restrict__ slot_of, int n, int k,
                                         int d, float handoff, float omit, int* gpu_slot, float* w_gpu,
@@ -157,6 +157,7 @@ extern "C" __global__ void hybrid_split(const float* __restrict__ m, const int* 
     int* pack_ids = reinterpret_cast<int*>(pack + (long long)n * d);
     float* w_cpu = pack + (long long)n * d + n * k;
     int* flags = reinterpret_cast<int*>(pack + (long long)n * d + 2 * n * k);
+    float* w_all = pack + (long long)n * d + 2 * n * k + n;
     float cov = 0.f;
     for (int j = 0; j < k; j++)
         if (slot_of[ids[t * k + j]] >= 0) cov += w[t * k + j];
@@ -183,6 +184,7 @@ extern "C" __global__ void hybrid_split(const float* __restrict__ m, const int* 
         const float wj = w[t * k + j];
         const int s = slot_of[e];
         pack_ids[t * k + j] = e;
+        w_all[t * k + j] = wj;
         const bool on_gpu = !to_cpu && s >= 0;
         gpu_slot[t * k + j] = on_gpu ? s : -1;
         w_gpu[t * k + j] = on_gpu ? wj : 0.f;

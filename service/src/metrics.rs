@@ -19,7 +19,8 @@
 //! (expert and n-gram bytes read from SSD), `nebula:ssd_read_errors_total`, `nebula:expert_prefetch_total{outcome}`
 //! (`issued`, `used`), `nebula:pcie_bytes_total` (host <-> GPU bytes of the hybrid backend),
 //! `nebula:expert_handoffs_total` (token-layers whose routed MoE went to the CPU), `nebula:experts_omitted_total`
-//! (marginal experts dropped), and MTP speculative decoding:
+//! (marginal experts dropped), `nebula:gpu_cache_uploads_total` (experts the adaptive GPU expert cache uploaded;
+//! its hit rate is `expert_hits_total{tier="gpu"}` over all uses), and MTP speculative decoding:
 //! `nebula:draft_tokens_total` and `nebula:draft_accepted_tokens_total` (drafts proposed / accepted),
 //! `nebula:draft_chains_total{case}` (verified chains by case: `A` all accepted, `B` handed to the full
 //! target for low resident-expert coverage, `C` a draft rejected), `nebula:draft_window_chains_total{window}`
@@ -77,6 +78,7 @@ pub struct Metrics {
     pcie_bytes: IntCounter,
     handoffs: IntCounter,
     omitted: IntCounter,
+    cache_uploads: IntCounter,
     ssd_bytes: IntCounter,
     ssd_errors: IntCounter,
     prefetch: IntCounterVec,
@@ -227,6 +229,10 @@ impl Metrics {
             omitted: plain(
                 "nebula:experts_omitted_total",
                 "Routed expert uses dropped by the marginal-expert omission (off in strict mode).",
+            ),
+            cache_uploads: plain(
+                "nebula:gpu_cache_uploads_total",
+                "Experts the adaptive GPU expert cache uploaded into GPU slots (hybrid backend, placement.gpu_cache = lru).",
             ),
             ssd_bytes: plain("nebula:ssd_read_bytes_total", "Expert and n-gram table bytes read from SSD."),
             ssd_errors: plain(
@@ -410,6 +416,7 @@ impl Metrics {
             set64(&self.pcie_bytes, p.pcie_bytes);
             set64(&self.handoffs, p.handoffs);
             set64(&self.omitted, p.omitted);
+            set64(&self.cache_uploads, p.cache_uploads);
             set64(&self.prefetch.with_label_values(&["issued"]), p.prefetch_issued);
             set64(&self.prefetch.with_label_values(&["used"]), p.prefetch_hits);
             let spec = &stats.speculative;

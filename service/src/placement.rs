@@ -13,7 +13,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use nebula_engine::placement::{DEFAULT_HOTLIST_LABEL, Hotlist, PlacementOptions, TablePlacement};
+use nebula_engine::placement::{
+    DEFAULT_HOTLIST_LABEL, GpuCacheOptions, GpuCachePolicy, Hotlist, PlacementOptions, TablePlacement,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -56,6 +58,13 @@ pub struct PlacementConfig {
     /// Hybrid decode: drop a token's lightest CPU-side experts while their summed weight stays within this
     /// fraction of its mass (0 = strict, the default; e.g. 0.1).
     pub omit_marginal: f32,
+    /// Hybrid decode: whether the GPU tier's experts stay the placement's (`static`) or follow the working set
+    /// (`lru`). `batching.deterministic` keeps it static.
+    pub gpu_cache: GpuCachePolicy,
+    /// With `gpu_cache = "lru"`: forward passes between two refreshes of the GPU expert cache.
+    pub gpu_cache_interval: usize,
+    /// With `gpu_cache = "lru"`: most experts uploaded per layer and refresh.
+    pub gpu_cache_uploads: usize,
 }
 
 impl Default for PlacementConfig {
@@ -76,6 +85,9 @@ impl Default for PlacementConfig {
             lock_memory: true,
             handoff: 0.0,
             omit_marginal: 0.0,
+            gpu_cache: GpuCachePolicy::Static,
+            gpu_cache_interval: GpuCacheOptions::default().interval,
+            gpu_cache_uploads: GpuCacheOptions::default().uploads,
         }
     }
 }
@@ -110,6 +122,12 @@ impl PlacementConfig {
         if self.threads == Some(0) || self.io_threads == 0 {
             return Err("placement.threads and placement.io_threads must be at least 1".into());
         }
+        if self.gpu_cache_interval == 0 || self.gpu_cache_uploads == 0 {
+            return Err(format!(
+                "placement.gpu_cache_interval ({}) and placement.gpu_cache_uploads ({}) must be at least 1",
+                self.gpu_cache_interval, self.gpu_cache_uploads
+            ));
+        }
         if let (Some(g), Some(r)) = (self.gpu_experts, self.ram_experts)
             && r < g
         {
@@ -132,6 +150,9 @@ impl PlacementConfig {
         self.vram_budget_gib = self.vram_budget_gib.or(p.vram_budget_gib);
         self.ram_budget_gib = self.ram_budget_gib.or(p.ram_budget_gib);
         self.threads = self.threads.or(p.threads);
+        if self.gpu_cache == GpuCachePolicy::default() {
+            self.gpu_cache = p.gpu_cache;
+        }
     }
 
     /// The engine's options, reading the hotlist; `None` when no placement is asked for. `source` names where
@@ -164,6 +185,11 @@ impl PlacementConfig {
             counts_for_experts: self.counts_for_experts,
             handoff: self.handoff,
             omit_marginal: self.omit_marginal,
+            gpu_cache: GpuCacheOptions {
+                policy: self.gpu_cache,
+                interval: self.gpu_cache_interval,
+                uploads: self.gpu_cache_uploads,
+            },
         }))
     }
 }
@@ -212,6 +238,16 @@ pub struct PlacementFlags {
     /// weight (0 = strict). Default: 0.
     #[arg(long, allow_negative_numbers = true, value_parser = fraction)]
     pub omit_marginal: Option<f32>,
+    /// CUDA backend with a placement: static (the GPU tier stays the placement's) or lru (it follows the experts
+    /// recent decode steps used, uploading them over PCIe off the critical path). Default: static.
+    #[arg(long)]
+    pub gpu_cache: Option<GpuCachePolicy>,
+    /// With --gpu-cache lru: forward passes between two refreshes. Default: 1.
+    #[arg(long)]
+    pub gpu_cache_interval: Option<usize>,
+    /// With --gpu-cache lru: most experts uploaded per layer and refresh. Default: 4.
+    #[arg(long)]
+    pub gpu_cache_uploads: Option<usize>,
 }
 
 /// A fraction flag: a number in [0, 1] (NaN and infinities refused).
@@ -241,6 +277,9 @@ impl PlacementFlags {
         put("prefetch_layers", self.prefetch_layers.map(Value::from));
         put("handoff", self.handoff.map(Value::from));
         put("omit_marginal", self.omit_marginal.map(Value::from));
+        put("gpu_cache", self.gpu_cache.map(|p| Value::from(p.name())));
+        put("gpu_cache_interval", self.gpu_cache_interval.map(Value::from));
+        put("gpu_cache_uploads", self.gpu_cache_uploads.map(Value::from));
         Value::Object(m)
     }
 }
@@ -292,6 +331,9 @@ pub fn profile_layer(profile: &Value) -> Value {
     }
     if let Some(t) = u(profile.get("threads")).filter(|&t| t > 0) {
         p.insert("threads".into(), t.into());
+    }
+    if let Some(c) = profile.get("gpu_cache").and_then(Value::as_str) {
+        p.insert("gpu_cache".into(), c.into());
     }
     json!({ "placement": p })
 }
@@ -353,6 +395,9 @@ mod tests {
         // A demo profile: no tiers, so no placement (threads still apply).
         let demo = json!({"name": "demo-cpu", "threads": 2, "placement": []});
         assert_eq!(profile_layer(&demo), json!({"placement": {"threads": 2}}));
+        // The GPU expert cache is a profile key too.
+        let lru = json!({"gpu_experts_per_layer": 27, "cpu_experts_per_layer": 485, "gpu_cache": "lru"});
+        assert_eq!(profile_layer(&lru)["placement"]["gpu_cache"], "lru");
     }
 
     #[test]
@@ -367,6 +412,14 @@ mod tests {
         c.ram_experts = Some(1);
         assert!(c.validate().unwrap_err().contains("placement.ram_experts"));
         c.ram_experts = None;
+        assert_eq!(c.to_options("x").unwrap().unwrap().gpu_cache, GpuCacheOptions::default(), "static by default");
+        c.gpu_cache = GpuCachePolicy::Lru;
+        c.gpu_cache_uploads = 8;
+        let o = c.to_options("x").unwrap().unwrap().gpu_cache;
+        assert_eq!((o.policy, o.interval, o.uploads), (GpuCachePolicy::Lru, 1, 8));
+        c.gpu_cache_interval = 0;
+        assert!(c.validate().unwrap_err().contains("placement.gpu_cache_interval"));
+        c.gpu_cache_interval = 1;
         c.hotlist = Some("/nonexistent/hot.json".into());
         assert!(c.to_options("x").unwrap_err().contains("/nonexistent/hot.json"));
     }

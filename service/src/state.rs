@@ -203,6 +203,12 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
     if let Some(profile) = &state.profile {
         placement_config.fill_from_profile(profile);
     }
+    if config.batching.deterministic && placement_config.gpu_cache != nebula_engine::placement::GpuCachePolicy::Static {
+        // A request's tokens must not depend on what ran before it: where an expert runs (GPU or CPU kernel)
+        // changes its last bits, so the GPU tier stays the placement's.
+        tracing::info!("placement.gpu_cache: static (batching.deterministic keeps a static placement)");
+        placement_config.gpu_cache = nebula_engine::placement::GpuCachePolicy::Static;
+    }
     let placement = placement_config
         .to_options(&source)
         .map_err(|e| ServeError::Config(crate::config::ConfigError(format!("placement.hotlist: {e}"))))?;
@@ -249,6 +255,7 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         cuda_tuning,
         batch: batch_options(config, state),
         step_observer: Some(state.metrics.step_observer()),
+        realistic_routing: None,
     };
     // The CPU kernels' options are process-wide: in effect from here, before the model loads.
     if !nebula_engine::tuning::install_cpu(config.tuning.cpu.clone())

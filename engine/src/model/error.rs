@@ -52,4 +52,7 @@ pub enum ModelError {
     /// MTP drafting was asked for but cannot run (no MTP block, empty sequence, cache out of step).
     #[error("MTP drafting is unavailable: {reason}")]
     MtpUnavailable { reason: String },
+    /// A routing override ([`crate::synth::routing::RoutingOverride`]) was made for another shape of model.
+    #[error("routing override for {given}, but the model has {model}")]
+    RoutingShape { given: String, model: String },
 }

@@ -22,6 +22,7 @@ use super::{
 use crate::backend::BatchItem;
 use crate::placement::Tier;
 use crate::placement::hotlist::HotlistBuilder;
+use crate::synth::routing::{ScriptedRows, stream_key};
 
 /// Checks that a state at `pos` with room for `max_len` tokens can take `tokens`: every id below `vocab`, and
 /// room for all of them.
@@ -100,6 +101,20 @@ impl Qwen4Exp {
         let (d, s) = (cfg.hidden, cfg.hc_count);
         let dim = s * d;
         let pos0: Vec<usize> = items.iter().map(|it| it.state.pos).collect();
+        // A routing override's choice for every row (each item's stream and positions), all layers.
+        let scripted: Option<Vec<ScriptedRows>> = self.routing_override.as_ref().map(|o| {
+            items
+                .iter_mut()
+                .map(|it| {
+                    if it.state.pos == 0
+                        && let Some(&first) = it.tokens.first()
+                    {
+                        it.state.routing_stream = stream_key(first);
+                    }
+                    o.rows(it.state.routing_stream, it.state.pos, it.tokens.len())
+                })
+                .collect()
+        });
         // The n-gram rows depend on known tokens only: with the table placed, start reading them now, so the
         // layers before the PLE layer run while the reads are in flight.
         let ple_layer = self.layers.iter().find_map(|l| l.ple.as_ref());
@@ -161,9 +176,17 @@ impl Qwen4Exp {
             let y = self.token_mixer(li, layer, items, &rows, &pos0, &mixed.mixed, opts, record.as_deref_mut());
             layer.attn_hyper_connection.inject(&mut x, &y, &mixed.inject);
             let mixed = layer.mlp_hyper_connection.mix(&x, n);
-            let routing = layer.mlp.route(&mixed.mixed, n);
+            let computed = layer.mlp.route(&mixed.mixed, n);
+            // With an override the router still runs (its cost is part of the step) but its choice is replaced.
+            let routing = match &scripted {
+                Some(rows) => rows.iter().flat_map(|r| (0..r.len()).map(move |j| r.routing(j, li))).collect(),
+                None => computed,
+            };
             if let Some(c) = campaign.as_deref_mut() {
                 c.record(li, &routing);
+            }
+            if let Some(log) = &self.routing_log {
+                log.record(li, &routing);
             }
             let y = match &self.placement {
                 None => {

@@ -31,6 +31,7 @@ use crate::gguf::GgufFile;
 use crate::placement::hotlist::HotlistBuilder;
 use crate::placement::{Placement, PlacementError, PlacementOptions, PlacementReport, PlacementStats, Tier};
 use crate::quant::Matrix;
+use crate::synth::routing::{RoutingLog, RoutingOverride, RoutingShape};
 
 pub use config::{GateActivation, LayerKind, ModelConfig};
 pub use error::ModelError;
@@ -187,6 +188,10 @@ pub struct Qwen4Exp {
     pub(crate) placement: Option<Box<Placement>>,
     /// Expert uses by tier, SSD reads (also counted without placement: every expert then counts as RAM).
     pub(crate) placement_stats: Arc<PlacementStats>,
+    /// Chooses the trunk layers' experts in place of the routers (benchmarks: [`crate::synth::routing`]).
+    pub(crate) routing_override: Option<Arc<dyn RoutingOverride>>,
+    /// Collects the routing the forward used (benchmarks' statistics).
+    pub(crate) routing_log: Option<Arc<RoutingLog>>,
 }
 
 impl std::fmt::Debug for Qwen4Exp {
@@ -271,6 +276,8 @@ impl Qwen4Exp {
             file,
             placement: None,
             placement_stats: Arc::default(),
+            routing_override: None,
+            routing_log: None,
         };
         model.set_kv_cache(opts.kv_cache)?;
         Ok(model)
@@ -303,6 +310,48 @@ impl Qwen4Exp {
         self.placement = None;
         self.placement = Some(Box::new(Placement::build(self, opts, self.placement_stats.clone())?));
         Ok(())
+    }
+
+    /// Puts `routing` in place of the trunk layers' routers (`None`: the routers' own choice again): each row then
+    /// uses the experts and weights `routing` gives for its sequence's stream and position (see
+    /// [`crate::synth::routing`]); the routers still run, and nothing after the choice changes. The CUDA backend
+    /// takes the override the host model has when it is loaded.
+    ///
+    /// Errors: [`ModelError::RoutingShape`] when `routing` was made for another number of layers, experts or
+    /// experts per token.
+    pub fn set_routing_override(&mut self, routing: Option<Arc<dyn RoutingOverride>>) -> Result<(), ModelError> {
+        if let Some(r) = &routing {
+            let model = self.routing_shape();
+            if r.shape() != model {
+                return Err(ModelError::RoutingShape {
+                    given: format!("{:?}", r.shape()),
+                    model: format!("{model:?}"),
+                });
+            }
+        }
+        self.routing_override = routing;
+        Ok(())
+    }
+
+    /// The routing override in place, if any.
+    pub fn routing_override(&self) -> Option<&Arc<dyn RoutingOverride>> {
+        self.routing_override.as_ref()
+    }
+
+    /// The trunk's routing shape: layers, experts per layer, experts per token.
+    pub fn routing_shape(&self) -> RoutingShape {
+        RoutingShape { n_layer: self.config.n_layer, n_expert: self.config.n_expert, top_k: self.config.n_expert_used }
+    }
+
+    /// Collects the routing every forward pass uses into `log` (`None`: stop): the CPU forward's rows, and the
+    /// hybrid GPU backend's CPU-path rows (decode steps and verify passes; streamed prefill is not seen).
+    pub fn set_routing_log(&mut self, log: Option<Arc<RoutingLog>>) {
+        self.routing_log = log;
+    }
+
+    /// The routing log, if any.
+    pub(crate) fn routing_log(&self) -> Option<&Arc<RoutingLog>> {
+        self.routing_log.as_ref()
     }
 
     /// The tier of every routed expert, `[layer][expert]`, when the model is placed.
@@ -379,6 +428,11 @@ impl Qwen4Exp {
             Some(p) => p.ram_expert(layer, e),
             None => self.routed_moe(layer).experts.get(e),
         }
+    }
+
+    /// The placement's GPU expert cache settings for the hybrid GPU backend; static unplaced.
+    pub(crate) fn gpu_cache_options(&self) -> crate::placement::GpuCacheOptions {
+        self.placement.as_ref().map_or_else(Default::default, |p| p.gpu_cache())
     }
 
     /// The placement's (handoff, marginal omission) fractions for the hybrid GPU backend; (0, 0) unplaced.
@@ -516,6 +570,7 @@ impl Qwen4Exp {
                 .collect(),
             ple: self.layers.iter().find_map(|l| l.ple.as_ref().map(|p| p.new_state())),
             mtp: self.mtp.as_ref().map(|m| m.new_state(self.config.kv_cache)),
+            routing_stream: 0,
         }
     }
 
@@ -582,7 +637,14 @@ impl Qwen4Exp {
             (None, _, _) => None,
             _ => return Err(bad()),
         };
-        Ok(SequenceState { pos: snap.pos, max_len, layers, ple: snap.ple.clone(), mtp })
+        Ok(SequenceState {
+            pos: snap.pos,
+            max_len,
+            layers,
+            ple: snap.ple.clone(),
+            mtp,
+            routing_stream: source.routing_stream,
+        })
     }
 
     /// Runs `tokens` through the model, continuing `state`, and returns the logits asked for (`[rows, vocab]`,

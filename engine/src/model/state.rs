@@ -41,6 +41,10 @@ pub struct SequenceState {
     pub ple: Option<PleState>,
     /// The MTP block's cache, if the model has an MTP block loaded.
     pub mtp: Option<MtpState>,
+    /// The stream a routing override follows for this sequence ([`crate::synth::routing::stream_key`] of its first
+    /// token, set when position 0 is consumed; forks keep their source's). Only benchmarks with an override read
+    /// it; it is not part of the prefix cache's disk images (a state read back from disk has 0).
+    pub routing_stream: u64,
 }
 
 /// A restorable copy of a [`SequenceState`] at some position.

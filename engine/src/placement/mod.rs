@@ -23,6 +23,7 @@
 //! identical for any X, H, pool size and thread count.
 
 pub mod campaign;
+pub mod expert_cache;
 pub mod hotlist;
 pub mod memory;
 pub(crate) mod ngram;
@@ -42,6 +43,7 @@ use crate::model::{ModelError, Qwen4Exp};
 use crate::quant::moe::{ExpertContribution, ExpertOutputs, ExpertWork, combine_expert_outputs, expert_outputs};
 use crate::quant::{Matrix, WeightBytes, dot_f32};
 
+pub use expert_cache::{GpuCacheOptions, GpuCachePolicy};
 pub use hotlist::{Hotlist, HotlistBuilder, HotlistError, HotlistModel};
 pub use reader::{FaultyReader, FileReader, MemoryReader, ReadError, Span, WeightReader};
 pub use stats::{PlacementStats, StatsSnapshot, Tier};
@@ -129,6 +131,9 @@ pub struct PlacementOptions {
     /// Hybrid GPU backend: the lightest CPU-side experts of a token are dropped while their summed weight stays
     /// within this fraction of the token's mass (marginal-expert omission; 0 = strict, the default).
     pub omit_marginal: f32,
+    /// Hybrid GPU backend: whether the GPU tier's experts stay the placement's (static, the default) or follow the
+    /// working set ([`expert_cache`]).
+    pub gpu_cache: GpuCacheOptions,
 }
 
 impl Default for PlacementOptions {
@@ -152,6 +157,7 @@ impl Default for PlacementOptions {
             counts_for_experts: None,
             handoff: 0.0,
             omit_marginal: 0.0,
+            gpu_cache: GpuCacheOptions::default(),
         }
     }
 }
@@ -196,6 +202,7 @@ impl std::fmt::Debug for PlacementOptions {
             .field("counts_for_experts", &self.counts_for_experts)
             .field("handoff", &self.handoff)
             .field("omit_marginal", &self.omit_marginal)
+            .field("gpu_cache", &self.gpu_cache)
             .finish()
     }
 }
@@ -523,6 +530,8 @@ pub(crate) struct Placement {
     stats: Arc<PlacementStats>,
     /// (handoff fraction, marginal omission fraction) for the hybrid GPU backend.
     hybrid: (f32, f32),
+    /// The hybrid GPU backend's expert cache settings.
+    gpu_cache: GpuCacheOptions,
     /// Kept alive for the SSD tier and the table.
     _io: Option<Arc<IoPool>>,
 }
@@ -878,6 +887,7 @@ impl Placement {
             layer_has_ssd,
             stats,
             hybrid: (opts.handoff, opts.omit_marginal),
+            gpu_cache: opts.gpu_cache,
             _io: io,
         })
     }
@@ -885,6 +895,11 @@ impl Placement {
     /// (handoff fraction, marginal omission fraction) of [`PlacementOptions`].
     pub(crate) fn hybrid_fractions(&self) -> (f32, f32) {
         self.hybrid
+    }
+
+    /// [`PlacementOptions::gpu_cache`].
+    pub(crate) fn gpu_cache(&self) -> GpuCacheOptions {
+        self.gpu_cache
     }
 
     /// The tier of every expert, `[layer][expert]`.

@@ -64,6 +64,9 @@ pub struct PlacementStats {
     /// Bytes copied between host and GPU by the hybrid backend (per-layer activations both ways, expert weights
     /// streamed for prefill).
     pub pcie_bytes: AtomicU64,
+    /// Experts the hybrid backend's adaptive GPU expert cache uploaded into GPU slots (their bytes also count in
+    /// `pcie_bytes`).
+    pub cache_uploads: AtomicU64,
 }
 
 impl PlacementStats {
@@ -105,6 +108,7 @@ impl PlacementStats {
             handoffs: l(&self.handoffs),
             omitted: l(&self.omitted),
             pcie_bytes: l(&self.pcie_bytes),
+            cache_uploads: l(&self.cache_uploads),
         }
     }
 }
@@ -140,4 +144,6 @@ pub struct StatsSnapshot {
     pub omitted: u64,
     /// Bytes over PCIe (hybrid backend).
     pub pcie_bytes: u64,
+    /// Experts uploaded by the adaptive GPU expert cache.
+    pub cache_uploads: u64,
 }

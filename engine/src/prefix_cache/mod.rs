@@ -296,6 +296,7 @@ mod tests {
             layers: vec![LayerState::LinearAttention(gdn.clone())],
             ple: None,
             mtp: None,
+            routing_stream: 0,
         };
         let checkpoints = at
             .iter()

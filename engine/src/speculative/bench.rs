@@ -43,6 +43,17 @@ pub struct MtpBenchOptions {
     pub pass_rows: Vec<usize>,
 }
 
+impl MtpBenchOptions {
+    /// The routing stream of the benchmark's prompt for a vocabulary of `vocab` ids
+    /// ([`crate::synth::routing::stream_key`] of its first token) and the positions its runs decode: where a
+    /// routing override's statistics are read.
+    pub fn decode_rows(&self, vocab: usize) -> (u64, std::ops::Range<usize>) {
+        let p = prompt(vocab, self.prompt_tokens.max(1), self.seed);
+        let start = p.len();
+        (crate::synth::routing::stream_key(p[0]), start..start + self.decode_tokens.max(1))
+    }
+}
+
 impl Default for MtpBenchOptions {
     fn default() -> Self {
         Self {

@@ -18,7 +18,8 @@
 //! direction scaled by `exp(beta * u_e)` (expert 0 most popular), with `beta` and the overall scale fitted by
 //! simulating softmax top-k routing over random inputs of the expected norm; the report gives the fitted shares.
 //! The routing the benchmark then measures depends on the real activations, so `nebula bench` reports the shares
-//! it actually saw.
+//! it actually saw. Random weights cannot give the real model's *temporal reuse* (neighbouring tokens sharing
+//! experts): [`routing`] has the realistic routing benchmarks put on the model instead (`--routing realistic`).
 
 use std::path::{Path, PathBuf};
 
@@ -29,6 +30,7 @@ use crate::gguf::{GgmlType, GgufError, GgufFile, GgufWriter, MetadataValue};
 use crate::quant::f32_to_bf16_bits;
 
 mod blocks;
+pub mod routing;
 
 /// Weight types of the synthetic model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -310,6 +310,9 @@ pub struct EngineOptions {
     pub batch: BatchOptions,
     /// Called after every batched pass (metrics).
     pub step_observer: Option<StepObserver>,
+    /// Benchmarks: the seed of a realistic routing ([`crate::synth::routing::RealisticRouting`]) put in place of
+    /// the trunk's routers; `None` (serving): the routers' own choice.
+    pub realistic_routing: Option<u64>,
 }
 
 /// Limits of continuous batching (see the worker's scheduler: requests are admitted into a running batch and
@@ -382,6 +385,7 @@ impl Default for EngineOptions {
             cuda_tuning: Default::default(),
             batch: BatchOptions::default(),
             step_observer: None,
+            realistic_routing: None,
         }
     }
 }
@@ -502,6 +506,12 @@ impl Engine {
         let mut model = Qwen4Exp::from_gguf_with(file, LoadOptions { mtp: opts.mtp, kv_cache: opts.kv_cache })?;
         if let Some(p) = &opts.placement {
             model.place(p).map_err(ModelError::from)?;
+        }
+        if let Some(seed) = opts.realistic_routing {
+            let routing = crate::synth::routing::RealisticRouting::new(model.routing_shape(), seed).map_err(|e| {
+                ModelError::RoutingShape { given: e.to_string(), model: format!("{:?}", model.routing_shape()) }
+            })?;
+            model.set_routing_override(Some(Arc::new(routing)))?;
         }
         let placement = Arc::new(model.placement_report());
         let placement_stats = model.placement_stats();

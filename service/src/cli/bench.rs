@@ -8,6 +8,8 @@ use nebula_engine::backend::{Backend, BackendError, BackendKind, Loaded, WithBac
 use nebula_engine::bench::{BenchOptions, BenchRow, decode_bytes, run};
 use nebula_engine::model::Qwen4Exp;
 use nebula_engine::speculative::bench::{MtpBenchOptions, MtpBenchRow, PassCost, pass_costs, run_mtp_bench};
+use nebula_engine::synth::routing::{RealisticRouting, RoutingLog, RoutingShape, RoutingStats, fitted_figures};
+use std::sync::Arc;
 
 /// Arguments of `nebula bench model`.
 #[derive(clap::Args, Debug)]
@@ -49,6 +51,93 @@ pub struct BenchModelArgs {
     /// Expert placement and emulation.
     #[command(flatten)]
     pub placement: crate::placement::PlacementFlags,
+    /// Routing.
+    #[command(flatten)]
+    pub routing: RoutingFlags,
+}
+
+/// Which experts the benchmark's tokens use.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RoutingMode {
+    /// The model's own routers (on a synth: independent draws per token, with the synth's skew).
+    #[default]
+    Independent,
+    /// A seeded process with the real model's skew and temporal reuse in place of the routers (docs/hybrid.md).
+    Realistic,
+}
+
+/// `--routing` and `--routing-seed` of the decoding benchmarks.
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub struct RoutingFlags {
+    /// independent (the model's routers) or realistic (the fitted routing process in their place; only which
+    /// experts run and their weights change, never the math).
+    #[arg(long, value_enum, default_value_t = RoutingMode::Independent)]
+    pub routing: RoutingMode,
+    /// Seed of the realistic routing.
+    #[arg(long, default_value_t = 1)]
+    pub routing_seed: u64,
+}
+
+impl RoutingFlags {
+    /// The realistic routing for `shape` when asked for (what the model gets in place of its routers; a second
+    /// one with the same seed gives the same rows, so a report can read them back).
+    ///
+    /// Errors: the model's shape cannot be routed (more than 65,536 experts).
+    pub fn realistic(&self, shape: RoutingShape) -> anyhow::Result<Option<Arc<RealisticRouting>>> {
+        Ok(match self.routing {
+            RoutingMode::Independent => None,
+            RoutingMode::Realistic => Some(Arc::new(RealisticRouting::new(shape, self.routing_seed)?)),
+        })
+    }
+
+    /// Puts the routing on `model` (before it goes to a backend) and a log of what its forward passes use;
+    /// prints which routing runs and, when realistic, how its figures compare with the published ones.
+    ///
+    /// Errors: as [`Self::realistic`].
+    pub fn apply(&self, model: &mut Qwen4Exp) -> anyhow::Result<(Option<Arc<RealisticRouting>>, Arc<RoutingLog>)> {
+        let shape = model.routing_shape();
+        let realistic = self.realistic(shape)?;
+        if let Some(r) = &realistic {
+            model.set_routing_override(Some(r.clone()))?;
+        }
+        let log = RoutingLog::new(shape.n_layer, shape.n_expert);
+        model.set_routing_log(Some(log.clone()));
+        print_routing(realistic.as_deref());
+        Ok((realistic, log))
+    }
+}
+
+/// The line saying which routing a benchmark runs (and the realistic one's fit).
+pub(crate) fn print_routing(realistic: Option<&RealisticRouting>) {
+    match realistic {
+        None => println!("routing: independent (the model's own routers)"),
+        Some(r) => {
+            let real = RoutingShape { n_layer: 48, n_expert: 512, top_k: 10 };
+            let fit = RealisticRouting::new(real, r.seed()).map(|f| fitted_figures(&f, 32));
+            println!(
+                "routing: realistic (seed {}); its figures for a {}-token prompt and a {}-token answer at the real \
+                 model's 48 x 512, top-10 (32 conversations): {}",
+                r.seed(),
+                nebula_engine::synth::routing::FIT_PROMPT,
+                nebula_engine::synth::routing::FIT_ANSWER,
+                fit.map_or_else(|e| e.to_string(), |f| f.summary())
+            );
+        }
+    }
+}
+
+/// The routing statistics of the decode steps of stream `stream` at `positions`: from the realistic routing when
+/// it runs (every backend uses exactly its rows), else what the host saw (`seen`).
+pub(crate) fn decode_routing(
+    realistic: Option<&RealisticRouting>,
+    seen: Option<&RoutingStats>,
+    stream: u64,
+    positions: std::ops::Range<usize>,
+) -> Option<RoutingStats> {
+    match realistic {
+        Some(r) => Some(r.stats(stream, positions)),
+        None => seen.cloned(),
+    }
 }
 
 /// The backend of a benchmark: `kind` on GPU `gpu`, its VRAM budget from the flag or else the emulated profile's.
@@ -108,6 +197,7 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         println!("{}", model.placement_report().summary());
     }
     let stats = model.placement_stats();
+    let (realistic, log) = args.routing.apply(&mut model)?;
     let runner =
         Loaded::new(std::sync::Arc::new(model), bench_backend(args.backend, args.gpu, &placement), &tuning.cuda)?;
     println!("model: {} layers, loaded on {} in {:.1} s", cfg.n_layer, runner.describe(), t.elapsed().as_secs_f64());
@@ -141,6 +231,7 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         decode_tokens: args.decode,
         prefill_chunk: args.prefill_chunk,
         seed: 7,
+        routing_log: Some(log),
     }))?;
     println!(
         "{:>8} {:>12} {:>10} {:>11} {:>9} {:>12} {:>9}",
@@ -165,6 +256,14 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             floor.unwrap_or_else(|| "-".into())
         );
     }
+    for r in &rows {
+        let (stream, positions) = r.decode_rows.clone();
+        let label = format!("routing of the decode at {} ({} steps)", r.context, positions.len());
+        match decode_routing(realistic.as_deref(), r.routing.as_ref(), stream, positions) {
+            Some(st) => println!("{label}: {}", st.summary(25)),
+            None => println!("{label}: not seen by the host (the router's choice stays on the GPU)"),
+        }
+    }
     if let Some(m) = runner.cuda()
         && m.is_hybrid()
     {
@@ -184,11 +283,24 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
             ssd.map_or(String::new(), |b| format!(", SSD tier read {:.2} GB/s", b / 1e9)),
             m.hybrid_params().map_or(0, |p| p.cpu_max_tokens)
         );
+        if let Some(c) = m.gpu_cache() {
+            println!(
+                "GPU expert cache: {}{}",
+                c.policy.name(),
+                if c.policy == nebula_engine::placement::GpuCachePolicy::Static {
+                    " (the placement's GPU tier throughout)".to_owned()
+                } else {
+                    format!(" (a refresh every {} passes, up to {} uploads per layer)", c.interval, c.uploads)
+                }
+            );
+        }
         println!(
-            "{:>8} {:>10} {:>10} {:>10} {:>8} {:>10} {:>10} {:>10} {:>9} {:>10} {:>9}",
+            "{:>8} {:>10} {:>10} {:>8} {:>10} {:>10} {:>8} {:>10} {:>10} {:>10} {:>9} {:>10} {:>9}",
             "context",
             "CPU exp/t",
             "GPU exp/t",
+            "GPU hit",
+            "uploads/t",
             "SSD rd/t",
             "handoff",
             "CPU ms/t",
@@ -211,11 +323,15 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
                 let floor_ms = ((h.cpu_experts - ssd_needed) * per_expert as f64 / dram + ssd_needed * ssd_s) * 1e3
                     + h.gpu_ms
                     + h.trips * rtt * 1e3;
+                let hit = h.gpu_experts / (h.gpu_experts + h.cpu_experts).max(1e-9) * 100.0;
                 println!(
-                    "{:>8} {:>10.1} {:>10.1} {:>10.1} {:>8.1} {:>10.3} {:>10.3} {:>10.3} {:>9.0} {:>10.3} {:>8.0} %",
+                    "{:>8} {:>10.1} {:>10.1} {:>7.1}% {:>10.1} {:>10.1} {:>8.1} {:>10.3} {:>10.3} {:>10.3} {:>9.0} {:>10.3} \
+                     {:>8.0} %",
                     r.context,
                     h.cpu_experts,
                     h.gpu_experts,
+                    hit,
+                    h.cache_uploads,
                     h.ssd_reads,
                     h.handoffs,
                     h.cpu_ms,
@@ -300,6 +416,9 @@ pub fn run_model(args: BenchModelArgs) -> anyhow::Result<()> {
         }
     }
     let s = stats.snapshot();
+    if s.cache_uploads > 0 {
+        println!("GPU expert cache over the run: {} experts uploaded", s.cache_uploads);
+    }
     let uses = (s.expert_hits_gpu + s.expert_hits_ram + s.expert_hits_ssd).max(1) as f64;
     if s.expert_hits_ssd > 0 || s.expert_hits_gpu > 0 {
         println!(
@@ -369,6 +488,9 @@ pub struct BenchMtpArgs {
     /// Expert placement and emulation.
     #[command(flatten)]
     pub placement: crate::placement::PlacementFlags,
+    /// Routing.
+    #[command(flatten)]
+    pub routing: RoutingFlags,
 }
 
 /// Runs `nebula bench mtp`.
@@ -430,6 +552,7 @@ fn run_mtp_in(
         println!("{}", model.placement_report().summary());
     }
     let cfg = model.config.clone();
+    let (realistic, _log) = args.routing.apply(&mut model)?;
     let runner =
         Loaded::new(std::sync::Arc::new(model), bench_backend(args.backend, args.gpu, &placement), cuda_tuning)?;
     println!(
@@ -504,6 +627,17 @@ fn run_mtp_in(
                 c.draft_s * 1e3
             );
         }
+    }
+    if let Some(r) = &realistic {
+        // Every run decodes the same positions of the same prompt's stream: one routing for all of them.
+        let (stream, positions) = opts.decode_rows(cfg.vocab);
+        println!(
+            "routing of every run's decode ({} positions): {}",
+            positions.len(),
+            r.stats(stream, positions).summary(25)
+        );
+    } else {
+        println!("routing: the routers' choices of the runs are not collected here (bench model reports them)");
     }
     if let Some(path) = &args.csv {
         let mut f = std::fs::File::create(path)?;

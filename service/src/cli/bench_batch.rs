@@ -59,6 +59,9 @@ pub struct BenchBatchArgs {
     /// Expert placement and emulation.
     #[command(flatten)]
     pub placement: crate::placement::PlacementFlags,
+    /// Routing.
+    #[command(flatten)]
+    pub routing: super::bench::RoutingFlags,
 }
 
 /// One mode's run at one concurrency.
@@ -174,6 +177,8 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
             ..Default::default()
         },
         step_observer: Some(steps.observer()),
+        realistic_routing: (args.routing.routing == super::bench::RoutingMode::Realistic)
+            .then_some(args.routing.routing_seed),
         ..Default::default()
     };
     let t = Instant::now();
@@ -182,6 +187,15 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
         None => Engine::from_gguf_bytes("embedded demo model", crate::config::EMBEDDED_DEMO_MODEL.to_vec(), opts)?,
     };
     let vocab = engine.config().vocab.min(248_000) as u64;
+    let cfg = engine.config();
+    let shape = nebula_engine::synth::routing::RoutingShape {
+        n_layer: cfg.n_layer,
+        n_expert: cfg.n_expert,
+        top_k: cfg.n_expert_used,
+    };
+    // The same process the engine runs (same seed, same shape: the same rows), read back for the report.
+    let realistic = args.routing.realistic(shape)?;
+    super::bench::print_routing(realistic.as_deref());
     println!(
         "model loaded in {:.1} s; {} rounds, prompts of {} tokens, {} tokens per request, MTP {}",
         t.elapsed().as_secs_f64(),
@@ -201,9 +215,13 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
     // (concurrency, batched runs, baseline runs)
     let mut results: Vec<(usize, Vec<Run>, Vec<Run>)> =
         args.concurrency.iter().map(|&c| (c, Vec::new(), Vec::new())).collect();
+    let mut widest_prompts: Vec<Vec<u32>> = Vec::new();
     for round in 0..args.rounds.max(1) {
         for (c, batched, baseline) in &mut results {
             let prompts: Vec<Vec<u32>> = (0..*c).map(|_| random(args.prompt)).collect();
+            if *c == widest {
+                widest_prompts = prompts.clone();
+            }
             let modes: &[bool] = match (args.no_baseline, round % 2) {
                 (true, _) => &[true],
                 (false, 0) => &[true, false],
@@ -273,6 +291,11 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
         );
     }
     steps.print();
+    if let Some(r) = &realistic {
+        print_batch_routing(r, &widest_prompts, args.prompt..args.prompt + args.tokens);
+    } else {
+        println!("routing: the routers' choices are not collected by bench batch (bench model reports them)");
+    }
     Ok(())
 }
 
@@ -322,4 +345,41 @@ impl StepTimes {
             println!("{size:>9} {n:>8} {:>10.3} {:>10.3}", mean(pass, n), mean(step, m));
         }
     }
+}
+
+/// The realistic routing of the widest concurrency's last requests over their decoded positions: one request's
+/// figures, and how many distinct experts a layer's step needs for all of them together (what a batched pass reads
+/// once) against the uses it serves.
+fn print_batch_routing(
+    r: &nebula_engine::synth::routing::RealisticRouting,
+    prompts: &[Vec<u32>],
+    positions: std::ops::Range<usize>,
+) {
+    use nebula_engine::synth::routing::{RoutingOverride, stream_key};
+    let streams: Vec<u64> = prompts.iter().filter_map(|p| p.first()).map(|&t| stream_key(t)).collect();
+    let Some(&first) = streams.first() else { return };
+    println!(
+        "routing of one request's decode ({} positions, realistic): {}",
+        positions.len(),
+        r.stats(first, positions.clone()).summary(25)
+    );
+    let shape = r.shape();
+    let rows: Vec<_> = streams.iter().map(|&s| r.rows(s, positions.start, positions.len())).collect();
+    let (mut distinct, mut uses) = (0usize, 0usize);
+    for t in 0..positions.len() {
+        for li in 0..shape.n_layer {
+            let mut union: Vec<u32> = rows.iter().flat_map(|x| x.experts(t, li).iter().copied()).collect();
+            uses += union.len();
+            union.sort_unstable();
+            union.dedup();
+            distinct += union.len();
+        }
+    }
+    let steps = (positions.len() * shape.n_layer).max(1) as f64;
+    println!(
+        "routing of the {} requests' decode together: {:.1} distinct experts per layer and step for {:.1} uses",
+        streams.len(),
+        distinct as f64 / steps,
+        uses as f64 / steps
+    );
 }

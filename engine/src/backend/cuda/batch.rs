@@ -148,6 +148,17 @@ impl CudaModel {
         // Kept alive until the pass is queued; the frees are stream-ordered.
         let ple_emb = self.upload_ngram_rows(&ple_rows)?;
         let ple_emb_ptr = ple_emb.as_ref().map(|e| ptr(e, &stream, 0));
+        // A routing override's choice for every row; kept alive until the pass is queued.
+        let table = {
+            let mut rows: Vec<(&mut CudaState, &[u32])> =
+                items.iter_mut().map(|it| (&mut *it.state, it.tokens)).collect();
+            self.scripted_routing(&mut rows)
+        };
+        let table_d = match &table {
+            Some((ti, tw)) => Some((stream.clone_htod(ti)?, stream.clone_htod(tw)?)),
+            None => None,
+        };
+        let scripted = table_d.as_ref().map(|(i, w)| (ptr(i, &stream, 0), ptr(w, &stream, 0)));
         ctx.arena_reset()?;
         let ids_d = stream.clone_htod(&ids)?;
         let rows_d = stream.clone_htod(if ple_rows.is_empty() { &[0i32][..] } else { &ple_rows[..] })?;
@@ -158,7 +169,7 @@ impl CudaModel {
                 .zip(&spans)
                 .map(|(it, &(r0, n, _))| PassSeq { st: &*it.state, r0, n, pos_dev: ptr(&it.state.pos_dev, &stream, 0) })
                 .collect();
-            self.launch_layers(&seqs, n, ids_p, rows_p, ple_emb_ptr, None)?
+            self.launch_layers(&seqs, n, ids_p, rows_p, ple_emb_ptr, None, scripted)?
         };
         // The rows whose logits come back, per item: (first row, count).
         let wanted: Vec<(usize, usize)> = items

@@ -508,6 +508,10 @@ impl CudaModel {
             return Err(bad());
         }
         let mut st = self.new_state_with(max_len, drafting && self.has_mtp())?;
+        st.routing_stream = match source {
+            Kept::Live(s) => s.routing_stream,
+            Kept::Host(h) => h.routing_stream,
+        };
         // Attention caches: the first `pos` rows.
         let attn_of = |li: usize| -> Option<AttnSource<'_>> {
             match source {
@@ -601,7 +605,7 @@ impl CudaModel {
             }
             _ => None,
         };
-        Ok(SequenceState { pos, max_len: pos, layers, ple, mtp })
+        Ok(SequenceState { pos, max_len: pos, layers, ple, mtp, routing_stream: st.routing_stream })
     }
 
     /// Bytes of device memory `st` holds, every buffer counted at its allocated length: the caches (sized for

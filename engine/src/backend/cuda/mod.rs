@@ -53,6 +53,7 @@ use nebula_kernels::{Gpu, GpuError};
 
 use crate::model::config::{LayerKind, ModelConfig};
 use crate::model::{LogitsFor, ModelError, Qwen4Exp, TokenMixer};
+use crate::synth::routing::{RoutingOverride, stream_key};
 use crate::tuning::CudaTuning;
 use device::{Arg, Dev, dtoh, htod, ptr};
 use head::TokenHead;
@@ -66,7 +67,7 @@ use moe::DevSparseMoe;
 use mtp::DevMtpBlock;
 use ple::DevPle;
 use self_attn::DevAttention;
-use state::{LayerState, StepBuffers};
+use state::{LayerState, RoutingBufs, StepBuffers};
 use weights::{Uploader, estimate_weight_bytes};
 
 /// Errors of the CUDA backend.
@@ -152,6 +153,9 @@ pub struct CudaModel {
     pub(crate) batch_graphs: std::sync::Mutex<batch::BatchGraphs>,
     /// The VRAM budget the model was loaded with less the hybrid staging ring, bytes (`None`: what is free).
     pub(crate) vram_budget: Option<u64>,
+    /// The host model's routing override, if any (`crate::synth::routing`): every pass uploads its choice for
+    /// the pass's rows and the trunk's MoE blocks use it in place of the routers'.
+    pub(crate) routing: Option<Arc<dyn RoutingOverride>>,
 }
 
 impl std::fmt::Debug for CudaModel {
@@ -223,7 +227,9 @@ impl CudaModel {
             .ok_or_else(|| CudaError::Unsupported("hybrid decode without a placement".into()))?;
         let stage = Hybrid::stage_bytes(&model, &params);
         let mut m = Self::build(&model, ordinal, vram_budget, Some(policy.resident_lists()), stage, tuning)?;
-        m.hybrid = Some(Hybrid::new(&m.launch.dev, model, policy, tuning)?);
+        let dev = &m.launch.dev;
+        let stacks = m.layers.iter().map(|l| l.mlp.experts.views(dev).map(|v| (v.ptr, v.rows * v.row_bytes))).collect();
+        m.hybrid = Some(Hybrid::new(&m.launch.dev, model, policy, tuning, stacks)?);
         // The step synchronises with the host once per layer: no whole-step graph.
         m.launch.flags.graphs = false;
         Ok(m)
@@ -295,6 +301,7 @@ impl CudaModel {
             batch_graphs: Default::default(),
             // What the states may take of the budget: less the streamed prefill's staging (`extra`).
             vram_budget: vram_budget.map(|b| b.saturating_sub(extra as u64)),
+            routing: model.routing_override().cloned(),
         })
     }
 
@@ -330,6 +337,11 @@ impl CudaModel {
     /// The hybrid settings in effect (the CPU/streaming crossover as chosen at load); `None` unless hybrid.
     pub fn hybrid_params(&self) -> Option<hybrid::HybridParams> {
         self.hybrid.as_ref().map(|h| h.policy.params())
+    }
+
+    /// The GPU expert cache in effect (hybrid only; static when the placement asks for none or it cannot adapt).
+    pub fn gpu_cache(&self) -> Option<crate::placement::GpuCacheOptions> {
+        self.hybrid.as_ref().map(|h| h.gpu_cache())
     }
 
     /// Bytes of the RAM tier registered with the GPU driver for full-speed uploads (hybrid only).
@@ -449,6 +461,14 @@ impl CudaModel {
             decode_steps: 0,
             want_argmax: false,
             argmax_out: None,
+            routing_stream: 0,
+            routing: match &self.routing {
+                Some(_) => {
+                    let len = MAX_CHAIN_ROWS * cfg.n_layer * cfg.n_expert_used;
+                    Some(RoutingBufs { ids: dev.stream().alloc_zeros(len)?, weights: zeros(dev, len)? })
+                }
+                None => None,
+            },
         })
     }
 
@@ -476,6 +496,9 @@ impl CudaModel {
         values += ple.map_or(0, |p| p.conv_len(cfg));
         // pos_dev, then the step buffers: token, PLE rows, logits, argmax.
         values += 1 + 1 + ple.map_or(1, |p| p.cfg.n_heads()) + cfg.vocab.max(1) + 1;
+        if self.routing.is_some() {
+            values += 2 * MAX_CHAIN_ROWS * cfg.n_layer * cfg.n_expert_used;
+        }
         let mtp = match (&self.mtp, draft) {
             (Some(m), true) => m.state_bytes(cfg, max_len),
             _ => 0,
@@ -546,11 +569,12 @@ impl CudaModel {
         rows: usize,
         logits: u64,
         rec: Option<&chain::ChainBufs>,
+        scripted: Option<(u64, u64)>,
     ) -> Result<u64, CudaError> {
         let ctx = &self.launch;
         let dim = self.config.hc_dim();
         let seq = PassSeq { st, r0: 0, n, pos_dev: ptr(&st.pos_dev, ctx.dev.stream(), 0) };
-        let x = self.launch_layers(&[seq], n, ids, ple_rows, ple_emb, rec)?;
+        let x = self.launch_layers(&[seq], n, ids, ple_rows, ple_emb, rec, scripted)?;
         if let Some(r) = rec {
             ctx.dtod(r.banks_rec(ctx), x, n * dim)?;
         }
@@ -565,7 +589,10 @@ impl CudaModel {
     /// row-wise work of each block over all rows at once, the sequence mixing (Gated DeltaNet conv and
     /// recurrence, attention over each sequence's own cache, the PLE conv) per sequence. Returns the address of
     /// the pre-mixer banks `[n, S*d]`. With `rec` (a verify pass, one sequence) the states are saved first and
-    /// the recurrences' inputs recorded. Issues no host synchronisation (but hybrid layers').
+    /// the recurrences' inputs recorded. With `scripted` (device `[layer][n][k]` expert ids and weights of a
+    /// routing override, from [`Self::scripted_routing`]) every trunk MoE uses those instead of its router's choice.
+    /// Issues no host synchronisation (but hybrid layers').
+    #[allow(clippy::too_many_arguments)]
     fn launch_layers(
         &self,
         seqs: &[PassSeq<'_>],
@@ -574,6 +601,7 @@ impl CudaModel {
         ple_rows: u64,
         ple_emb: Option<u64>,
         rec: Option<&chain::ChainBufs>,
+        scripted: Option<(u64, u64)>,
     ) -> Result<u64, CudaError> {
         let ctx = &self.launch;
         let cfg = &self.config;
@@ -654,11 +682,14 @@ impl CudaModel {
             ctx.phase("hyper-connections")?;
             let host = self.hybrid.as_ref().map(|h| (h, li));
             let inject = mixed.inject.expect("layers inject");
+            let k = cfg.n_expert_used;
             let mut c0 = 0;
             while c0 < n {
                 let c = moe_rows.min(n - c0);
                 let res = Some((x + (c0 * dim * 4) as u64, inject + (c0 * s * 4) as u64));
-                layer.mlp.forward(ctx, host, mixed.mixed + (c0 * d * 4) as u64, c, res)?;
+                let at = ((li * n + c0) * k * 4) as u64;
+                let chosen = scripted.map(|(ids, w)| (ids + at, w + at));
+                layer.mlp.forward(ctx, host, mixed.mixed + (c0 * d * 4) as u64, c, res, chosen)?;
                 c0 += c;
             }
             ctx.phase("moe")?;
@@ -753,6 +784,41 @@ impl CudaModel {
         })
     }
 
+    /// The routing override's choice for the rows of `items` (each state's stream, from its first token when
+    /// it starts now, and positions; the items' rows in order) in the device layout `[layer][row][k]`: expert ids
+    /// and weights. `None` without an override.
+    pub(crate) fn scripted_routing(&self, items: &mut [(&mut CudaState, &[u32])]) -> Option<(Vec<i32>, Vec<f32>)> {
+        let o = self.routing.as_ref()?;
+        let (l, k) = (self.config.n_layer, self.config.n_expert_used);
+        let rows: Vec<_> = items
+            .iter_mut()
+            .map(|(st, tokens)| {
+                if st.pos == 0
+                    && let Some(&first) = tokens.first()
+                {
+                    st.routing_stream = stream_key(first);
+                }
+                o.rows(st.routing_stream, st.pos, tokens.len())
+            })
+            .collect();
+        let n: usize = rows.iter().map(|r| r.len()).sum();
+        let (mut ids, mut w) = (vec![0i32; l * n * k], vec![0f32; l * n * k]);
+        for li in 0..l {
+            let mut row = 0;
+            for r in &rows {
+                for j in 0..r.len() {
+                    let at = (li * n + row) * k;
+                    for (o, &e) in ids[at..at + k].iter_mut().zip(r.experts(j, li)) {
+                        *o = e as i32;
+                    }
+                    w[at..at + k].copy_from_slice(r.weights(j, li));
+                    row += 1;
+                }
+            }
+        }
+        Some((ids, w))
+    }
+
     fn forward_inner(
         &self,
         st: &mut CudaState,
@@ -783,7 +849,26 @@ impl CudaModel {
         let ple_emb_ptr = ple_emb.as_ref().map(|e| ptr(e, &stream, 0));
         stream.memcpy_htod(&[st.pos as i32], &mut st.pos_dev)?;
         let pos0 = st.pos;
+        // A routing override's choice for the rows (`[layer][row][k]`), uploaded into the state's fixed buffers
+        // for the graphed passes, or fresh ones for an eager pass.
+        let table = self.scripted_routing(&mut [(&mut *st, tokens)]);
         let decode_step = n == 1 && want == LogitsFor::Last && rec.is_none();
+        let graphed_verify = rec.is_some() && ctx.flags.graphs && want == LogitsFor::All && n <= MAX_CHAIN_ROWS;
+        let mut eager_table = None;
+        let scripted = match (&table, &st.routing) {
+            (Some((ti, tw)), Some(bufs)) if decode_step || graphed_verify => {
+                htod(&stream, ptr(&bufs.ids, &stream, 0), ti.as_ptr() as *const u8, ti.len() * 4)?;
+                htod(&stream, ptr(&bufs.weights, &stream, 0), tw.as_ptr() as *const u8, tw.len() * 4)?;
+                Some((ptr(&bufs.ids, &stream, 0), ptr(&bufs.weights, &stream, 0)))
+            }
+            (Some((ti, tw)), _) => {
+                let up = (stream.clone_htod(ti)?, stream.clone_htod(tw)?);
+                let p = (ptr(&up.0, &stream, 0), ptr(&up.1, &stream, 0));
+                eager_table = Some(up);
+                Some(p)
+            }
+            (None, _) => None,
+        };
         if decode_step {
             stream.memcpy_htod(&[tokens[0] as i32], &mut st.step.token)?;
             if !ple_rows.is_empty() {
@@ -795,7 +880,7 @@ impl CudaModel {
             let mut slot = st.graph.take();
             let mut seen = st.decode_steps;
             let bank = ctx.run_graphed(&mut slot, &mut seen, || {
-                self.launch_pass(st, 1, ids, rows, ple_emb_ptr, 0, 1, logits, None)
+                self.launch_pass(st, 1, ids, rows, ple_emb_ptr, 0, 1, logits, None, scripted)
             });
             st.graph = slot;
             let bank = bank?;
@@ -817,7 +902,7 @@ impl CudaModel {
             }
             return Ok(stream.clone_dtoh(&st.step.logits)?);
         }
-        if let Some(bufs) = rec.filter(|_| ctx.flags.graphs && want == LogitsFor::All && n <= MAX_CHAIN_ROWS) {
+        if let Some(bufs) = rec.filter(|_| graphed_verify) {
             // A verify pass: fixed buffers, so it replays as a CUDA Graph per chain length.
             let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
             let (ids_p, rows_p, logits_p) = bufs.pass_buffers(ctx);
@@ -828,7 +913,9 @@ impl CudaModel {
             let mut graphs = std::mem::take(&mut st.verify_graphs);
             let out = {
                 let (slot, seen) = &mut graphs[n];
-                ctx.run_graphed(slot, seen, || self.launch_pass(st, n, ids_p, rows_p, None, 0, n, logits_p, rec))
+                ctx.run_graphed(slot, seen, || {
+                    self.launch_pass(st, n, ids_p, rows_p, None, 0, n, logits_p, rec, scripted)
+                })
             };
             st.verify_graphs = graphs;
             out?;
@@ -850,7 +937,10 @@ impl CudaModel {
         };
         let logits = zeros(dev, (rows * cfg.vocab).max(1))?;
         let (ids_p, rows_p) = (ptr(&ids_d, &stream, 0), ptr(&rows_d, &stream, 0));
-        let bank = self.launch_pass(st, n, ids_p, rows_p, ple_emb_ptr, r0, rows, ctx.addr(&logits, 0), rec)?;
+        let bank =
+            self.launch_pass(st, n, ids_p, rows_p, ple_emb_ptr, r0, rows, ctx.addr(&logits, 0), rec, scripted)?;
+        // Kept alive until the pass is queued; the frees are stream-ordered.
+        drop(eager_table);
         st.pos = needed;
         if rec.is_none() {
             // A verify pass's MTP rows wait for its rollback, which knows the kept rows.

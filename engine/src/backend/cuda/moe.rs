@@ -31,7 +31,7 @@ pub(crate) struct DevExperts {
 
 impl DevExperts {
     /// The three stacks by address.
-    fn views(&self, dev: &Dev) -> [StackView; 3] {
+    pub(crate) fn views(&self, dev: &Dev) -> [StackView; 3] {
         [self.gate_proj.view(dev), self.up_proj.view(dev), self.down_proj.view(dev)]
     }
 }
@@ -138,9 +138,12 @@ impl DevSparseMoe {
 
     /// The MoE block of layer `li`: routing, the routed experts (one GEMV per token-expert slot for small
     /// batches, grouped by expert for larger ones, both without a host round trip) and the gated shared expert.
-    /// With a hybrid placement the routed experts the GPU does not hold run on the CPU ([`Self::moe_hybrid_cpu`])
-    /// or are streamed in ([`Self::moe_streamed`]). Returns the output `[n, d]` of the `n` tokens `m`; with
+    /// With a hybrid placement the routed experts the GPU does not hold run on the CPU ([`Self::forward_cpu_split`])
+    /// or are streamed in ([`Self::forward_streamed`]). Returns the output `[n, d]` of the `n` tokens `m`; with
     /// `res = Some((x, a))` the combine kernel also applies the hyper-connection residual update `x += a * out`.
+    /// With `scripted = Some((ids, weights))` (device `[n, k]` each: a routing override's choice,
+    /// `crate::synth::routing`) the router still runs but those experts and weights replace its choice; nothing
+    /// after it changes.
     pub(crate) fn forward(
         &self,
         ctx: &Launch,
@@ -148,6 +151,7 @@ impl DevSparseMoe {
         m: u64,
         n: usize,
         res: Option<(u64, u64)>,
+        scripted: Option<(u64, u64)>,
     ) -> Result<u64, CudaError> {
         let moe = self;
         let dev = &ctx.dev;
@@ -191,6 +195,7 @@ impl DevSparseMoe {
             };
             ctx.matmul(gi, m, n, sgate)?;
         }
+        let (ids, w) = scripted.unwrap_or((ids, w));
         if let Some((h, li)) = host {
             let routed = Routed { ids, w, sgate };
             return match h.policy.path(n, ctx.exact()) {
@@ -491,7 +496,7 @@ impl DevSparseMoe {
         let (gpu_slot, w_gpu) = (share.gpu_slot, share.w_gpu);
         // The GPU's share, queued before the host waits: it runs while the CPU computes.
         let ys = ctx.tmp(slots * d)?;
-        let resident = (!h.layers[li].resident.is_empty()).then_some((gpu_slot, ys));
+        let resident = (h.layers[li].slots > 0).then_some((gpu_slot, ys));
         let shared = self.shared_and_routed(ctx, m, n, resident)?;
         let extra = h.run_cpu_share(ctx, li, share, n)?;
         Self::combine(ctx, ys, w_gpu, shared, routed.sgate, extra, n, res)
@@ -519,9 +524,9 @@ impl DevSparseMoe {
         let ys = ctx.tmp(slots * d)?;
         let (offsets, perm) = Self::sort_slots(ctx, routed.ids, slots)?;
         let views = self.experts.views(dev);
-        if !hl.resident.is_empty() {
+        if hl.slots > 0 {
             let se = ptr(&hl.resident_dev, stream, 0);
-            Self::grouped_ffn(ctx, views, hl.resident.len(), se, offsets, perm, m, n, ys, true)?;
+            Self::grouped_ffn(ctx, views, hl.slots, se, offsets, perm, m, n, ys, true)?;
         }
         h.stream_experts(ctx, li, |[gate, up, down], count, slot_expert| {
             let staged = [

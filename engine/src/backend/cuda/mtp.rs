@@ -163,7 +163,7 @@ impl DevMtpBlock {
             let res = Some((y, mixed.inject.expect("the MTP layer injects")));
             let mixed = mtp.mlp_hyper_connection.forward(ctx, x, n, Some(mtp.mlp.input_type()), res)?;
             let res = Some((x, mixed.inject.expect("the MTP layer injects")));
-            mtp.mlp.forward(ctx, host, mixed.mixed, n, res)?;
+            mtp.mlp.forward(ctx, host, mixed.mixed, n, res, None)?;
             if let Some(out) = logits {
                 let h = mtp.hyper_connection_mixer.forward(
                     ctx,

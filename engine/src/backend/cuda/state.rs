@@ -63,4 +63,16 @@ pub struct CudaState {
     /// instead of copying the logits back.
     pub(crate) want_argmax: bool,
     pub(crate) argmax_out: Option<u32>,
+    /// The stream a routing override follows (`crate::model::SequenceState::routing_stream`).
+    pub(crate) routing_stream: u64,
+    /// Fixed device buffers of an override's choice for a decode step or a verify chain (`[layer][row][k]` ids
+    /// and weights, room for `MAX_CHAIN_ROWS` rows), so their CUDA Graphs replay with new choices; `None` without
+    /// an override.
+    pub(crate) routing: Option<RoutingBufs>,
+}
+
+/// See [`CudaState::routing`].
+pub(crate) struct RoutingBufs {
+    pub(crate) ids: CudaSlice<i32>,
+    pub(crate) weights: CudaSlice<f32>,
 }

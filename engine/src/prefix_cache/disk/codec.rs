@@ -609,7 +609,7 @@ pub fn decode(mut r: impl Read, file_bytes: u64, identity: &ModelIdentity) -> Re
     } else {
         None
     };
-    let state = SequenceState { pos, max_len, layers, ple, mtp };
+    let state = SequenceState { pos, max_len, layers, ple, mtp, routing_stream: 0 };
     // No capacity reserved from counts read: what is allocated follows the bytes actually parsed.
     let mut checkpoints = Vec::new();
     for info in &header.checkpoints {

@@ -22,6 +22,7 @@
 //! The staging buffers and pinned host buffers are allocated at load, inside the VRAM budget check.
 
 mod cpu;
+mod expert_cache;
 pub mod policy;
 mod staging;
 
@@ -39,23 +40,82 @@ use crate::model::Qwen4Exp;
 use crate::placement::{PlacementStats, Tier};
 use crate::tuning::{CudaProfile, CudaTuning};
 use cpu::{CpuThread, Pinned};
+use expert_cache::DeviceExpertCache;
 use policy::HybridPolicy;
 use staging::{GroupTiming, Stage, max_expert_bytes, stage_group, stage_ptr, upload_bandwidth};
 
 pub(crate) use staging::copy_report;
 
-/// One layer's expert cache map on the device (the policy's resident list).
+/// One layer's expert cache map: which expert each GPU slot holds, on the device (what the kernels read) and on
+/// the host ([`SlotMap`], changed only together with the device copies, on the compute stream).
 pub(crate) struct HybridLayer {
     /// `[n_expert]`: slot in the layer's resident stacks, or -1.
     pub(crate) slot_of: CudaSlice<i32>,
-    /// Slot -> expert id.
-    pub(crate) resident: Vec<usize>,
-    /// The same on the device (at least one entry).
+    /// `[max(slots, 1)]`: slot -> expert id, -1 for a slot being filled.
     pub(crate) resident_dev: CudaSlice<i32>,
-    /// Experts not on the GPU, ascending.
-    pub(crate) streamed: Vec<usize>,
-    /// The same on the device (at least one entry).
+    /// `[max(n_expert, 1)]`: the experts the GPU cannot use now, ascending (the first `map.streamed.len()`).
     pub(crate) streamed_dev: CudaSlice<i32>,
+    /// Slots of the layer's resident stacks.
+    pub(crate) slots: usize,
+    /// The host mirror.
+    pub(crate) map: Mutex<SlotMap>,
+}
+
+/// The host mirror of a [`HybridLayer`]'s device maps.
+pub(crate) struct SlotMap {
+    /// Expert -> slot or -1.
+    pub(crate) slot_of: Vec<i32>,
+    /// Slot -> expert or -1.
+    pub(crate) resident: Vec<i32>,
+    /// Experts not usable on the GPU, ascending.
+    pub(crate) streamed: Vec<usize>,
+}
+
+impl SlotMap {
+    /// `n_expert` experts, slot `s` holding `resident[s]`.
+    fn new(n_expert: usize, resident: &[usize]) -> Self {
+        let mut slot_of = vec![-1i32; n_expert];
+        for (s, &e) in resident.iter().enumerate() {
+            slot_of[e] = s as i32;
+        }
+        let streamed = (0..n_expert).filter(|&e| slot_of[e] < 0).collect();
+        Self { slot_of, resident: resident.iter().map(|&e| e as i32).collect(), streamed }
+    }
+
+    /// Slot `slot` (holding `e`) goes out of use.
+    pub(crate) fn evict(&mut self, slot: usize, e: usize) {
+        self.slot_of[e] = -1;
+        self.resident[slot] = -1;
+        if let Err(at) = self.streamed.binary_search(&e) {
+            self.streamed.insert(at, e);
+        }
+    }
+
+    /// Slot `slot` now holds `e`, usable.
+    pub(crate) fn install(&mut self, slot: usize, e: usize) {
+        self.slot_of[e] = slot as i32;
+        self.resident[slot] = e as i32;
+        if let Ok(at) = self.streamed.binary_search(&e) {
+            self.streamed.remove(at);
+        }
+    }
+
+    /// Whether expert `e` is usable on the GPU.
+    pub(crate) fn on_gpu(&self, e: usize) -> bool {
+        self.slot_of.get(e).is_some_and(|&s| s >= 0)
+    }
+
+    /// Writes the mirror into `hl`'s device maps on `stream` (ordered before every later kernel there; the
+    /// pageable source is staged by the driver before this returns).
+    pub(crate) fn upload(&self, stream: &CudaStream, hl: &HybridLayer) -> Result<(), CudaError> {
+        let write = |dst: &CudaSlice<i32>, v: &[i32]| -> Result<(), CudaError> {
+            if v.is_empty() { Ok(()) } else { htod(stream, ptr(dst, stream, 0), v.as_ptr() as *const u8, v.len() * 4) }
+        };
+        write(&hl.slot_of, &self.slot_of)?;
+        write(&hl.resident_dev, &self.resident)?;
+        let streamed: Vec<i32> = self.streamed.iter().map(|&e| e as i32).collect();
+        write(&hl.streamed_dev, &streamed)
+    }
 }
 
 /// Host buffers of the per-layer round trip.
@@ -102,6 +162,8 @@ pub(crate) struct Hybrid {
     /// the start and end of its copies (copy stream) and of its kernels (compute stream), with the bytes copied.
     pub(crate) copy_log: Option<Mutex<Vec<GroupTiming>>>,
     pub(crate) trips: AtomicU64,
+    /// The adaptive GPU expert cache (`None`: the placement's static GPU tier).
+    pub(crate) cache: Option<DeviceExpertCache>,
 }
 
 /// Where the time of hybrid steps went (since the last [`super::CudaModel::take_hybrid_times`]).
@@ -150,31 +212,34 @@ impl Hybrid {
     /// Sets up the host half for `model` (its resident experts, the policy's, already uploaded as the slot stacks
     /// of `dev`'s model), registering the RAM tier with the driver (a failure only costs copy speed: logged), and
     /// lets the policy choose the crossover from bandwidths measured here.
+    ///
+    /// `stacks` are the trunk layers' expert stacks on the device, `(address of slot 0, bytes per expert)` of the
+    /// gate, up and down matrices: where an adaptive GPU expert cache uploads its newcomers.
     pub(crate) fn new(
         dev: &Dev,
         model: Arc<Qwen4Exp>,
         mut policy: HybridPolicy,
         tuning: &CudaTuning,
+        stacks: Vec<[(u64, usize); 3]>,
     ) -> Result<Self, CudaError> {
         let stream = dev.stream();
         let n_expert = model.config.n_expert;
         let params = policy.params();
         let mut layers = Vec::with_capacity(policy.resident_lists().len());
-        for (li, res) in policy.resident_lists().iter().enumerate() {
-            let mut slot_of = vec![-1i32; n_expert];
-            for (s, &e) in res.iter().enumerate() {
-                slot_of[e] = s as i32;
-            }
-            let streamed = policy.streamed(li);
-            let ids = |v: &[usize]| -> Vec<i32> {
-                if v.is_empty() { vec![-1] } else { v.iter().map(|&e| e as i32).collect() }
+        for res in policy.resident_lists() {
+            let map = SlotMap::new(n_expert, res);
+            let padded = |v: &[i32], len: usize| -> Vec<i32> {
+                let mut p = v.to_vec();
+                p.resize(len.max(1), -1);
+                p
             };
+            let streamed: Vec<i32> = map.streamed.iter().map(|&e| e as i32).collect();
             layers.push(HybridLayer {
-                slot_of: stream.clone_htod(&slot_of)?,
-                resident_dev: stream.clone_htod(&ids(res))?,
-                resident: res.clone(),
-                streamed_dev: stream.clone_htod(&ids(&streamed))?,
-                streamed,
+                slot_of: stream.clone_htod(&padded(&map.slot_of, n_expert))?,
+                resident_dev: stream.clone_htod(&padded(&map.resident, res.len()))?,
+                streamed_dev: stream.clone_htod(&padded(&streamed, n_expert))?,
+                slots: res.len(),
+                map: Mutex::new(map),
             });
         }
         let [g, u, d] = max_expert_bytes(&model);
@@ -211,8 +276,9 @@ impl Hybrid {
         }
         let d_model = model.config.hidden;
         let k = model.config.n_expert_used;
+        let streamed: Vec<Vec<usize>> = (0..layers.len()).map(|li| policy.streamed(li)).collect();
         let measured = policy.choose_crossover(model.layers.len(), k, |li| -> Result<(f64, f64), CudaError> {
-            let pcie = upload_bandwidth(dev, &model, li, &layers[li].streamed, &stages[0], params.stage_experts)?;
+            let pcie = upload_bandwidth(dev, &model, li, &streamed[li], &stages[0], params.stage_experts)?;
             let dram = crate::bench::dram_read_bandwidth(rayon::current_num_threads(), 1 << 30, 0.2)
                 .map_err(|e| CudaError::Unsupported(format!("measuring DRAM bandwidth: {e}")))?;
             Ok((pcie, dram))
@@ -226,8 +292,34 @@ impl Hybrid {
                 policy.params().cpu_max_tokens
             );
         }
+        if failed.is_some() && policy.gpu_cache().policy != crate::placement::GpuCachePolicy::Static {
+            // Uploads from unregistered memory are staged by the driver on the calling thread: they would block.
+            tracing::warn!(
+                "hybrid: the GPU expert cache stays static (the RAM tier is not registered with the driver)"
+            );
+            policy.keep_static();
+        }
+        let trunk = model.layers.len();
+        let cache = policy
+            .expert_caches(trunk, |l, e| {
+                model.ram_expert(l, e).is_some_and(|x| {
+                    let sizes = [x.gate_proj.bytes().len(), x.up_proj.bytes().len(), x.down_proj.bytes().len()];
+                    stacks.get(l).is_some_and(|st| st.iter().zip(sizes).all(|(s, b)| s.1 == b))
+                })
+            })
+            .map(|caches| -> Result<DeviceExpertCache, CudaError> {
+                let opts = policy.gpu_cache();
+                tracing::info!(
+                    "hybrid: GPU expert cache {} (a refresh every {} steps, up to {} uploads per layer)",
+                    opts.policy.name(),
+                    opts.interval,
+                    opts.uploads
+                );
+                Ok(DeviceExpertCache::new(opts, caches, stacks.clone(), dev.gpu.ctx.new_stream()?))
+            })
+            .transpose()?;
         let t = policy.cpu_path_rows();
-        let bufs = HostBufs { pack: Pinned::new(t * d_model + 2 * t * k + t)?, upload: Pinned::new(t * d_model)? };
+        let bufs = HostBufs { pack: Pinned::new(t * d_model + 3 * t * k + t)?, upload: Pinned::new(t * d_model)? };
         let stats = model.placement_stats();
         let cpu_ns: Arc<AtomicU64> = Arc::default();
         let cpu = if !tuning.hybrid.pipeline {
@@ -271,14 +363,24 @@ impl Hybrid {
             wait_ns: AtomicU64::new(0),
             trips: AtomicU64::new(0),
             copy_log: (tuning.profile == CudaProfile::Copies).then(Default::default),
+            cache,
         })
     }
 
-    /// Marks the start of the GPU's critical path of a step.
+    /// The start of a pass: installs the GPU expert cache's finished uploads (before the pass's kernels) and
+    /// marks the start of the GPU's critical path of a step.
     pub(crate) fn step_started(&self, stream: &CudaStream) -> Result<(), CudaError> {
+        if let Some(c) = &self.cache {
+            c.begin_pass(stream, &self.layers)?;
+        }
         self.resumed.record(stream)?;
         self.resumed_live.store(true, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// The GPU expert cache's settings in effect (static when it does not adapt).
+    pub(crate) fn gpu_cache(&self) -> crate::placement::GpuCacheOptions {
+        self.cache.as_ref().map_or_else(Default::default, DeviceExpertCache::options)
     }
 
     /// The CPU path's first half for layer `li`: `hybrid_split` applies the policy's rule to the `n` tokens' routed
@@ -301,7 +403,7 @@ impl Hybrid {
         let slots = n * k;
         let gpu_slot = ctx.tmp(slots)?;
         let w_gpu = ctx.tmp(slots)?;
-        let pack_len = n * d + 2 * slots + n;
+        let pack_len = n * d + 3 * slots + n;
         let pack = ctx.tmp(pack_len)?;
         let rule = self.policy.split();
         dev.launch_1d(
@@ -356,9 +458,20 @@ impl Hybrid {
         let host = bufs.pack.slice(pack_len).to_vec();
         let (x, rest) = host.split_at(n * d);
         let (ids_h, rest) = rest.split_at(slots);
-        let (w_cpu, flags) = rest.split_at(slots);
+        let (w_cpu, rest) = rest.split_at(slots);
+        let (flags, w_all) = rest.split_at(n);
+        if let Some(log) = self.host.routing_log() {
+            let used: Vec<crate::model::moe::Routing> = (0..n)
+                .map(|t| crate::model::moe::Routing {
+                    experts: ids_h[t * k..(t + 1) * k].iter().map(|e| e.to_bits() as usize).collect(),
+                    weights: w_all[t * k..(t + 1) * k].to_vec(),
+                })
+                .collect();
+            log.record(li, &used);
+        }
         let mut routing = Vec::with_capacity(n);
         let (mut on_gpu, mut omitted, mut handoffs) = (0u64, 0u64, 0u64);
+        let map = hl.map.lock().expect("slot map lock");
         for (t, flag) in flags.iter().enumerate() {
             // 1: handed off; 2: a verify row below the handoff threshold (not trusted, no CPU experts).
             let untrusted = flag.to_bits() == 2;
@@ -370,13 +483,20 @@ impl Hybrid {
                 if w_cpu[j] > 0.0 {
                     r.experts.push(e);
                     r.weights.push(w_cpu[j]);
-                } else if !handoff && hl.resident.binary_search(&e).is_ok() {
+                } else if !handoff && map.on_gpu(e) {
                     on_gpu += 1;
                 } else if !untrusted {
                     omitted += 1;
                 }
             }
             routing.push(r);
+        }
+        drop(map);
+        if let Some(c) = &self.cache {
+            // What this layer's tokens used, wherever it ran: the cache's recency, and on a refresh its swaps.
+            let rows: Vec<Vec<usize>> =
+                (0..n).map(|t| ids_h[t * k..(t + 1) * k].iter().map(|e| e.to_bits() as usize).collect()).collect();
+            c.observe(stream, li, hl, &rows, &self.host, &self.stats)?;
         }
         use Ordering::Relaxed;
         self.wait_ns.fetch_add(waited.as_nanos() as u64, Relaxed);
@@ -436,7 +556,8 @@ impl Hybrid {
         let hl = &self.layers[li];
         let group = self.policy.params().stage_experts;
         let copy = &self.copy;
-        let groups: Vec<&[usize]> = hl.streamed.chunks(group).collect();
+        let streamed = hl.map.lock().expect("slot map lock").streamed.clone();
+        let groups: Vec<&[usize]> = streamed.chunks(group).collect();
         if let Some(first) = groups.first() {
             self.host.request_experts(li, first);
         }

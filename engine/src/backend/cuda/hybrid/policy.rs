@@ -23,10 +23,17 @@
 //!    while their summed weight stays within [`HybridParams::omit`] (marginal-expert omission, 0 = off). In an MTP
 //!    verify pass, unless [`HybridParams::verify_handoff`], a row under the handoff threshold is not handed off but
 //!    reported (its coverage written, the row untrusted, no CPU experts): the decoder cuts the chain there.
+//! 5. **Whether the resident experts change during the run** ([`HybridPolicy::gpu_cache`], the placement's
+//!    `gpu_cache`): static (the placement's GPU tier throughout), or LRU over the experts decode steps use, whose
+//!    per-layer decisions ([`HybridPolicy::expert_caches`]: swaps, upload budget, refresh interval) are
+//!    [`crate::placement::expert_cache`]'s; the backend uploads the newcomers over PCIe on a side stream without
+//!    blocking a step (`hybrid::expert_cache`). A slot being filled is out of use, so its expert runs on the CPU
+//!    until the upload lands. Experts outside the RAM tier (SSD) are never admitted.
 
 use super::super::chain::MAX_CHAIN_ROWS;
 use crate::model::Qwen4Exp;
 use crate::placement::Tier;
+use crate::placement::expert_cache::{ExpertCache, GpuCacheOptions, GpuCachePolicy};
 use crate::tuning::HybridTuning;
 
 /// Settings of the hybrid backend.
@@ -120,6 +127,8 @@ pub(crate) struct HybridPolicy {
     /// Per layer (the MTP block last, when the model has one): the resident experts, ascending.
     resident: Vec<Vec<usize>>,
     n_expert: usize,
+    /// Whether and how the resident experts follow the working set.
+    gpu_cache: GpuCacheOptions,
 }
 
 impl HybridPolicy {
@@ -133,7 +142,40 @@ impl HybridPolicy {
             // The MTP block (layer index n_layer): none of its experts on the GPU, all computed on the host.
             resident.push(Vec::new());
         }
-        Some(Self { params, resident, n_expert: model.config.n_expert })
+        Some(Self { params, resident, n_expert: model.config.n_expert, gpu_cache: model.gpu_cache_options() })
+    }
+
+    /// The GPU expert cache settings (static unless the placement asks for LRU).
+    pub(crate) fn gpu_cache(&self) -> GpuCacheOptions {
+        self.gpu_cache
+    }
+
+    /// Turns the adaptive cache off (the slots keep the placement's experts): where the backend cannot upload
+    /// without blocking (host memory not registered with the driver).
+    pub(crate) fn keep_static(&mut self) {
+        self.gpu_cache.policy = GpuCachePolicy::Static;
+    }
+
+    /// The per-layer cache bookkeeping of the first `trunk_layers` layers when the cache adapts (`None` when
+    /// static or with no GPU slots): slot `s` of layer `l` starts with `resident_lists()[l][s]`; `eligible(l, e)`
+    /// says whether expert `e` of layer `l` may be uploaded.
+    pub(crate) fn expert_caches(
+        &self,
+        trunk_layers: usize,
+        eligible: impl Fn(usize, usize) -> bool,
+    ) -> Option<Vec<ExpertCache>> {
+        let slots = self.resident.iter().take(trunk_layers).map(Vec::len).sum::<usize>();
+        if self.gpu_cache.policy == GpuCachePolicy::Static || slots == 0 {
+            return None;
+        }
+        Some(
+            self.resident
+                .iter()
+                .take(trunk_layers)
+                .enumerate()
+                .map(|(l, res)| ExpertCache::new(self.n_expert, res, |e| eligible(l, e)))
+                .collect(),
+        )
     }
 
     /// The settings in effect.
@@ -230,7 +272,7 @@ mod tests {
             stages: 6,
             verify_handoff: false,
         };
-        HybridPolicy { params, resident, n_expert: 8 }
+        HybridPolicy { params, resident, n_expert: 8, gpu_cache: GpuCacheOptions::default() }
     }
 
     #[test]
@@ -245,6 +287,21 @@ mod tests {
         let r = p.split();
         assert_eq!((r.handoff, r.omit), (0.9, 0.05));
         assert!(p.verify_reports_coverage());
+    }
+
+    #[test]
+    fn the_cache_adapts_only_when_asked_and_where_there_are_slots() {
+        let mut p = policy(vec![vec![0, 3], vec![1]], 16);
+        assert!(p.expert_caches(2, |_, _| true).is_none(), "static by default");
+        p.gpu_cache.policy = GpuCachePolicy::Lru;
+        let caches = p.expert_caches(2, |l, e| l == 0 || e != 5).unwrap();
+        assert_eq!(caches.len(), 2);
+        assert_eq!((caches[0].slot_of(3), caches[1].slot_of(1), caches[1].slot_of(0)), (Some(1), Some(0), None));
+        p.keep_static();
+        assert!(p.expert_caches(2, |_, _| true).is_none());
+        let mut none = policy(vec![vec![], vec![]], 16);
+        none.gpu_cache.policy = GpuCachePolicy::Lru;
+        assert!(none.expert_caches(2, |_, _| true).is_none(), "no slots: nothing to adapt");
     }
 
     #[test]
