@@ -62,6 +62,10 @@ enum Command {
         /// covers are fitted with its per-column weights (every quantized type but Q8_0 and MXFP4).
         #[arg(long)]
         imatrix: Option<PathBuf>,
+        /// Also write the checkpoint's vision tower (`model.visual.*`) to this file as a llama.cpp mmproj GGUF
+        /// (architecture `clip`, projector `qwen3vl_merger`), for `nebula serve --mmproj`.
+        #[arg(long)]
+        mmproj: Option<PathBuf>,
     },
     /// Write a random-weight qwen4exp GGUF at the real widths (benchmarks, placement studies).
     Synth(nebula_service::cli::synth::SynthArgs),
@@ -120,7 +124,18 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Mtp(args)) => nebula_service::cli::bench::run_mtp(args),
         Command::Bench(BenchCommand::Prefix(args)) => nebula_service::cli::bench_prefix::run_prefix(args),
         Command::Bench(BenchCommand::Batch(args)) => nebula_service::cli::bench_batch::run_batch(args),
-        Command::Convert { input, output, outtype, no_mtp, split_max_gib, name, recipe, recipe_from, imatrix } => {
+        Command::Convert {
+            input,
+            output,
+            outtype,
+            no_mtp,
+            split_max_gib,
+            name,
+            recipe,
+            recipe_from,
+            imatrix,
+            mmproj,
+        } => {
             let imatrix = imatrix
                 .map(|p| ImportanceMatrix::load(&p).with_context(|| format!("reading {}", p.display())))
                 .transpose()?;
@@ -148,6 +163,16 @@ fn main() -> anyhow::Result<()> {
                     report.data_bytes as f64 / (1 << 20) as f64
                 );
                 return Ok(());
+            }
+            if let Some(mm) = &mmproj {
+                let report = nebula_engine::convert::convert_mmproj(&input, mm, outtype, name.as_deref())
+                    .with_context(|| format!("writing the vision tower of {} to {}", input.display(), mm.display()))?;
+                println!(
+                    "wrote {} ({} tensors, {:.1} MiB of tensor data)",
+                    mm.display(),
+                    report.tensors,
+                    report.data_bytes as f64 / (1 << 20) as f64
+                );
             }
             let opts = ConvertOptions {
                 out_type: outtype,
