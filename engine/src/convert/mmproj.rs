@@ -186,14 +186,22 @@ pub fn convert_mmproj(
         .find(|p| ckpt.get(&format!("{p}patch_embed.proj.weight")).is_some())
         .ok_or_else(|| ConvertError::Missing { name: "model.visual.patch_embed.proj.weight".into() })?;
 
-    let (d, ff, p, m2) = (h.hidden as u64, h.intermediate as u64, h.patch as u64, (h.hidden * h.merge * h.merge) as u64);
+    let (d, ff, p, m2) =
+        (h.hidden as u64, h.intermediate as u64, h.patch as u64, (h.hidden * h.merge * h.merge) as u64);
     let mut plan: Vec<(Planned, Vec<usize>)> = Vec::new();
     let mut add = |name: String, dims: Vec<u64>, ty: GgmlType, src: &str, hf_shape: Vec<usize>, frame| {
         plan.push((Planned { name, dims, ty, src: format!("{prefix}{src}"), frame }, hf_shape));
     };
     let patch_ty = if out_type == OutType::F16 { GgmlType::F16 } else { GgmlType::F32 };
     let conv_shape = vec![h.hidden, 3, 2, h.patch, h.patch];
-    add("v.patch_embd.weight".into(), vec![p, p, 3, d], patch_ty, "patch_embed.proj.weight", conv_shape.clone(), Some(0));
+    add(
+        "v.patch_embd.weight".into(),
+        vec![p, p, 3, d],
+        patch_ty,
+        "patch_embed.proj.weight",
+        conv_shape.clone(),
+        Some(0),
+    );
     add("v.patch_embd.weight.1".into(), vec![p, p, 3, d], patch_ty, "patch_embed.proj.weight", conv_shape, Some(1));
     add("v.patch_embd.bias".into(), vec![d], GgmlType::F32, "patch_embed.proj.bias", vec![h.hidden], None);
     let npos = h.num_position_embeddings;
@@ -209,7 +217,14 @@ pub fn convert_mmproj(
         let blk = |s: &str| format!("blocks.{b}.{s}");
         let v = |s: &str| format!("v.blk.{b}.{s}");
         for (n, src) in [("ln1", "norm1"), ("ln2", "norm2")] {
-            add(v(&format!("{n}.weight")), vec![d], GgmlType::F32, &blk(&format!("{src}.weight")), vec![h.hidden], None);
+            add(
+                v(&format!("{n}.weight")),
+                vec![d],
+                GgmlType::F32,
+                &blk(&format!("{src}.weight")),
+                vec![h.hidden],
+                None,
+            );
             add(v(&format!("{n}.bias")), vec![d], GgmlType::F32, &blk(&format!("{src}.bias")), vec![h.hidden], None);
         }
         for (n, src, rows, cols) in [
@@ -219,16 +234,44 @@ pub fn convert_mmproj(
             ("ffn_down", "mlp.linear_fc2", d, ff),
         ] {
             let shape = vec![rows as usize, cols as usize];
-            add(v(&format!("{n}.weight")), vec![cols, rows], matrix_type(out_type, cols), &blk(&format!("{src}.weight")), shape, None);
-            add(v(&format!("{n}.bias")), vec![rows], GgmlType::F32, &blk(&format!("{src}.bias")), vec![rows as usize], None);
+            add(
+                v(&format!("{n}.weight")),
+                vec![cols, rows],
+                matrix_type(out_type, cols),
+                &blk(&format!("{src}.weight")),
+                shape,
+                None,
+            );
+            add(
+                v(&format!("{n}.bias")),
+                vec![rows],
+                GgmlType::F32,
+                &blk(&format!("{src}.bias")),
+                vec![rows as usize],
+                None,
+            );
         }
     }
     add("v.post_ln.weight".into(), vec![d], GgmlType::F32, "merger.norm.weight", vec![h.hidden], None);
     add("v.post_ln.bias".into(), vec![d], GgmlType::F32, "merger.norm.bias", vec![h.hidden], None);
     let o = h.out_hidden as u64;
-    add("mm.0.weight".into(), vec![m2, m2], matrix_type(out_type, m2), "merger.linear_fc1.weight", vec![m2 as usize; 2], None);
+    add(
+        "mm.0.weight".into(),
+        vec![m2, m2],
+        matrix_type(out_type, m2),
+        "merger.linear_fc1.weight",
+        vec![m2 as usize; 2],
+        None,
+    );
     add("mm.0.bias".into(), vec![m2], GgmlType::F32, "merger.linear_fc1.bias", vec![m2 as usize], None);
-    add("mm.2.weight".into(), vec![m2, o], matrix_type(out_type, m2), "merger.linear_fc2.weight", vec![o as usize, m2 as usize], None);
+    add(
+        "mm.2.weight".into(),
+        vec![m2, o],
+        matrix_type(out_type, m2),
+        "merger.linear_fc2.weight",
+        vec![o as usize, m2 as usize],
+        None,
+    );
     add("mm.2.bias".into(), vec![o], GgmlType::F32, "merger.linear_fc2.bias", vec![o as usize], None);
 
     for (t, shape) in &plan {

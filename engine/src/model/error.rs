@@ -46,6 +46,10 @@ pub enum ModelError {
     /// A state snapshot does not belong to this sequence.
     #[error("snapshot at position {snapshot} cannot be restored into a sequence at position {current}")]
     BadSnapshot { snapshot: usize, current: usize },
+    /// The injected embeddings or rope positions of a forward call do not fit its tokens (or the backend takes
+    /// none).
+    #[error("image input: {problem}")]
+    MediaRows { problem: String },
     /// MTP drafting was asked for but cannot run (no MTP block, empty sequence, cache out of step).
     #[error("MTP drafting is unavailable: {reason}")]
     MtpUnavailable { reason: String },

@@ -35,7 +35,7 @@ pub use config::{GateActivation, LayerKind, ModelConfig};
 pub use error::ModelError;
 pub use linear_attn::GdnAlgorithm;
 pub use mtp::{MtpBlock, MtpState};
-pub use state::{SequenceState, Snapshot};
+pub use state::{MropeTrack, SequenceState, Snapshot};
 
 use config::Meta;
 use hyper_connection::GatedResidual;
@@ -493,6 +493,7 @@ impl Qwen4Exp {
                 .collect(),
             ple: self.layers.iter().find_map(|l| l.ple.as_ref().map(|p| p.new_state())),
             mtp: self.mtp.as_ref().map(MtpBlock::new_state),
+            mrope: MropeTrack::default(),
         }
     }
 
@@ -521,6 +522,7 @@ impl Qwen4Exp {
             _ => return Err(ModelError::BadSnapshot { snapshot: snap.pos, current: state.pos }),
         }
         state.ple.clone_from(&snap.ple);
+        state.mrope.truncate(snap.pos);
         state.pos = snap.pos;
         Ok(())
     }
@@ -569,7 +571,8 @@ impl Qwen4Exp {
             (None, _, _) => None,
             _ => return Err(bad()),
         };
-        Ok(SequenceState { pos: snap.pos, max_len, layers, ple: snap.ple.clone(), mtp })
+        let mrope = source.mrope.prefix(snap.pos);
+        Ok(SequenceState { pos: snap.pos, max_len, layers, ple: snap.ple.clone(), mtp, mrope })
     }
 
     /// Runs `tokens` through the model, continuing `state`, and returns the logits asked for (`[rows, vocab]`,
@@ -658,6 +661,7 @@ impl Qwen4Exp {
             self.cut_chain(state, record, keep)?;
         }
         state.pos = record.pos0 + keep;
+        state.mrope.truncate(state.pos);
         let t = std::time::Instant::now();
         if keep > 0
             && let (Some(ms), Some(block)) = (state.mtp.as_mut(), &self.mtp)

@@ -296,6 +296,7 @@ mod tests {
             layers: vec![LayerState::LinearAttention(gdn.clone())],
             ple: None,
             mtp: None,
+            mrope: Default::default(),
         };
         let checkpoints = at
             .iter()

@@ -622,6 +622,7 @@ impl<B: Backend> Worker<B> {
                     state: states[p.seq()].take().expect("each sequence is planned once"),
                     tokens: toks,
                     want,
+                    media: None,
                 })
                 .collect();
             backend.forward_batch(&mut items, self.rules.batch.mode)

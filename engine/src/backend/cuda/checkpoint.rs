@@ -413,7 +413,7 @@ impl CudaModel {
             }
             _ => None,
         };
-        Ok(SequenceState { pos, max_len: pos, layers, ple, mtp })
+        Ok(SequenceState { pos, max_len: pos, layers, ple, mtp, mrope: crate::model::MropeTrack::text(pos) })
     }
 
     /// Bytes of device memory `st` holds, every buffer counted at its allocated length: the caches (sized for
