@@ -34,9 +34,9 @@ enum Command {
         /// Checkpoint directory (config.json, *.safetensors, optionally tokenizer.json and chat_template.jinja), or
         /// a .gguf file to requantize.
         input: PathBuf,
-        /// Output GGUF path.
-        #[arg(short, long)]
-        output: PathBuf,
+        /// Output GGUF path (may be left out with --mmproj: then only the vision tower is written).
+        #[arg(short, long, required_unless_present = "mmproj")]
+        output: Option<PathBuf>,
         /// Type of the weight matrices: f32, f16, bf16 or q8_0 (norms, routers and convs stay F32).
         #[arg(long, default_value = "bf16")]
         outtype: OutType,
@@ -151,6 +151,7 @@ fn main() -> anyhow::Result<()> {
                 (None, None) => None,
             };
             if input.is_file() {
+                let output = output.context("a GGUF input is requantized: give --output")?;
                 let recipe = recipe.context("a GGUF input is requantized: give --recipe or --recipe-from")?;
                 let report = requantize_with(&input, &output, &recipe, imatrix.as_ref())
                     .with_context(|| format!("requantizing {} to {}", input.display(), output.display()))?;
@@ -174,6 +175,7 @@ fn main() -> anyhow::Result<()> {
                     report.data_bytes as f64 / (1 << 20) as f64
                 );
             }
+            let Some(output) = output else { return Ok(()) };
             let opts = ConvertOptions {
                 out_type: outtype,
                 include_mtp: !no_mtp,
