@@ -139,6 +139,12 @@ impl MediaPrompt {
     }
 }
 
+/// A 64-bit hash of an image's bytes and `settings` (whatever else changes its features, e.g. the pixel bounds):
+/// XXH3-64 with `settings` as the seed.
+pub fn content_hash(bytes: &[u8], settings: u64) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(bytes, settings)
+}
+
 /// SplitMix64's finaliser (a bijective 64-bit mix).
 fn splitmix64(mut v: u64) -> u64 {
     v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
