@@ -142,7 +142,7 @@ fn forward_batch_equals_each_call_alone_bit_for_bit() {
             .iter_mut()
             .zip(&tokens)
             .zip(wants)
-            .map(|((state, t), want)| BatchItem { state, tokens: t, want })
+            .map(|((state, t), want)| BatchItem::text(state, t, want))
             .collect();
         model.forward_batch(&mut items, BatchMode::Fast).unwrap()
     };
@@ -162,7 +162,7 @@ fn forward_batch_equals_each_call_alone_bit_for_bit() {
     let mut items: Vec<BatchItem<'_, _>> = states
         .iter_mut()
         .enumerate()
-        .map(|(i, state)| BatchItem { state, tokens: if i == 2 { &bad[..] } else { &good[..] }, want: LogitsFor::Last })
+        .map(|(i, state)| BatchItem::text(state, if i == 2 { &bad[..] } else { &good[..] }, LogitsFor::Last))
         .collect();
     assert!(model.forward_batch(&mut items, BatchMode::Fast).is_err());
     drop(items);

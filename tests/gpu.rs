@@ -901,7 +901,7 @@ fn batch_against_alone(
             .iter_mut()
             .zip(&tokens)
             .zip(&wants)
-            .map(|((state, tokens), &want)| BatchItem { state, tokens, want })
+            .map(|((state, tokens), &want)| BatchItem::text(state, tokens, want))
             .collect();
         let got = Backend::forward_batch(gpu, &mut items, mode).unwrap();
         assert_eq!(got.len(), 8);
@@ -1051,7 +1051,7 @@ fn a_bad_batch_item_fails_the_call_before_any_state_changes() {
             let mut items: Vec<BatchItem<'_, _>> = states
                 .iter_mut()
                 .zip(&bad)
-                .map(|(state, tokens)| BatchItem { state, tokens, want: LogitsFor::Last })
+                .map(|(state, tokens)| BatchItem::text(state, tokens, LogitsFor::Last))
                 .collect();
             let e = Backend::forward_batch(&gpu, &mut items, BatchMode::Deterministic).unwrap_err();
             match (err, e.as_model()) {
@@ -1067,7 +1067,7 @@ fn a_bad_batch_item_fails_the_call_before_any_state_changes() {
         let mut items: Vec<BatchItem<'_, _>> = states
             .iter_mut()
             .zip(&good)
-            .map(|(state, tokens)| BatchItem { state, tokens, want: LogitsFor::All })
+            .map(|(state, tokens)| BatchItem::text(state, tokens, LogitsFor::All))
             .collect();
         let got = Backend::forward_batch(&gpu, &mut items, BatchMode::Deterministic).unwrap();
         for (i, (st, tokens)) in reference.iter_mut().zip(&good).enumerate() {

@@ -21,4 +21,5 @@ pub mod speculative;
 pub mod synth;
 pub mod text;
 pub mod tuning;
+pub mod vision;
 pub mod worker;

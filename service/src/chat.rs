@@ -19,6 +19,7 @@ use crate::error::ApiError;
 use crate::generation::{ConstraintSpec, Generation};
 use crate::openai::{ChatCompletionRequest, ChatMessage, MessageContent, Role, StopSequences};
 use crate::prompt::{defuse, encode_rendered, pick_marker};
+use crate::vision::ImageRef;
 use crate::state::ServedModel;
 
 /// Most stop strings per request (OpenAI's limit).
@@ -170,7 +171,7 @@ pub fn prepare(
     if req.messages.is_empty() {
         return Err(ApiError::invalid("`messages` must contain at least one message.", "messages"));
     }
-    check_content(&req)?;
+    let images = check_content(&req, model)?;
     let (context_limit, prefill_chunk) = request_limits(model, req.max_context, req.max_prefill)?;
     // A conversation whose text alone is too long for the context is refused before it is rendered and encoded.
     let at_least = min_prompt_tokens(&req.messages, model.engine.tokenizer().max_token_bytes());
@@ -248,6 +249,7 @@ pub fn prepare(
     let messages = serde_json::to_value(fold_system_messages(&req.messages))
         .map_err(|e| ApiError::Internal(format!("re-encoding the messages failed: {e}")))?;
     let (prompt, ids) = render_and_encode(model, defaults, &messages, tools.as_ref(), Some(thinking), effort, kwargs)?;
+    let (ids, media) = with_images(model, ids, &images, context_limit)?;
     let room = check_room(ids.len(), context_limit)?;
 
     let sampling = sampling(&req.sampling_fields(), thinking, defaults)?;
@@ -279,6 +281,7 @@ pub fn prepare(
         Some((n, name)) => check_completion_room(n, name, ids.len(), context_limit)?,
     };
     let mut request = GenerateRequest::new(ids, max_tokens);
+    request.media = media;
     request.sampling = sampling;
     request.ignore_eos = ignore_eos;
     request.logprobs = logprobs;
@@ -465,30 +468,89 @@ fn check_roles(req: &ChatCompletionRequest) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Content parts must be text: this model reads no images, audio or files.
-fn check_content(req: &ChatCompletionRequest) -> Result<(), ApiError> {
+/// Content parts must be text, or images (`image_url`) when a vision tower is loaded and the backend takes
+/// them. Returns the images in the order the template renders them (messages, then parts).
+fn check_content(req: &ChatCompletionRequest, model: &ServedModel) -> Result<Vec<ImageRef>, ApiError> {
     check_roles(req)?;
+    let mut images = Vec::new();
     for (i, message) in req.messages.iter().enumerate() {
         let Some(MessageContent::Parts(parts)) = &message.content else { continue };
         for (j, part) in parts.iter().enumerate() {
-            let param = format!("messages[{i}].content[{j}]");
+            let param = part
+                .get(crate::vision::PARAM_KEY)
+                .and_then(Value::as_str)
+                .map_or_else(|| format!("messages[{i}].content[{j}]"), str::to_owned);
             match part.get("type").and_then(Value::as_str) {
                 Some("text") => {
                     if !part.get("text").is_some_and(Value::is_string) {
                         return Err(ApiError::invalid("A text content part needs a string `text`.", param));
                     }
                 }
+                Some("image_url") => {
+                    if model.vision.is_none() {
+                        return Err(ApiError::invalid(
+                            "Image input needs a vision tower, and none is loaded: start the server with --mmproj                              FILE (the model's mmproj GGUF).",
+                            param,
+                        ));
+                    }
+                    if !model.engine.accepts_media() {
+                        return Err(ApiError::invalid(
+                            "This server's backend takes no image input yet; serve with --backend cpu for images.",
+                            param,
+                        ));
+                    }
+                    if message.role == Role::System {
+                        return Err(ApiError::invalid("A system message cannot contain images.", param));
+                    }
+                    let url = crate::vision::part_url(part, &param)?;
+                    images.push(ImageRef { param, url });
+                }
                 Some(other) => {
-                    return Err(ApiError::invalid(
-                        format!("Content part type `{other}` is not supported: this model reads text only."),
-                        param,
-                    ));
+                    let what = if model.vision.is_some() { "text and image_url parts are read" } else { "this model reads text only" };
+                    return Err(ApiError::invalid(format!("Content part type `{other}` is not supported: {what}."), param));
                 }
                 None => return Err(ApiError::invalid("A content part needs a string `type`.", param)),
             }
         }
     }
-    Ok(())
+    Ok(images)
+}
+
+/// The prompt with its images: each image read, decoded and run through the tower, its one `<|image_pad|>`
+/// expanded to its feature count (`crate::vision`). A prompt without images comes back as it is.
+///
+/// Errors: 400 naming the image's part for an image that cannot be used, or when the images leave no room in
+/// the context.
+fn with_images(
+    model: &ServedModel,
+    ids: Vec<u32>,
+    images: &[ImageRef],
+    context_limit: usize,
+) -> Result<(Vec<u32>, Option<Arc<nebula_engine::vision::MediaPrompt>>), ApiError> {
+    let Some(tower) = model.vision.as_ref().filter(|_| !images.is_empty()) else { return Ok((ids, None)) };
+    let pad = model
+        .engine
+        .tokenizer()
+        .token_to_id("<|image_pad|>")
+        .ok_or_else(|| ApiError::Internal("the tokenizer has no <|image_pad|> token".into()))?;
+    let encoded = crate::vision::encode_images(tower, images, &model.vision_config)?;
+    let image_tokens: usize = encoded.iter().map(|e| e.rows * e.cols).sum();
+    let total = ids.len() - images.len() + image_tokens;
+    if total >= context_limit {
+        return Err(ApiError::invalid_with_code(
+            format!(
+                "This model's maximum context length is {context_limit} tokens, but with its {} images ({image_tokens} \
+                 tokens) the prompt has {total} tokens, which leaves no room for the completion. Send fewer or \
+                 smaller images.",
+                images.len()
+            ),
+            Some(images[0].param.clone()),
+            "context_length_exceeded",
+        ));
+    }
+    let cfg = model.engine.config();
+    let (ids, media) = crate::vision::expand_prompt(&ids, pad, &encoded, images, cfg.vocab, cfg.hidden)?;
+    Ok((ids, Some(media)))
 }
 
 /// The tools to render, checked for the shape the template and the output parser need; `None` for no tools or

@@ -19,6 +19,17 @@ pub static EMBEDDED_DEMO_MODEL: &[u8] = include_bytes!("../../models/nebula-demo
 #[cfg(feature = "lean")]
 pub static EMBEDDED_DEMO_MODEL: &[u8] = &[];
 
+/// The demo model's vision tower (`models/nebula-demo-mmproj.gguf`, made by `scripts/make_demo_vision.py`),
+/// loaded with the embedded demo model when no `vision.mmproj` is given.
+#[cfg(not(feature = "lean"))]
+pub static EMBEDDED_DEMO_MMPROJ: &[u8] = include_bytes!("../../models/nebula-demo-mmproj.gguf");
+/// Built with the `lean` feature: no demo tower inside.
+#[cfg(feature = "lean")]
+pub static EMBEDDED_DEMO_MMPROJ: &[u8] = &[];
+
+/// Label of the embedded demo tower in logs and errors.
+pub const EMBEDDED_DEMO_MMPROJ_LABEL: &str = "<embedded>/nebula-demo-mmproj.gguf";
+
 /// Label of the embedded demo model in logs and errors (it stands where a path would).
 pub const EMBEDDED_DEMO_LABEL: &str = "<embedded>/nebula-demo.gguf";
 
@@ -80,6 +91,10 @@ pub struct ServeArgs {
     /// live in pinned host memory (0: all in VRAM). Default: the profile's, else 0.
     #[arg(long)]
     pub kv_window: Option<u64>,
+    /// The model's vision tower: an mmproj GGUF (`nebula convert --mmproj`, or llama.cpp's). Default: none (the
+    /// embedded demo model brings its own); without one, image parts get 400.
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
     /// Expert placement and emulation flags (`[placement]` of the config).
     #[command(flatten)]
     pub placement: crate::placement::PlacementFlags,
@@ -232,6 +247,42 @@ impl PrefixCacheConfig {
     }
 }
 
+/// Vision input (`[vision]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VisionConfig {
+    /// The vision tower, an mmproj GGUF; `None`: the embedded demo tower with the demo model, else no images.
+    pub mmproj: Option<PathBuf>,
+    /// Accept local file paths (`file:///...` or an absolute path) in `image_url` parts. Off by default: a
+    /// server should not read its own disk for clients.
+    pub allow_local_files: bool,
+    /// When set, local files must lie under this directory (after resolving links).
+    pub local_files_root: Option<PathBuf>,
+    /// Fewest pixels an image is resized to; `None`: the tower file's (`clip.vision.image_min_pixels`, else
+    /// Qwen3-VL's 65,536).
+    pub min_pixels: Option<u64>,
+    /// Most pixels an image is resized to; `None`: the tower file's (else Qwen3-VL's 16,777,216).
+    pub max_pixels: Option<u64>,
+    /// Most pixels an image may declare in its header; larger ones are refused before decoding (pixel bombs).
+    pub max_decode_pixels: u64,
+    /// Most images in one request.
+    pub max_images: usize,
+}
+
+impl Default for VisionConfig {
+    fn default() -> Self {
+        Self {
+            mmproj: None,
+            allow_local_files: false,
+            local_files_root: None,
+            min_pixels: None,
+            max_pixels: None,
+            max_decode_pixels: 64 << 20,
+            max_images: 32,
+        }
+    }
+}
+
 /// MTP speculative decoding (`[mtp]`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -342,6 +393,8 @@ pub struct ServerConfig {
     pub placement: crate::placement::PlacementConfig,
     /// MTP speculative decoding.
     pub mtp: MtpConfig,
+    /// Vision input.
+    pub vision: VisionConfig,
     /// Continuous batching.
     pub batching: BatchingConfig,
     /// `cpu` or `cuda`.
@@ -388,6 +441,7 @@ impl Default for ServerConfig {
             prefix_cache: PrefixCacheConfig::default(),
             placement: crate::placement::PlacementConfig::default(),
             mtp: MtpConfig::default(),
+            vision: VisionConfig::default(),
             batching: BatchingConfig::default(),
             backend: "cpu".into(),
             gpu: 0,
@@ -568,6 +622,8 @@ struct FlagOverrides {
     kv_window: Option<u64>,
     #[serde(skip_serializing_if = "is_empty_object")]
     placement: serde_json::Value,
+    #[serde(skip_serializing_if = "is_empty_object")]
+    vision: serde_json::Value,
 }
 
 fn is_empty_object(v: &serde_json::Value) -> bool {
@@ -591,6 +647,10 @@ impl From<&ServeArgs> for FlagOverrides {
             kv_cache_type: a.kv_cache_type,
             kv_window: a.kv_window,
             placement: a.placement.overrides(),
+            vision: match &a.mmproj {
+                Some(p) => serde_json::json!({ "mmproj": p }),
+                None => serde_json::json!({}),
+            },
         }
     }
 }

@@ -153,11 +153,12 @@ pub fn start(
     })?;
     let (tx, rx) = mpsc::channel(PIECE_BUFFER);
     let prompt_tokens = request.prompt.len();
+    let image_tokens = request.media.as_ref().map_or(0, |m| m.rows.len());
     let span = tracing::info_span!("generation", model = %model.id, prompt_tokens, choices = n);
     tokio::spawn(
         async move {
             for (i, events) in receivers.into_iter().enumerate() {
-                let ok = drive(&model, events, &parse, stop.clone(), prompt_tokens, &tx, i, &settings).await;
+                let ok = drive(&model, events, &parse, stop.clone(), (prompt_tokens, image_tokens), &tx, i, &settings).await;
                 if !ok {
                     break;
                 }
@@ -224,13 +225,14 @@ async fn drive(
     mut events: mpsc::UnboundedReceiver<GenerationEvent>,
     parse: &ParseOptions,
     stop: Vec<String>,
-    prompt_tokens: usize,
+    (prompt_tokens, image_tokens): (usize, usize),
     tx: &mpsc::Sender<(usize, Piece)>,
     choice: usize,
     settings: &DriveSettings,
 ) -> bool {
     let mut decoder = model.engine.tokenizer().stream_decoder(true);
     let mut turn = TurnAssembler::new(parse, stop, prompt_tokens);
+    turn.image_tokens = image_tokens;
     turn.raw = !settings.chat;
     let metrics = &settings.metrics;
     let mut queue_span = Some(tracing::info_span!("queue", choice));
@@ -421,6 +423,8 @@ pub struct TurnAssembler {
     saw_tool_call: bool,
     /// Pass text through unparsed (text completions).
     pub raw: bool,
+    /// Prompt tokens that stand for images (reported in `usage.prompt_tokens_details.image_tokens`).
+    pub image_tokens: usize,
 }
 
 impl TurnAssembler {
@@ -433,6 +437,7 @@ impl TurnAssembler {
             completion_tokens: 0,
             saw_tool_call: false,
             raw: false,
+            image_tokens: 0,
         }
     }
 
@@ -479,7 +484,7 @@ impl TurnAssembler {
             if self.saw_tool_call && reason == FinishReason::Stop { FinishReason::ToolCalls } else { reason };
         pieces.push(Piece::Done {
             finish_reason,
-            usage: Usage::new(self.prompt_tokens, self.completion_tokens),
+            usage: Usage::new(self.prompt_tokens, self.completion_tokens).with_images(self.image_tokens),
             timings: Timings::default(),
         });
         pieces

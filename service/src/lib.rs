@@ -41,6 +41,7 @@ pub mod seal;
 pub mod state;
 pub mod stream;
 pub mod telemetry;
+pub mod vision;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

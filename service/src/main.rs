@@ -34,9 +34,9 @@ enum Command {
         /// Checkpoint directory (config.json, *.safetensors, optionally tokenizer.json and chat_template.jinja), or
         /// a .gguf file to requantize.
         input: PathBuf,
-        /// Output GGUF path.
-        #[arg(short, long)]
-        output: PathBuf,
+        /// Output GGUF path (may be left out with --mmproj: then only the vision tower is written).
+        #[arg(short, long, required_unless_present = "mmproj")]
+        output: Option<PathBuf>,
         /// Type of the weight matrices: f32, f16, bf16 or q8_0 (norms, routers and convs stay F32).
         #[arg(long, default_value = "bf16")]
         outtype: OutType,
@@ -62,6 +62,10 @@ enum Command {
         /// covers are fitted with its per-column weights (every quantized type but Q8_0 and MXFP4).
         #[arg(long)]
         imatrix: Option<PathBuf>,
+        /// Also write the checkpoint's vision tower (`model.visual.*`) to this file as a llama.cpp mmproj GGUF
+        /// (architecture `clip`, projector `qwen3vl_merger`), for `nebula serve --mmproj`.
+        #[arg(long)]
+        mmproj: Option<PathBuf>,
     },
     /// Write a random-weight qwen4exp GGUF at the real widths (benchmarks, placement studies).
     Synth(nebula_service::cli::synth::SynthArgs),
@@ -120,7 +124,18 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Mtp(args)) => nebula_service::cli::bench::run_mtp(args),
         Command::Bench(BenchCommand::Prefix(args)) => nebula_service::cli::bench_prefix::run_prefix(args),
         Command::Bench(BenchCommand::Batch(args)) => nebula_service::cli::bench_batch::run_batch(args),
-        Command::Convert { input, output, outtype, no_mtp, split_max_gib, name, recipe, recipe_from, imatrix } => {
+        Command::Convert {
+            input,
+            output,
+            outtype,
+            no_mtp,
+            split_max_gib,
+            name,
+            recipe,
+            recipe_from,
+            imatrix,
+            mmproj,
+        } => {
             let imatrix = imatrix
                 .map(|p| ImportanceMatrix::load(&p).with_context(|| format!("reading {}", p.display())))
                 .transpose()?;
@@ -136,6 +151,7 @@ fn main() -> anyhow::Result<()> {
                 (None, None) => None,
             };
             if input.is_file() {
+                let output = output.context("a GGUF input is requantized: give --output")?;
                 let recipe = recipe.context("a GGUF input is requantized: give --recipe or --recipe-from")?;
                 let report = requantize_with(&input, &output, &recipe, imatrix.as_ref())
                     .with_context(|| format!("requantizing {} to {}", input.display(), output.display()))?;
@@ -149,6 +165,17 @@ fn main() -> anyhow::Result<()> {
                 );
                 return Ok(());
             }
+            if let Some(mm) = &mmproj {
+                let report = nebula_engine::convert::convert_mmproj(&input, mm, outtype, name.as_deref())
+                    .with_context(|| format!("writing the vision tower of {} to {}", input.display(), mm.display()))?;
+                println!(
+                    "wrote {} ({} tensors, {:.1} MiB of tensor data)",
+                    mm.display(),
+                    report.tensors,
+                    report.data_bytes as f64 / (1 << 20) as f64
+                );
+            }
+            let Some(output) = output else { return Ok(()) };
             let opts = ConvertOptions {
                 out_type: outtype,
                 include_mtp: !no_mtp,

@@ -261,6 +261,14 @@ pub struct Usage {
 pub struct PromptTokensDetails {
     /// Prompt tokens taken from the prefix cache (not prefilled).
     pub cached_tokens: usize,
+    /// Prompt tokens that stand for images (the vision tower's features at the image pad tokens); absent for a
+    /// text prompt.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub image_tokens: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl Usage {
@@ -277,6 +285,18 @@ impl Usage {
     /// The same usage with `cached_tokens` set.
     pub fn with_cached(mut self, cached_tokens: usize) -> Self {
         self.prompt_tokens_details.cached_tokens = cached_tokens;
+        self
+    }
+
+    /// The same usage with `image_tokens` set.
+    pub fn with_images(mut self, image_tokens: usize) -> Self {
+        self.prompt_tokens_details.image_tokens = image_tokens;
+        self
+    }
+
+    /// The same usage with these prompt details (merging the choices of one request).
+    pub fn with_details(mut self, details: PromptTokensDetails) -> Self {
+        self.prompt_tokens_details = details;
         self
     }
 }

@@ -36,6 +36,10 @@ pub struct ServedModel {
     pub specials: Vec<(String, u32)>,
     /// Prompt tokens per prefill chunk.
     pub max_prefill: usize,
+    /// The vision tower, when one is loaded (`vision.mmproj`, or the demo's own).
+    pub vision: Option<Arc<nebula_engine::vision::VisionModel>>,
+    /// `[vision]` settings (URL rules, pixel bounds, limits).
+    pub vision_config: crate::config::VisionConfig,
     /// The grammar compiler, built at the first constrained request.
     grammar: OnceLock<Result<GrammarCompiler, String>>,
     /// Turns true when the shutdown grace period ends (see [`AppState::cut_off`]).
@@ -287,6 +291,7 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         tracing::info!("{}", engine.placement().summary());
     }
     let specials = added_tokens(engine.tokenizer());
+    let vision = load_vision(config, &engine)?;
     let id = config.model_id.clone().unwrap_or_else(|| engine.name().to_owned());
     tracing::info!(
         model = %label,
@@ -307,9 +312,57 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         template,
         specials,
         max_prefill,
+        vision,
+        vision_config: config.vision.clone(),
         grammar: OnceLock::new(),
         cut_off: state.cut_off.subscribe(),
     })
+}
+
+/// The vision tower: `vision.mmproj`, else the embedded demo tower when the demo model is served, else none.
+/// Its output width must be the model's hidden size.
+///
+/// Errors: [`ServeError::Load`] naming the mmproj file (unreadable, not a `qwen3vl_merger` tower, a tensor of
+/// the wrong shape or type, another width than the model's).
+fn load_vision(
+    config: &ServerConfig,
+    engine: &Engine,
+) -> Result<Option<Arc<nebula_engine::vision::VisionModel>>, ServeError> {
+    use nebula_engine::vision::VisionModel;
+    let (label, tower) = match (&config.vision.mmproj, &config.model) {
+        (Some(path), _) => (path.display().to_string(), VisionModel::load(path)),
+        (None, ModelSource::EmbeddedDemo) if !crate::config::EMBEDDED_DEMO_MMPROJ.is_empty() => {
+            let label = crate::config::EMBEDDED_DEMO_MMPROJ_LABEL.to_owned();
+            let file = nebula_engine::gguf::GgufFile::from_bytes(&label, crate::config::EMBEDDED_DEMO_MMPROJ.to_vec())
+                .map_err(nebula_engine::model::ModelError::from);
+            (label, file.and_then(|f| VisionModel::from_gguf(Arc::new(f))))
+        }
+        _ => return Ok(None),
+    };
+    let load_error = |e: nebula_engine::model::ModelError| ServeError::Load {
+        model: label.clone(),
+        error: Box::new(nebula_engine::worker::LoadError::Model(e)),
+    };
+    let tower = tower.map_err(load_error)?;
+    let hidden = engine.config().hidden;
+    if tower.config.out_hidden != hidden {
+        return Err(load_error(nebula_engine::model::ModelError::Metadata {
+            file: label.clone(),
+            key: "clip.vision.projection_dim".into(),
+            problem: format!("{}: the model's hidden size is {hidden} (a tower of another model?)", tower.config.out_hidden),
+        }));
+    }
+    if !engine.accepts_media() {
+        tracing::warn!(mmproj = %label, "the vision tower is loaded, but this backend takes no image input yet: image parts get 400");
+    }
+    tracing::info!(
+        mmproj = %label,
+        blocks = tower.config.depth,
+        width = tower.config.hidden,
+        mib = format_args!("{:.1}", tower.weight_bytes() as f64 / (1 << 20) as f64),
+        "vision tower loaded"
+    );
+    Ok(Some(Arc::new(tower)))
 }
 
 /// Seconds since the Unix epoch.

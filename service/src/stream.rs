@@ -314,7 +314,7 @@ pub fn completion_sse(
                         st.usage = Some(match st.usage {
                             None => usage,
                             Some(t) => Usage::new(t.prompt_tokens, t.completion_tokens + usage.completion_tokens)
-                                .with_cached(t.prompt_tokens_details.cached_tokens),
+                                .with_details(t.prompt_tokens_details),
                         });
                         st.done += 1;
                         if st.done == st.meta.n {

@@ -46,6 +46,10 @@ impl Backend for Qwen4Exp {
         Ok(Qwen4Exp::forward(self, state, tokens, want)?)
     }
 
+    fn accepts_media(&self) -> bool {
+        true
+    }
+
     /// One pass for every item ([`Qwen4Exp::forward_items`]): always deterministic, whatever `mode` says.
     fn forward_batch(
         &self,

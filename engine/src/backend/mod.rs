@@ -131,14 +131,62 @@ pub enum Kept<S> {
 }
 
 /// One sequence's part of a batched forward pass ([`Backend::forward_batch`]): its state, the tokens it consumes
-/// in this pass (one for a decode step, a chunk for prefill) and which of their logits it wants.
+/// in this pass (one for a decode step, a chunk for prefill), which of their logits it wants, and for a prompt
+/// with images the rows that take an image's features instead of their token's embedding.
 pub struct BatchItem<'a, S> {
     /// The sequence's state; the pass advances it by `tokens.len()`.
     pub state: &'a mut S,
-    /// Tokens to consume, in order.
+    /// Tokens to consume, in order. A row with an injected embedding keeps its placeholder id here: the PLE
+    /// n-gram hash reads it, as the reference hashes the `<|image_pad|>` id.
     pub tokens: &'a [u32],
     /// Which rows' logits come back.
     pub want: LogitsFor,
+    /// Injected embeddings and explicit rope positions; `None`: text continuing the state's positions.
+    pub media: Option<MediaRows<'a>>,
+}
+
+impl<'a, S> BatchItem<'a, S> {
+    /// An item of text tokens.
+    pub fn text(state: &'a mut S, tokens: &'a [u32], want: LogitsFor) -> Self {
+        Self { state, tokens, want, media: None }
+    }
+}
+
+/// What a forward call takes besides token ids for a prompt with images or video: rows whose input embedding is
+/// given (the vision tower's merged features, placed at the `<|image_pad|>` / `<|video_pad|>` rows) and the 3-D
+/// rope position of every row (`crate::vision::rope_index`). Positions are the reference's M-RoPE `[t, h, w]`;
+/// text rows carry `[p, p, p]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MediaRows<'a> {
+    /// `[t, h, w]` of every row of the call (`tokens.len()` entries).
+    pub positions: &'a [[u32; 3]],
+    /// Rows of the call (indices into its tokens, ascending) whose embedding is `embeds`.
+    pub rows: &'a [usize],
+    /// `[rows.len(), hidden]` embeddings.
+    pub embeds: &'a [f32],
+}
+
+impl MediaRows<'_> {
+    /// Checks the rows against a call of `n` tokens of a model `hidden` wide.
+    ///
+    /// Errors: [`ModelError::MediaRows`] naming the mismatch.
+    pub fn check(&self, n: usize, hidden: usize) -> Result<(), ModelError> {
+        let bad = |problem: String| Err(ModelError::MediaRows { problem });
+        if self.positions.len() != n {
+            return bad(format!("{} positions for {n} tokens", self.positions.len()));
+        }
+        if self.embeds.len() != self.rows.len() * hidden {
+            return bad(format!(
+                "{} embedding values for {} rows of width {hidden}",
+                self.embeds.len(),
+                self.rows.len()
+            ));
+        }
+        if self.rows.windows(2).any(|w| w[0] >= w[1]) || self.rows.last().is_some_and(|&r| r >= n) {
+            return bad(format!("rows {:?} are not ascending within {n} tokens", self.rows));
+        }
+        Ok(())
+    }
 }
 
 /// How a batched pass may order its sums.
@@ -223,6 +271,12 @@ pub trait Backend {
         Ok(crate::model::check_tokens(self.vocab(), self.position(state), self.capacity(state), tokens)?)
     }
 
+    /// Whether [`Backend::forward_batch`] takes items with [`MediaRows`] (injected embeddings and explicit
+    /// positions). A backend that does not refuses such items with [`ModelError::MediaRows`].
+    fn accepts_media(&self) -> bool {
+        false
+    }
+
     /// Runs several sequences in one pass: each item's tokens on its own state (attention, Gated DeltaNet, PLE
     /// and MTP caches per sequence), the row-wise work (projections, routers, experts, head) over the rows of
     /// every item together, so each weight is read once per pass. Returns each item's logits as
@@ -240,6 +294,12 @@ pub trait Backend {
         let _ = mode;
         for it in items.iter() {
             self.check_input(it.state, it.tokens)?;
+            if it.media.is_some() {
+                return Err(ModelError::MediaRows {
+                    problem: format!("the {} backend takes no image input", self.describe()),
+                }
+                .into());
+            }
         }
         items.iter_mut().map(|it| self.forward(it.state, it.tokens, it.want)).collect()
     }

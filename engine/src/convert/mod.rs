@@ -11,6 +11,7 @@
 mod checkpoint;
 mod hf_config;
 mod imatrix;
+mod mmproj;
 pub mod recipe;
 mod requantize;
 
@@ -23,6 +24,7 @@ use crate::quant::{f32_to_bf16_bits, quantize};
 pub use checkpoint::{Checkpoint, SourceTensor};
 pub use hf_config::HfTextConfig;
 pub use imatrix::{ImatrixCollector, ImportanceMatrix};
+pub use mmproj::{QWEN3VL_IMAGE_MEAN, QWEN3VL_IMAGE_STD, QWEN3VL_PIXEL_BOUNDS, convert_mmproj};
 pub use recipe::{QuantRecipe, RecipeContext, RecipeName};
 pub use requantize::{requantize, requantize_with};
 

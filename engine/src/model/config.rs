@@ -541,6 +541,18 @@ impl<'a> Meta<'a> {
             .collect::<Result<Vec<_>, _>>()
             .map(Some)
     }
+    pub(crate) fn opt_f32_array(&self, key: &str) -> Result<Option<Vec<f32>>, ModelError> {
+        let Some(v) = self.file.get(key) else { return Ok(None) };
+        self.array(key, v)?
+            .iter()
+            .map(|x| match *x {
+                MetadataValue::F32(f) if f.is_finite() => Ok(f),
+                MetadataValue::F64(f) if f.is_finite() => Ok(f as f32),
+                ref other => Err(self.wrong(key, "an array of finite floats", other)),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
     pub(crate) fn opt_i32_array(&self, key: &str) -> Result<Option<Vec<i32>>, ModelError> {
         let Some(v) = self.file.get(key) else { return Ok(None) };
         self.array(key, v)?

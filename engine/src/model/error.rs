@@ -49,6 +49,10 @@ pub enum ModelError {
     /// The KV cache type cannot hold this model's attention caches.
     #[error("kv_cache_type {ty}: {problem}")]
     KvCacheType { ty: String, problem: String },
+    /// The injected embeddings or rope positions of a forward call do not fit its tokens (or the backend takes
+    /// none).
+    #[error("image input: {problem}")]
+    MediaRows { problem: String },
     /// MTP drafting was asked for but cannot run (no MTP block, empty sequence, cache out of step).
     #[error("MTP drafting is unavailable: {reason}")]
     MtpUnavailable { reason: String },

@@ -63,7 +63,7 @@ impl Qwen4Exp {
         campaign: Option<&mut HotlistBuilder>,
         record: Option<&mut ChainRecord>,
     ) -> Result<Vec<f32>, ModelError> {
-        let mut items = [BatchItem { state, tokens, want }];
+        let mut items = [BatchItem::text(state, tokens, want)];
         let mut out = self.forward_items(&mut items, opts, campaign, record)?;
         Ok(out.pop().unwrap_or_default())
     }
@@ -86,6 +86,9 @@ impl Qwen4Exp {
         let cfg = &self.config;
         for it in items.iter() {
             check_tokens(cfg.vocab, it.state.pos, it.state.max_len, it.tokens)?;
+            if let Some(m) = &it.media {
+                m.check(it.tokens.len(), cfg.hidden)?;
+            }
         }
         assert!(record.is_none() || items.len() == 1, "a chain record covers one sequence");
         // Rows of item i: rows[i].
@@ -128,13 +131,33 @@ impl Qwen4Exp {
             }
             table_rows = p.fetch_rows(&all).map(|f| (all, f));
         }
-        // X_0 = [e; e; ...; e].
+        // X_0 = [e; e; ...; e], e the token's embedding or the row's injected one (an image's features).
         let mut x = vec![0f32; n * dim];
         let mut e = vec![0f32; d];
-        for (t, &tok) in items.iter().flat_map(|it| it.tokens.iter()).enumerate() {
-            self.embed_tokens.dequantize_row(tok as usize, &mut e);
-            for st in 0..s {
-                x[t * dim + st * d..t * dim + (st + 1) * d].copy_from_slice(&e);
+        for (it, r) in items.iter().zip(&rows) {
+            let mut injected = it.media.iter().flat_map(|m| m.rows.iter().zip(m.embeds.chunks_exact(d))).peekable();
+            for (k, &tok) in it.tokens.iter().enumerate() {
+                let t = r.start + k;
+                match injected.next_if(|(row, _)| **row == k) {
+                    Some((_, emb)) => e.copy_from_slice(emb),
+                    None => self.embed_tokens.dequantize_row(tok as usize, &mut e),
+                }
+                for st in 0..s {
+                    x[t * dim + st * d..t * dim + (st + 1) * d].copy_from_slice(&e);
+                }
+            }
+        }
+        // Every row's rope position (given, or text continuing the sequence's), recorded in its state.
+        let mut positions: Vec<[u32; 3]> = Vec::with_capacity(n);
+        for it in items.iter_mut() {
+            let base = it.state.pos;
+            for k in 0..it.tokens.len() {
+                let p = match &it.media {
+                    Some(m) => m.positions[k],
+                    None => [it.state.mrope.next_text(); 3],
+                };
+                it.state.mrope.push(base + k, p);
+                positions.push(p);
             }
         }
         if let Some(r) = record.as_deref_mut() {
@@ -173,7 +196,8 @@ impl Qwen4Exp {
                 }
             }
             let mixed = layer.attn_hyper_connection.mix(&x, n);
-            let y = self.token_mixer(li, layer, items, &rows, &pos0, &mixed.mixed, opts, record.as_deref_mut());
+            let y =
+                self.token_mixer(li, layer, items, &rows, &pos0, &positions, &mixed.mixed, opts, record.as_deref_mut());
             layer.attn_hyper_connection.inject(&mut x, &y, &mixed.inject);
             let mixed = layer.mlp_hyper_connection.mix(&x, n);
             let computed = layer.mlp.route(&mixed.mixed, n);
@@ -260,6 +284,7 @@ impl Qwen4Exp {
         items: &mut [BatchItem<'_, SequenceState>],
         rows: &[Range<usize>],
         pos0: &[usize],
+        positions: &[[u32; 3]],
         mixed: &[f32],
         opts: ForwardOptions,
         record: Option<&mut ChainRecord>,
@@ -301,10 +326,11 @@ impl Qwen4Exp {
                 let proj = a.project(mixed, n);
                 let mut attn = Vec::with_capacity(n * a.n_head * a.head_dim);
                 for ((it, r), &p0) in items.iter_mut().zip(rows).zip(pos0) {
-                    let LayerState::Attention(st) = &mut it.state.layers[li] else {
+                    let SequenceState { layers, mrope, .. } = &mut *it.state;
+                    let LayerState::Attention(st) = &mut layers[li] else {
                         unreachable!("state layout always follows the model's layers")
                     };
-                    attn.extend(a.attend(&proj, r.clone(), p0, st, &self.rope));
+                    attn.extend(a.attend(&proj, r.clone(), p0, &positions[r.clone()], mrope, st, &self.rope));
                 }
                 a.output(&attn, n)
             }

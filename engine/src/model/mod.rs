@@ -38,7 +38,7 @@ pub use error::ModelError;
 pub use kv_cache::{KvCacheType, KvRows};
 pub use linear_attn::GdnAlgorithm;
 pub use mtp::{MtpBlock, MtpState};
-pub use state::{SequenceState, Snapshot};
+pub use state::{MropeTrack, SequenceState, Snapshot};
 
 use config::Meta;
 use hyper_connection::GatedResidual;
@@ -571,6 +571,7 @@ impl Qwen4Exp {
             ple: self.layers.iter().find_map(|l| l.ple.as_ref().map(|p| p.new_state())),
             mtp: self.mtp.as_ref().map(|m| m.new_state(self.config.kv_cache)),
             routing_stream: 0,
+            mrope: MropeTrack::default(),
         }
     }
 
@@ -598,6 +599,7 @@ impl Qwen4Exp {
             _ => return Err(ModelError::BadSnapshot { snapshot: snap.pos, current: state.pos }),
         }
         state.ple.clone_from(&snap.ple);
+        state.mrope.truncate(snap.pos);
         state.pos = snap.pos;
         Ok(())
     }
@@ -637,6 +639,7 @@ impl Qwen4Exp {
             (None, _, _) => None,
             _ => return Err(bad()),
         };
+        let mrope = source.mrope.prefix(snap.pos);
         Ok(SequenceState {
             pos: snap.pos,
             max_len,
@@ -644,6 +647,7 @@ impl Qwen4Exp {
             ple: snap.ple.clone(),
             mtp,
             routing_stream: source.routing_stream,
+            mrope,
         })
     }
 
@@ -733,6 +737,7 @@ impl Qwen4Exp {
             self.cut_chain(state, record, keep)?;
         }
         state.pos = record.pos0 + keep;
+        state.mrope.truncate(state.pos);
         let t = std::time::Instant::now();
         if keep > 0
             && let (Some(ms), Some(block)) = (state.mtp.as_mut(), &self.mtp)

@@ -17,6 +17,7 @@ use super::error::ModelError;
 use super::kv_cache::{KvCacheType, KvRows};
 use super::norm::{rms_norm, sigmoid, softmax};
 use super::rope::Rope;
+use super::state::MropeTrack;
 use super::weights::TensorLoader;
 
 /// KV cache and indexer keys of one attention layer for one sequence, stored in the model's
@@ -158,10 +159,11 @@ impl Attention {
         self.indexer.as_ref().map_or((0, 0), |i| (i.cfg.head_dim, i.compress_ratio))
     }
 
-    /// Runs `n` tokens `x` (`[n, d]`) at positions `pos0..pos0+n`, appending to `state`; returns `[n, d]`.
+    /// Runs `n` text tokens `x` (`[n, d]`) at positions `pos0..pos0+n`, appending to `state`; returns `[n, d]`.
     pub fn forward(&self, x: &[f32], n: usize, pos0: usize, state: &mut AttnState, rope: &Rope) -> Vec<f32> {
         let proj = self.project(x, n);
-        let attn = self.attend(&proj, 0..n, pos0, state, rope);
+        let positions: Vec<[u32; 3]> = (pos0..pos0 + n).map(|p| [p as u32; 3]).collect();
+        let attn = self.attend(&proj, 0..n, pos0, &positions, &MropeTrack::default(), state, rope);
         self.output(&attn, n)
     }
 
@@ -180,13 +182,18 @@ impl Attention {
         AttnProjections { p, k, v, index }
     }
 
-    /// Attention of the projected rows `rows` (one sequence's, at positions `pos0..`) over that sequence's cache
+    /// Attention of the projected rows `rows` (one sequence's, at cache indices `pos0..`) over that sequence's cache
     /// `state` (appended to first), gated: `[rows.len(), n_head * head_dim]`, the input of [`Attention::output`].
+    /// `positions` are the rows' rope positions `[t, h, w]`; `track` gives those of earlier tokens (the QSA
+    /// indexer rotates a pooled block at its first token's position; an empty track means position = index).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attend(
         &self,
         proj: &AttnProjections,
         rows: std::ops::Range<usize>,
         pos0: usize,
+        positions: &[[u32; 3]],
+        track: &MropeTrack,
         state: &mut AttnState,
         rope: &Rope,
     ) -> Vec<f32> {
@@ -197,7 +204,8 @@ impl Attention {
         let mut k = proj.k[rows.start * kvw..rows.end * kvw].to_vec();
         let v = &proj.v[rows.start * kvw..rows.end * kvw];
 
-        let angles: Vec<_> = (0..n).map(|t| rope.angles(pos0 + t)).collect();
+        debug_assert_eq!(positions.len(), n);
+        let angles: Vec<_> = positions.iter().map(|p| rope.angles_thw(p.map(|v| v as usize))).collect();
         let mut q = vec![0f32; n * nh * hd];
         let mut gate = vec![0f32; n * nh * hd];
         for t in 0..n {
@@ -218,7 +226,7 @@ impl Attention {
         state.v.push(v);
 
         let index_q = match (&self.indexer, &proj.index) {
-            (Some(ix), Some(ip)) => Some(ix.prepare(ip, rows.clone(), &angles, state, rope, self.eps)),
+            (Some(ix), Some(ip)) => Some(ix.prepare(ip, rows.clone(), &angles, track, state, rope, self.eps)),
             _ => None,
         };
         let total = state.k.len();
@@ -341,6 +349,7 @@ impl Indexer {
         proj: &IndexProjections,
         rows: std::ops::Range<usize>,
         angles: &[super::rope::RopeAngles],
+        track: &MropeTrack,
         state: &mut AttnState,
         rope: &Rope,
         eps: f32,
@@ -376,7 +385,7 @@ impl Indexer {
                 *m /= r as f32;
             }
             rms_norm(&mut mean, &self.k_norm, eps);
-            rope.apply(&mut mean, &rope.angles(blocks * r));
+            rope.apply(&mut mean, &rope.angles_thw(track.position(blocks * r).map(|v| v as usize)));
             state.pooled.push(&mean);
             blocks += 1;
         }

@@ -17,7 +17,8 @@ use super::self_attn::AttnState;
 /// change makes a state written before it unfit to resume (a new part, a new shape, a changed recurrence).
 /// Version 2: attention caches are typed rows ([`crate::model::KvRows`], the KV cache type of the module docs of
 /// `kv_cache`), the type part of the identity.
-pub const STATE_LAYOUT_VERSION: u32 = 2;
+/// Version 3: also every token's 3-D rope position (M-RoPE after images, [`MropeTrack`]).
+pub const STATE_LAYOUT_VERSION: u32 = 3;
 
 /// The state of one decoder layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +46,88 @@ pub struct SequenceState {
     /// token, set when position 0 is consumed; forks keep their source's). Only benchmarks with an override read
     /// it; it is not part of the prefix cache's disk images (a state read back from disk has 0).
     pub routing_stream: u64,
+    /// The 3-D rope position of every token consumed (cut by length, like the attention caches).
+    pub mrope: MropeTrack,
+}
+
+/// The `[t, h, w]` rope positions of a sequence's tokens (M-RoPE). While every token's position equals its
+/// index (text only), nothing is stored; the first token with another position (a vision token, or text after
+/// one) stores them all from then on. The next text token takes [`MropeTrack::next_text`]: one past the largest
+/// position so far, as the reference continues text after an image.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct MropeTrack {
+    /// Every token's position, or empty while each equals its index.
+    explicit: Vec<[u32; 3]>,
+    /// One past the largest position component so far (the token count while `explicit` is empty).
+    next: u32,
+}
+
+impl MropeTrack {
+    /// A track of `len` text tokens.
+    pub fn text(len: usize) -> Self {
+        Self { explicit: Vec::new(), next: len as u32 }
+    }
+
+    /// A track with these positions (a state image read back).
+    pub fn from_positions(positions: Vec<[u32; 3]>, len: usize) -> Self {
+        let mut t = Self { explicit: positions, next: 0 };
+        t.truncate(len);
+        t
+    }
+
+    /// The stored positions (empty while they equal the indices).
+    pub fn explicit(&self) -> &[[u32; 3]] {
+        &self.explicit
+    }
+
+    /// The position of token `i` (of a sequence that holds it).
+    pub fn position(&self, i: usize) -> [u32; 3] {
+        self.explicit.get(i).copied().unwrap_or([i as u32; 3])
+    }
+
+    /// The position the next text token takes.
+    pub fn next_text(&self) -> u32 {
+        self.next
+    }
+
+    /// Appends token number `index` (the sequence's length before it) at `p`.
+    pub fn push(&mut self, index: usize, p: [u32; 3]) {
+        if self.explicit.is_empty() && p == [index as u32; 3] {
+            self.next = index as u32 + 1;
+            return;
+        }
+        if self.explicit.is_empty() {
+            self.explicit.extend((0..index as u32).map(|i| [i; 3]));
+        }
+        self.explicit.push(p);
+        self.next = self.next.max(p[0].max(p[1]).max(p[2]) + 1);
+    }
+
+    /// Keeps the first `len` tokens.
+    pub fn truncate(&mut self, len: usize) {
+        if self.explicit.is_empty() {
+            self.next = self.next.min(len as u32);
+            return;
+        }
+        self.explicit.truncate(len);
+        self.next = self.explicit.iter().map(|p| p[0].max(p[1]).max(p[2]) + 1).max().unwrap_or(0);
+        if self.explicit.iter().enumerate().all(|(i, p)| *p == [i as u32; 3]) {
+            self.explicit.clear();
+            self.next = len as u32;
+        }
+    }
+
+    /// The first `len` tokens' track.
+    pub fn prefix(&self, len: usize) -> Self {
+        let mut t = Self { explicit: self.explicit[..len.min(self.explicit.len())].to_vec(), next: self.next };
+        t.truncate(len);
+        t
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.explicit.len() * 12
+    }
 }
 
 /// A restorable copy of a [`SequenceState`] at some position.
@@ -102,6 +185,6 @@ impl SequenceState {
             .sum();
         let ple = self.ple.as_ref().map_or(0, |p| 4 * p.conv.len());
         let mtp = self.mtp.as_ref().map_or(0, |m| m.attn.held_bytes() + 4 * m.last_bank.len());
-        layers + ple + mtp
+        layers + ple + mtp + self.mrope.bytes()
     }
 }

@@ -297,6 +297,7 @@ mod tests {
             ple: None,
             mtp: None,
             routing_stream: 0,
+            mrope: Default::default(),
         };
         let checkpoints = at
             .iter()

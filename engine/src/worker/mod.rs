@@ -30,7 +30,7 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 use crate::backend::cuda::CudaModel;
-use crate::backend::{BackendKind, Loaded};
+use crate::backend::{Backend, BackendKind, Loaded};
 use crate::gguf::GgufFile;
 use crate::model::{LoadOptions, ModelConfig, ModelError, Qwen4Exp};
 use crate::placement::{PlacementOptions, PlacementReport, PlacementStats};
@@ -260,6 +260,9 @@ pub struct GenerateRequest {
     pub accuracy_level: AccuracyLevel,
     /// Allow MTP drafting for this request (when the model and server have it).
     pub speculative: bool,
+    /// Images or video in the prompt: the features placed at their pad tokens, every prompt token's 3-D rope
+    /// position and the prefix-cache key that tells images apart (`None`: a text prompt).
+    pub media: Option<Arc<crate::vision::MediaPrompt>>,
 }
 
 impl GenerateRequest {
@@ -279,7 +282,14 @@ impl GenerateRequest {
             use_prefix_cache: true,
             accuracy_level: AccuracyLevel::Strict,
             speculative: true,
+            media: None,
         }
+    }
+
+    /// What the prefix cache keys this prompt by: the prompt, with a media prompt's vision tokens replaced by
+    /// ids derived from their images' content ([`crate::vision::MediaPrompt::cache_key`]).
+    pub fn cache_key(&self) -> &[u32] {
+        self.media.as_ref().map_or(&self.prompt, |m| &m.cache_key)
     }
 }
 
@@ -450,6 +460,7 @@ pub struct Engine {
     placement_stats: Arc<PlacementStats>,
     mtp: bool,
     prefix_cache: PrefixCacheOptions,
+    accepts_media: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -559,6 +570,10 @@ impl Engine {
             observer: opts.step_observer.clone(),
         };
         let cache_opts = opts.prefix_cache.clone();
+        let accepts_media = match &backend {
+            Loaded::Cpu(m) => m.accepts_media(),
+            Loaded::Cuda(m) => m.accepts_media(),
+        };
         let spawn = std::thread::Builder::new().name("nebula-engine".into());
         match backend {
             Loaded::Cpu(m) => spawn.spawn(move || Worker::new(m, rules, cache_opts, disk).run(rx)),
@@ -584,6 +599,7 @@ impl Engine {
             name,
             placement,
             placement_stats,
+            accepts_media,
             mtp,
             prefix_cache: opts.prefix_cache.clone(),
         })
@@ -724,6 +740,11 @@ impl Engine {
     pub fn prefix_cache_options(&self) -> &PrefixCacheOptions {
         &self.prefix_cache
     }
+    /// Whether the backend takes prompts with images ([`GenerateRequest::media`]); the CPU backend does.
+    pub fn accepts_media(&self) -> bool {
+        self.accepts_media
+    }
+
     /// Whether the model drafts with its MTP block (the file has one and the server switch is on).
     pub fn has_mtp(&self) -> bool {
         self.mtp

@@ -37,7 +37,7 @@ use super::{
     BatchOptions, EngineStats, FinishReason, GenerateRequest, GenerationError, GenerationEvent, Job, PREFILL_CHUNK,
     StepObserver, StepReport, Usage,
 };
-use crate::backend::{Backend, BatchItem};
+use crate::backend::{Backend, BatchItem, MediaRows};
 use crate::model::LogitsFor;
 use crate::prefix_cache::disk::DiskCache;
 use crate::prefix_cache::{Checkpoint, PrefixCache, PrefixCacheOptions};
@@ -424,7 +424,7 @@ impl<B: Backend> Worker<B> {
         let limit = self.rules.max_context.min(req.prompt.len() + req.max_tokens);
         let use_cache = req.use_prefix_cache && self.side.cache.enabled();
         let drafting = req.speculative && backend.has_mtp();
-        let (state, logits, checkpoints) = match self.side.start_state(backend, &req.prompt, limit, drafting, use_cache)
+        let (state, logits, checkpoints) = match self.side.start_state(backend, req.cache_key(), limit, drafting, use_cache)
         {
             Ok(s) => s,
             Err(e) if !alone && e.is_out_of_memory() => return Err(Some(Box::new(job))),
@@ -448,7 +448,8 @@ impl<B: Backend> Worker<B> {
         let Job { req, events, .. } = job;
         let _ = events.send(GenerationEvent::Started { cached_tokens });
         let prompt_len = req.prompt.len();
-        let marks = if use_cache { self.side.prompt_checkpoints(&req.prompt, cached_tokens) } else { vec![prompt_len] };
+        let marks =
+            if use_cache { self.side.prompt_checkpoints(req.cache_key(), cached_tokens) } else { vec![prompt_len] };
         let interval = self.side.cache.options().interval.max(1);
         let opts = SpeculativeOptions { enabled: drafting, level: req.accuracy_level, ..SpeculativeOptions::default() };
         let mut sampler = Sampler::new(req.sampling);
@@ -611,6 +612,18 @@ impl<B: Backend> Worker<B> {
                 _ => LogitsFor::Last,
             })
             .collect();
+        // A prompt chunk with images: its rows' positions and the feature rows within it.
+        let hidden = backend.config().hidden;
+        let media: Vec<Option<(Arc<crate::vision::MediaPrompt>, std::ops::Range<usize>, Vec<usize>)>> = plan
+            .iter()
+            .map(|p| match *p {
+                Planned::Prefill { seq, start, end } => running[seq].sink.req.media.clone().map(|m| {
+                    let rows = m.rows_in(start..end, hidden).0;
+                    (m, start..end, rows)
+                }),
+                Planned::Decode { .. } => None,
+            })
+            .collect();
         let result = {
             // Items borrow each planned sequence's state; the plan lists each sequence once.
             let mut states: Vec<Option<&mut B::State>> = running.iter_mut().map(|s| Some(&mut s.state)).collect();
@@ -618,10 +631,16 @@ impl<B: Backend> Worker<B> {
                 .iter()
                 .zip(&tokens)
                 .zip(&wants)
-                .map(|((p, toks), &want)| BatchItem {
+                .zip(&media)
+                .map(|(((p, toks), &want), media)| BatchItem {
                     state: states[p.seq()].take().expect("each sequence is planned once"),
                     tokens: toks,
                     want,
+                    media: media.as_ref().map(|(m, range, rows)| MediaRows {
+                        positions: &m.positions[range.clone()],
+                        rows,
+                        embeds: m.rows_in(range.clone(), hidden).1,
+                    }),
                 })
                 .collect();
             backend.forward_batch(&mut items, self.rules.batch.mode)
@@ -811,10 +830,10 @@ impl<B: Backend> Worker<B> {
             }
             let _ = seq.sink.events.send(GenerationEvent::Finished { reason, usage: seq.usage });
             // Keep the sequence: every token the state consumed.
-            let prompt = &seq.sink.req.prompt;
+            let prompt = seq.sink.req.cache_key();
             let end = backend.position(&seq.state);
             if seq.sink.use_cache && end >= prompt.len() {
-                let mut tokens = prompt.clone();
+                let mut tokens = prompt.to_vec();
                 tokens.extend_from_slice(&seq.sink.output[..end - prompt.len()]);
                 let checkpoints = std::mem::take(&mut seq.sink.checkpoints);
                 self.side.keep(backend, tokens, seq.state, checkpoints, seq.drafting);

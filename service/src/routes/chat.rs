@@ -137,7 +137,7 @@ async fn collect(
         usage = Some(match usage {
             None => u,
             Some(total) => Usage::new(total.prompt_tokens, total.completion_tokens + u.completion_tokens)
-                .with_cached(total.prompt_tokens_details.cached_tokens),
+                .with_details(total.prompt_tokens_details),
         });
         let message = AssistantMessage {
             role: "assistant",

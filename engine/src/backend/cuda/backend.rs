@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::{CudaChain, CudaModel, CudaSnapshot, CudaState, MAX_CHAIN_ROWS};
 use crate::backend::{Backend, BackendError, BackendSnapshot, BatchItem, BatchMode, HeldBytes, Kept, Timings};
-use crate::model::{LogitsFor, ModelConfig, SequenceState};
+use crate::model::{LogitsFor, ModelConfig, ModelError, SequenceState};
 use crate::placement::PlacementStats;
 use crate::speculative::{Rollback, Verified};
 
@@ -75,6 +75,14 @@ impl Backend for CudaModel {
         items: &mut [BatchItem<'_, CudaState>],
         mode: BatchMode,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
+        // Injected embeddings and explicit 3-D positions are not wired into the device path yet: refused, never
+        // run as text.
+        if items.iter().any(|it| it.media.is_some()) {
+            return Err(ModelError::MediaRows {
+                problem: "the CUDA backend takes no image input yet (serve with --backend cpu for images)".into(),
+            }
+            .into());
+        }
         Ok(CudaModel::forward_batch(self, items, mode)?)
     }
 

@@ -605,7 +605,15 @@ impl CudaModel {
             }
             _ => None,
         };
-        Ok(SequenceState { pos, max_len: pos, layers, ple, mtp, routing_stream: st.routing_stream })
+        Ok(SequenceState {
+            pos,
+            max_len: pos,
+            layers,
+            ple,
+            mtp,
+            routing_stream: st.routing_stream,
+            mrope: crate::model::MropeTrack::text(pos),
+        })
     }
 
     /// Bytes of device memory `st` holds, every buffer counted at its allocated length: the caches (sized for

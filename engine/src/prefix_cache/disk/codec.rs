@@ -12,7 +12,8 @@
 //! body     (B bytes)  state: pos u64, max_len u64, layers vec<{tag u8: 0 linear attention (conv vec<f32>,
 //!                     recurrent vec<f32>) | 1 attention (k, v, index_k, pooled: rows)}>,
 //!                     ple opt<{context vec<u32>, conv vec<f32>}>,
-//!                     mtp opt<{k, v, index_k, pooled: rows, last_bank vec<f32>, drafted_with opt<u32>}>;
+//!                     mtp opt<{k, v, index_k, pooled: rows, last_bank vec<f32>, drafted_with opt<u32>}>,
+//!                     rope positions vec<u32> (t, h, w of every token; empty while each equals its index);
 //!                     then per checkpoint of the header: pos u64, recurrent vec<opt<{conv, recurrent}>>,
 //!                     ple opt<...>, mtp_bank opt<vec<f32>>, logits opt<vec<f32>>
 //! trailer  (8 bytes)  body checksum u64 = XXH3-64 of the body
@@ -251,6 +252,8 @@ fn put_body(s: &mut impl Sink, state: &SequenceState, checkpoints: &[Checkpoint]
         }
         None => s.u8(0)?,
     }
+    let flat: Vec<u32> = state.mrope.explicit().iter().flatten().copied().collect();
+    s.u32s(&flat)?;
     for cp in checkpoints {
         let snap = &cp.snapshot;
         s.u64(snap.pos)?;
@@ -609,7 +612,13 @@ pub fn decode(mut r: impl Read, file_bytes: u64, identity: &ModelIdentity) -> Re
     } else {
         None
     };
-    let state = SequenceState { pos, max_len, layers, ple, mtp, routing_stream: 0 };
+    let flat = s.u32s("rope positions")?;
+    if !flat.is_empty() && flat.len() != pos * 3 {
+        return Err(malformed(format!("{} rope position values for {pos} tokens", flat.len())));
+    }
+    let positions = flat.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect();
+    let mrope = crate::model::MropeTrack::from_positions(positions, pos);
+    let state = SequenceState { pos, max_len, layers, ple, mtp, routing_stream: 0, mrope };
     // No capacity reserved from counts read: what is allocated follows the bytes actually parsed.
     let mut checkpoints = Vec::new();
     for info in &header.checkpoints {
