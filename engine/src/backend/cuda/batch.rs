@@ -118,7 +118,8 @@ impl CudaModel {
         let dev = &ctx.dev;
         let stream = dev.stream().clone();
         let decode_only = items.iter().all(|it| it.tokens.len() == 1 && it.want == LogitsFor::Last);
-        if decode_only && self.hybrid.is_none() && ctx.flags.graphs {
+        // (A routing override uploads its choice per pass: eager.)
+        if decode_only && self.hybrid.is_none() && self.routing.is_none() && ctx.flags.graphs {
             return self.decode_batch_graphed(items);
         }
         if let Some(h) = &self.hybrid {
@@ -256,7 +257,7 @@ impl CudaModel {
                 .collect();
             let (slot, seen) = &mut g.slot;
             ctx.run_graphed(slot, seen, || {
-                let x = self.launch_layers(&seqs, s, ids_p, rows_p, None, None)?;
+                let x = self.launch_layers(&seqs, s, ids_p, rows_p, None, None, None)?;
                 self.launch_head(x, s, logits_p)?;
                 Ok(x)
             })?
