@@ -1203,3 +1203,134 @@ fn low_bit_types_match_the_cpu_on_the_gpu() {
         }
     }
 }
+
+/// The GPU with a hot window of `window` KV tokens (0: every token in VRAM), the rest of the tuning as the tests'.
+fn with_window(window: usize) -> CudaTuning {
+    CudaTuning { kv_window: window, ..tuning().clone() }
+}
+
+/// Every KV cache type on the GPU against the CPU's same type and the reference, past 8K positions
+/// (`tests/fixtures/golden/long10k`: 10,240 tokens, prefill chunks of 1,024, the last 64 one a step): the GPU's
+/// top-1 is the CPU's at every position where the CPU's own margin is clear of rounding (above 1e-3 x max
+/// |logit|: the two backends round the keys before quantizing them in a different order, so a key may land one
+/// step apart), and the GPU meets the CPU test's bars against the reference (f32: logits within the GPU
+/// tolerance 1e-3 x max |logit| at the stored positions; q8_0 and f16: >= 99 % top-1; q4_0: >= 97 %).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn kv_cache_types_on_the_gpu_match_the_cpu_past_8k() {
+    use nebula_engine::model::KvCacheType;
+    let tmp = tempfile::tempdir().unwrap();
+    let g = nebula_tests::load_long_golden();
+    let path = nebula_tests::long_golden_gguf(tmp.path());
+    for (ty, bar) in
+        [(KvCacheType::Q8_0, 0.99), (KvCacheType::F32, 0.99), (KvCacheType::F16, 0.99), (KvCacheType::Q4_0, 0.97)]
+    {
+        let mut cpu = Qwen4Exp::load(&path).unwrap();
+        cpu.set_kv_cache(ty).unwrap();
+        let on_cpu = nebula_tests::run_long(&cpu, &g, 1024, g.ids.len() - 64);
+        let gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).expect("the GPU model loads");
+        let on_gpu = nebula_tests::run_long(&gpu, &g, 1024, g.ids.len() - 64);
+        let (agree, rel, _) = nebula_tests::long_agreement(&g, &on_gpu, 1e-3);
+        let clear = 1e-3 * g.max_abs_logit;
+        let differ: Vec<usize> = (0..on_cpu.top1.len()).filter(|&i| on_cpu.top1[i] != on_gpu.top1[i]).collect();
+        let clear_differ: Vec<usize> =
+            differ.iter().copied().filter(|&i| on_cpu.margin[i] > clear).map(|i| g.first + i).collect();
+        println!(
+            "{ty}: GPU top-1 vs reference {:.2} %, max |delta logit| / max |logit| {rel:.3e}; GPU vs CPU top-1 differs at \
+             {} of {} positions, {clear_differ:?} with a clear CPU margin",
+            agree * 100.0,
+            differ.len(),
+            on_cpu.top1.len()
+        );
+        assert!(
+            clear_differ.is_empty(),
+            "{ty}: the GPU's top-1 differs from the CPU's at clear margins: {clear_differ:?}"
+        );
+        assert!(agree >= bar, "{ty}: GPU top-1 agreement with the reference {agree:.4} < {bar}");
+        if ty == KvCacheType::F32 {
+            assert!(rel <= 1e-3, "f32: {rel:.3e} from the reference");
+        }
+    }
+}
+
+/// The hot window changes no bit: the long golden on the GPU with 2,048 KV tokens in VRAM (the rest in pinned
+/// host memory, the selected blocks fetched every step, the cold prefix copied on the side stream during
+/// prefill) gives the logits of every token in VRAM bit for bit, for f32 and q8_0 caches, with less VRAM and the
+/// host copies counted; a snapshot restored after 200 decode steps (ring slots refilled from the host) replays the
+/// same logits; forks from the live state and from its host image resume as it does; a verify chain rolled back
+/// to 2 of its 6 rows continues as a state that consumed only those.
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn the_kv_window_gives_the_tokens_of_all_in_vram() {
+    use nebula_engine::backend::{Backend, Kept};
+    use nebula_engine::model::KvCacheType;
+    let tmp = tempfile::tempdir().unwrap();
+    let g = nebula_tests::load_long_golden();
+    let path = nebula_tests::long_golden_gguf(tmp.path());
+    let n = g.ids.len();
+    for ty in [KvCacheType::F32, KvCacheType::Q8_0] {
+        let mut cpu = Qwen4Exp::load(&path).unwrap();
+        cpu.set_kv_cache(ty).unwrap();
+        let full = CudaModel::from_cpu(&cpu, 0, None, &with_window(0)).unwrap();
+        let windowed = CudaModel::from_cpu(&cpu, 0, None, &with_window(2048)).unwrap();
+        let a = nebula_tests::run_long(&full, &g, 1024, n - 64);
+        let b = nebula_tests::run_long(&windowed, &g, 1024, n - 64);
+        assert_eq!(a.top1, b.top1, "{ty}: the window changed a top-1");
+        assert!(
+            a.logits.iter().zip(&b.logits).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{ty}: the window changed logits"
+        );
+        let (hf, hw) = (Backend::state_bytes(&full, n, false), Backend::state_bytes(&windowed, n, false));
+        println!(
+            "{ty}: a {n}-token state holds {hf:?} all in VRAM, {hw:?} windowed; staging {} bytes",
+            windowed.staging_bytes()
+        );
+        assert!(hw.device < hf.device && hw.host > hf.host, "{ty}: {hw:?} against {hf:?}");
+
+        // Restore after decoding: the slots the later rows overwrote come back from the host copies.
+        let (k, steps) = (9000, 200);
+        let mut st = Backend::new_state(&windowed, n, false).unwrap();
+        for c in g.ids[..k].chunks(1024) {
+            Backend::forward(&windowed, &mut st, c, LogitsFor::None).unwrap();
+        }
+        let snap = Backend::snapshot(&windowed, &st).unwrap();
+        let decode = |st: &mut _| -> Vec<f32> {
+            g.ids[k..k + steps]
+                .iter()
+                .flat_map(|&t| Backend::forward(&windowed, st, &[t], LogitsFor::Last).unwrap())
+                .collect()
+        };
+        let first = decode(&mut st);
+        Backend::restore(&windowed, &mut st, &snap).unwrap();
+        assert_eq!(decode(&mut st), first, "{ty}: decoding after a restore differs");
+        // Forks of the live state and of its host image.
+        Backend::restore(&windowed, &mut st, &snap).unwrap();
+        let live = Kept::Live(st);
+        let mut fork = Backend::fork(&windowed, &live, &snap, n, false).unwrap();
+        assert_eq!(decode(&mut fork), first, "{ty}: the fork of the live state differs");
+        let Kept::Live(st) = live else { unreachable!() };
+        let image = Kept::Host(Backend::spill_state(&windowed, &st).unwrap());
+        let host_snap = Backend::spill_snapshot(&windowed, &snap).unwrap();
+        let mut fork = Backend::fork(&windowed, &image, &host_snap, n, false).unwrap();
+        assert_eq!(decode(&mut fork), first, "{ty}: the fork of the host image differs");
+        // A verify chain rolled back to its first 2 rows (6 rows overwrote 6 ring slots).
+        let mut st = st;
+        Backend::restore(&windowed, &mut st, &snap).unwrap();
+        let chain = &g.ids[k..k + 6];
+        let v = Backend::verify(&windowed, &mut st, chain).unwrap();
+        Backend::rollback(&windowed, &mut st, &v.record, 2).unwrap();
+        let mut plain = Backend::fork(&windowed, &image, &host_snap, n, false).unwrap();
+        // One decode step a token: a verify row is bit for bit a decode step.
+        for &t in &chain[..2] {
+            Backend::forward(&windowed, &mut plain, &[t], LogitsFor::Last).unwrap();
+        }
+        let next = &g.ids[k + 2..k + 40];
+        let after: Vec<f32> =
+            next.iter().flat_map(|&t| Backend::forward(&windowed, &mut st, &[t], LogitsFor::Last).unwrap()).collect();
+        let want: Vec<f32> = next
+            .iter()
+            .flat_map(|&t| Backend::forward(&windowed, &mut plain, &[t], LogitsFor::Last).unwrap())
+            .collect();
+        assert_eq!(after, want, "{ty}: decoding after a rollback differs");
+    }
+}

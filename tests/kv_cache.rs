@@ -5,11 +5,16 @@
 //! - `f32` (the exact path): logits within 1e-4 x max|logit| at the stored positions, and the same top-1
 //!   wherever the reference's margin is clear of that (every position but those within rounding of a tie).
 //! - `f16`, `q8_0`: top-1 agreement of at least 99 % over all 2,048 positions.
-//! - `q4_0`: its agreement is printed and held to at least 90 %: a 4-bit cache rounds each key and value by up to
-//!   half a step of max|block| / 8 (a relative error ~16x q8_0's), the reference's top-1 margin is below 5 % of
-//!   its range at about 1 % of these positions and below 30 % at 5 % of them (`top1_margin_quantiles` in
-//!   golden.json), and the error compounds through two QSA layers and every later position. A broken layout (a
-//!   nibble order, a scale, a head offset) gives near-random tokens, far below it.
+//! - `q4_0`: 99.3 % measured; held to at least 97 %. A 4-bit cache rounds each key and value by up to half a step
+//!   of max|block| / 8 (one step at the clamped end), about 16 times `q8_0`'s error, and the reference's top-1
+//!   margin is below 4 % of its range at 1 % of these positions (`top1_margin_quantiles` in golden.json), so
+//!   near-ties flip; what keeps it close to `q8_0` (99.7 %) is that both keep the QSA indexer's keys at 8 bits,
+//!   so they select the same blocks, and most flips of either come from a selection that rounding changed
+//!   (the largest logit errors, 2.4e-2 of the range, are alike for the two). The engine is deterministic (every
+//!   CPU kernel gives the same bits on every instruction set), so the figure does not move between machines; a
+//!   broken layout (a nibble order, a scale, a head offset) gives near-random tokens.
+//!
+//! Measured: f32 100 % (1.2e-6 x max |logit|), f16 99.80 %, q8_0 99.66 %, q4_0 99.32 % (2,048 positions).
 
 use nebula_engine::model::{KvCacheType, LayerKind, Qwen4Exp};
 use nebula_tests::{load_long_golden, long_agreement, long_golden_gguf, run_long};
@@ -57,7 +62,7 @@ fn q8_0_cache_agrees_on_top1_past_8k() {
 #[test]
 fn q4_0_cache_agreement_past_8k() {
     let (agree, _, _) = run_with(KvCacheType::Q4_0);
-    assert!(agree >= 0.90, "q4_0: top-1 agreement {agree:.4} < 0.90");
+    assert!(agree >= 0.97, "q4_0: top-1 agreement {agree:.4} < 0.97");
 }
 
 /// A state of every cache type round-trips through the snapshot/fork machinery: a fork at a position resumes with

@@ -283,6 +283,8 @@ pub fn long_golden_gguf(tmp: &std::path::Path) -> PathBuf {
 pub struct LongRun {
     /// Argmax at `first..`.
     pub top1: Vec<u32>,
+    /// Its margin over the second largest logit there.
+    pub margin: Vec<f32>,
     /// Logits at [`LongGolden::positions`], `[positions, vocab]`.
     pub logits: Vec<f32>,
 }
@@ -300,12 +302,15 @@ pub fn run_long<B: nebula_engine::backend::Backend>(
     use nebula_engine::model::LogitsFor;
     let n = g.ids.len();
     let mut state = backend.new_state(n, false).expect("a state for the long golden");
-    let (mut top1, mut logits) = (Vec::new(), Vec::new());
+    let (mut top1, mut margin, mut logits) = (Vec::new(), Vec::new(), Vec::new());
     let mut keep = |pos: usize, row: &[f32]| {
         if pos >= g.first {
             let best =
                 row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b });
+            let second =
+                row.iter().enumerate().filter(|&(i, _)| i != best.0).fold(f32::NEG_INFINITY, |m, (_, &v)| m.max(v));
             top1.push(best.0 as u32);
+            margin.push(best.1 - second);
         }
         if g.positions.binary_search(&pos).is_ok() {
             logits.extend_from_slice(row);
@@ -323,7 +328,7 @@ pub fn run_long<B: nebula_engine::backend::Backend>(
         }
         pos += len;
     }
-    LongRun { top1, logits }
+    LongRun { top1, margin, logits }
 }
 
 /// (Share of positions `first..` where `run`'s top-1 is the reference's, largest |logit - reference| at the

@@ -181,7 +181,9 @@ fn state_distance(a: &SequenceState, b: &SequenceState) -> Option<f32> {
                 pairs.push((&p.recurrent, &q.recurrent));
             }
             (LayerState::Attention(p), LayerState::Attention(q)) => {
-                pairs.extend([(&p.k[..], &q.k[..]), (&p.v, &q.v), (&p.index_k, &q.index_k), (&p.pooled, &q.pooled)]);
+                for (x, y) in [(&p.k, &q.k), (&p.v, &q.v), (&p.index_k, &q.index_k), (&p.pooled, &q.pooled)] {
+                    pairs.push((x.as_f32().expect("f32 caches"), y.as_f32().expect("f32 caches")));
+                }
             }
             _ => return None,
         }
@@ -193,7 +195,10 @@ fn state_distance(a: &SequenceState, b: &SequenceState) -> Option<f32> {
     }
     match (&a.mtp, &b.mtp) {
         (Some(p), Some(q)) => {
-            pairs.extend([(&p.attn.k[..], &q.attn.k[..]), (&p.attn.v, &q.attn.v), (&p.last_bank, &q.last_bank)]);
+            for (x, y) in [(&p.attn.k, &q.attn.k), (&p.attn.v, &q.attn.v)] {
+                pairs.push((x.as_f32().expect("f32 caches"), y.as_f32().expect("f32 caches")));
+            }
+            pairs.push((&p.last_bank, &q.last_bank));
         }
         (None, None) => {}
         _ => return None,

@@ -60,9 +60,10 @@ impl Backend for CudaModel {
     }
 
     /// Every buffer [`CudaModel::new_state_with`] allocates ([`CudaModel::state_alloc_bytes`]): in device memory
-    /// the caches of [`ModelConfig::state_bytes`] (as allocated: at least one value each) plus the position, the
-    /// decode step's token, PLE rows, logits and argmax, and with drafting the MTP block's banks and draft
-    /// buffers; in host memory the PLE n-gram context. A verify pass adds its chain buffers on its first chain
+    /// the caches of [`ModelConfig::state_bytes`] in the KV cache type (as allocated: at least one byte each;
+    /// with the hot window, the windowed layers' rings) plus the position, the decode step's token, PLE rows,
+    /// logits and argmax, and with drafting the MTP block's banks and draft buffers; in host memory the PLE
+    /// n-gram context and the windowed layers' pinned copies of every row. A verify pass adds its chain buffers on its first chain
     /// (`MAX_CHAIN_ROWS` rows of logits and banks, a copy of each recurrent state), which this does not count.
     fn state_bytes(&self, max_len: usize, drafting: bool) -> HeldBytes {
         self.state_alloc_bytes(max_len, drafting && self.has_mtp())
@@ -115,7 +116,7 @@ impl Backend for CudaModel {
     fn state_held(&self, state: &CudaState) -> HeldBytes {
         HeldBytes {
             device: self.state_device_bytes(state),
-            host: state.ple.as_ref().map_or(0, |p| 4 * p.context.len()),
+            host: state.ple.as_ref().map_or(0, |p| 4 * p.context.len()) + self.state_host_cache_bytes(state),
         }
     }
 

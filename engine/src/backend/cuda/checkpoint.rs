@@ -663,6 +663,18 @@ impl CudaModel {
         4 * (layers + ple + fixed + mtp + chain) + cache_bytes
     }
 
+    /// Bytes of pinned host memory `st`'s windowed caches hold (their copies of every row).
+    pub fn state_host_cache_bytes(&self, st: &CudaState) -> usize {
+        st.layers
+            .iter()
+            .filter_map(|ls| match ls {
+                DevLayerState::Attention(a) => a.host.as_ref(),
+                DevLayerState::LinearAttention(_) => None,
+            })
+            .map(|h| h.k.size() + h.v.size() + h.index_k.size())
+            .sum()
+    }
+
     /// Marks device buffers as rewritten outside the kernels, so no cached 8-bit activation is reused across it.
     fn bump_writes(&self) {
         self.launch.dev.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

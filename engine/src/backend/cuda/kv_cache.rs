@@ -100,6 +100,11 @@ impl MappedHost {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, n) }
     }
 
+    /// Bytes allocated.
+    pub(crate) fn size(&self) -> usize {
+        self.len
+    }
+
     /// The host address of byte `offset`.
     pub(crate) fn host_ptr(&self, offset: usize) -> *const u8 {
         assert!(offset <= self.len);
