@@ -333,6 +333,24 @@ mod tests {
         assert!(adaptive.hit_rate() < stat.hit_rate() + 0.02, "independent: LRU {adaptive:?} vs static {stat:?}");
     }
 
+    /// The GPU test's setting (`tests/gpu.rs`): a 32-expert, top-8 model with 8 GPU slots per layer, realistic
+    /// routing, LRU with up to 2 uploads per layer and pass: LRU serves more uses from the GPU than the static
+    /// tier there too.
+    #[test]
+    fn lru_beats_the_static_tier_on_a_small_model() {
+        let shape = RoutingShape { n_layer: 4, n_expert: 32, top_k: 8 };
+        let r = RealisticRouting::new(shape, 5).unwrap();
+        let rows = r.rows(0, 0, 130);
+        let tokens: Vec<Vec<Vec<usize>>> = (0..130)
+            .map(|t| (0..4).map(|l| rows.experts(t, l).iter().map(|&e| e as usize).collect()).collect())
+            .collect();
+        let hot: Vec<usize> = (0..8).collect();
+        let lru = GpuCacheOptions { policy: GpuCachePolicy::Lru, interval: 1, uploads: 2 };
+        let (s, a) = (simulate(32, &hot, GpuCacheOptions::default(), &tokens), simulate(32, &hot, lru, &tokens));
+        println!("32 experts, 8 slots: static {:.3}, LRU {:.3} ({} uploads)", s.hit_rate(), a.hit_rate(), a.uploads);
+        assert!(a.hit_rate() > s.hit_rate() + 0.03 && a.uploads > 0, "LRU {a:?} vs static {s:?}");
+    }
+
     #[test]
     #[ignore = "prints the cache simulation: cargo test --release -p nebula-engine --lib expert_cache_probe -- --ignored --nocapture"]
     fn expert_cache_probe() {
