@@ -361,6 +361,9 @@ fn add_message(conv: &mut Conversation, m: &InputMessage, param: &str, seal: &Re
         "system" => conv.system(system_text(&m.content, &content)?),
         "user" => match &m.content {
             Value::String(s) => conv.user(s.clone()),
+            Value::Array(blocks) if blocks.iter().any(|b| b.get("type").and_then(Value::as_str) == Some("image")) => {
+                user_blocks_with_images(conv, blocks, &content)?;
+            }
             Value::Array(blocks) => {
                 let mut text = String::new();
                 for (j, block) in blocks.iter().enumerate() {
@@ -448,6 +451,54 @@ fn add_message(conv: &mut Conversation, m: &InputMessage, param: &str, seal: &Re
             ));
         }
     }
+    Ok(())
+}
+
+/// A user message with `image` blocks: text and images in order, as chat `text` / `image_url` parts (a base64
+/// source becomes a data: URL).
+///
+/// Errors: 400 naming the block: a `url` or `file` source (never fetched), a base64 source without `data` or
+/// `media_type`, a block other than text or image beside images.
+fn user_blocks_with_images(conv: &mut Conversation, blocks: &[Value], param: &str) -> Result<(), ApiError> {
+    let mut parts = Vec::with_capacity(blocks.len());
+    for (j, block) in blocks.iter().enumerate() {
+        let bparam = format!("{param}[{j}]");
+        match block_type(block, &bparam)? {
+            "text" => parts.push(crate::conversation::text_part(&need_text(block, "text", &bparam)?)),
+            "image" => {
+                let source = block.get("source").unwrap_or(&Value::Null);
+                match source.get("type").and_then(Value::as_str) {
+                    Some("base64") => {
+                        let media = need_text(source, "media_type", &format!("{bparam}.source"))?;
+                        let data = need_text(source, "data", &format!("{bparam}.source"))?;
+                        parts.push(crate::conversation::image_part(format!("data:{media};base64,{data}"), &bparam));
+                    }
+                    Some(kind) => {
+                        return Err(ApiError::invalid(
+                            format!(
+                                "Image sources of type `{kind}` are not read: this server makes no network requests \
+                                 and keeps no files. Send the image as a `base64` source."
+                            ),
+                            format!("{bparam}.source.type"),
+                        ));
+                    }
+                    None => {
+                        return Err(ApiError::invalid(
+                            "An image block needs a `source` with a `type`.",
+                            format!("{bparam}.source"),
+                        ));
+                    }
+                }
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    format!("Content blocks of type `{other}` are not supported in a user message with images."),
+                    format!("{bparam}.type"),
+                ));
+            }
+        }
+    }
+    conv.user_parts(parts);
     Ok(())
 }
 

@@ -39,6 +39,13 @@ impl Conversation {
         self.messages.push(m);
     }
 
+    /// A user message of content parts (`text` and `image_url` parts, as chat completions takes them).
+    pub fn user_parts(&mut self, parts: Vec<Map<String, Value>>) {
+        let mut m = message(Role::User);
+        m.content = Some(MessageContent::Parts(parts));
+        self.messages.push(m);
+    }
+
     /// The open assistant message, or a new one.
     fn assistant(&mut self) -> &mut ChatMessage {
         if self.messages.last().is_none_or(|m| m.role != Role::Assistant) {
@@ -189,6 +196,23 @@ pub fn text_of_parts(value: &Value, text_types: &[&str], param: &str) -> Result<
         }
         _ => Err(ApiError::invalid("Content must be a string or a list of content parts.", param)),
     }
+}
+
+/// A chat `text` part.
+pub fn text_part(text: &str) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("type".into(), Value::String("text".into()));
+    m.insert("text".into(), Value::String(text.to_owned()));
+    m
+}
+
+/// A chat `image_url` part for `url`, remembering `param` (the client's own request path) for its errors.
+pub fn image_part(url: String, param: &str) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("type".into(), Value::String("image_url".into()));
+    m.insert("image_url".into(), serde_json::json!({ "url": url }));
+    m.insert(crate::vision::PARAM_KEY.into(), Value::String(param.to_owned()));
+    m
 }
 
 #[cfg(test)]

@@ -154,22 +154,30 @@ pub struct ChatMessage {
 pub enum MessageContent {
     /// Plain text.
     Text(String),
-    /// A list of parts, kept as sent; the handler accepts only `{"type": "text", "text": ...}` (this model reads
-    /// no images) and says which part it refuses.
+    /// A list of parts, kept as sent; the handler accepts `{"type": "text", "text": ...}` and, with a vision
+    /// tower loaded, `{"type": "image_url", "image_url": {"url": "data:..."}}`, and says which part it refuses.
     Parts(Vec<Map<String, Value>>),
 }
 
 impl utoipa::PartialSchema for MessageContent {
     fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
         use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Type};
+        let image_url = ObjectBuilder::new()
+            .property("url", ObjectBuilder::new().schema_type(Type::String))
+            .property("detail", ObjectBuilder::new().schema_type(Type::String))
+            .required("url");
         let part = ObjectBuilder::new()
             .property("type", ObjectBuilder::new().schema_type(Type::String))
             .property("text", ObjectBuilder::new().schema_type(Type::String))
+            .property("image_url", image_url)
             .required("type");
         OneOfBuilder::new()
             .item(ObjectBuilder::new().schema_type(Type::String))
             .item(ArrayBuilder::new().items(part))
-            .description(Some("A string, or a list of `{\"type\": \"text\", \"text\": ...}` parts."))
+            .description(Some(
+                "A string, or a list of `{\"type\": \"text\", \"text\": ...}` parts and, with a vision tower \
+                 loaded, `{\"type\": \"image_url\", \"image_url\": {\"url\": \"data:image/png;base64,...\"}}` parts.",
+            ))
             .into()
     }
 }
@@ -555,7 +563,7 @@ pub struct ModelCard {
     pub max_model_len: usize,
     /// Prompt tokens per prefill chunk.
     pub max_prefill: usize,
-    /// Input modalities (`["text"]`).
+    /// Input modalities: `["text"]`, and `"image"` when a vision tower is loaded.
     pub input_modalities: Vec<&'static str>,
     /// Output modalities (`["text"]`).
     pub output_modalities: Vec<&'static str>,

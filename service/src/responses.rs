@@ -360,6 +360,43 @@ pub fn to_chat_request(
     Ok((chat, plan))
 }
 
+/// A user message with `input_image` parts: text parts and images in order, as chat `text` / `image_url` parts.
+///
+/// Errors: 400 naming the part: an image by `file_id` (this server keeps no files), no `image_url`, a part of
+/// another type.
+fn user_parts_with_images(conv: &mut Conversation, parts: &[Value], param: &str) -> Result<(), ApiError> {
+    let mut out = Vec::with_capacity(parts.len());
+    for (j, part) in parts.iter().enumerate() {
+        let pparam = format!("{param}[{j}]");
+        match part.get("type").and_then(Value::as_str) {
+            Some("input_text" | "text") => match part.get("text").and_then(Value::as_str) {
+                Some(t) => out.push(crate::conversation::text_part(t)),
+                None => return Err(ApiError::invalid("An `input_text` part needs a string `text`.", format!("{pparam}.text"))),
+            },
+            Some("input_image") => match part.get("image_url").and_then(Value::as_str) {
+                Some(url) if !url.is_empty() => out.push(crate::conversation::image_part(url.to_owned(), &pparam)),
+                _ if part.get("file_id").is_some() => {
+                    return Err(ApiError::invalid(
+                        "An `input_image` by `file_id` cannot be read: this server keeps no files. Send `image_url` \
+                         as a data: URL.",
+                        format!("{pparam}.file_id"),
+                    ));
+                }
+                _ => return Err(ApiError::invalid("An `input_image` part needs `image_url`, a data: URL.", pparam)),
+            },
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    format!("Content of type `{k}` is not supported in a user message with images."),
+                    format!("{pparam}.type"),
+                ));
+            }
+            None => return Err(ApiError::invalid("A content part needs a string `type`.", pparam)),
+        }
+    }
+    conv.user_parts(out);
+    Ok(())
+}
+
 /// Adds one input item to the conversation.
 fn add_item(conv: &mut Conversation, item: &Value, param: &str, seal: &ReasoningSeal) -> Result<(), ApiError> {
     if !item.is_object() {
@@ -372,6 +409,12 @@ fn add_item(conv: &mut Conversation, item: &Value, param: &str, seal: &Reasoning
             let content = item
                 .get("content")
                 .ok_or_else(|| ApiError::invalid("A message item needs `content`.", format!("{param}.content")))?;
+            if let Some(parts) = content.as_array()
+                && role == "user"
+                && parts.iter().any(|p| p.get("type").and_then(Value::as_str) == Some("input_image"))
+            {
+                return user_parts_with_images(conv, parts, &format!("{param}.content"));
+            }
             let text = text_of_parts(
                 content,
                 &["input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"],

@@ -50,7 +50,12 @@ fn card(state: &AppState, model: &ServedModel) -> ModelCard {
         owned_by: "nebula",
         max_model_len: model.engine.max_context(),
         max_prefill: model.max_prefill,
-        input_modalities: vec!["text"],
+        // Images when a tower is loaded and the backend takes them.
+        input_modalities: if model.vision.is_some() && model.engine.accepts_media() {
+            vec!["text", "image"]
+        } else {
+            vec!["text"]
+        },
         output_modalities: vec!["text"],
         profile: state.profile.clone().map(with_placement).map(with_actual_placement(model)),
     }
