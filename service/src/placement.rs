@@ -74,7 +74,7 @@ impl Default for PlacementConfig {
             prefetch_layers: 1,
             direct_io: true,
             lock_memory: true,
-            handoff: 0.0,
+            handoff: nebula_engine::placement::DEFAULT_HANDOFF,
             omit_marginal: 0.0,
         }
     }

@@ -358,9 +358,9 @@ impl Qwen4Exp {
         }
     }
 
-    /// The placement's (handoff, marginal omission) fractions for the hybrid GPU backend; (0, 0) unplaced.
+    /// The placement's (handoff, marginal omission) fractions for the hybrid GPU backend; ([`crate::placement::DEFAULT_HANDOFF`], 0) unplaced.
     pub(crate) fn hybrid_fractions(&self) -> (f32, f32) {
-        self.placement.as_ref().map_or((0.0, 0.0), |p| p.hybrid_fractions())
+        self.placement.as_ref().map_or((crate::placement::DEFAULT_HANDOFF, 0.0), |p| p.hybrid_fractions())
     }
 
     /// The decoded n-gram table rows `rows` (`[rows.len(), head_dim]` f32) from wherever the table lives (RAM or
