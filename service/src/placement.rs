@@ -83,7 +83,7 @@ impl Default for PlacementConfig {
             prefetch_layers: 1,
             direct_io: true,
             lock_memory: true,
-            handoff: 0.0,
+            handoff: nebula_engine::placement::DEFAULT_HANDOFF,
             omit_marginal: 0.0,
             gpu_cache: GpuCachePolicy::Static,
             gpu_cache_interval: GpuCacheOptions::default().interval,

@@ -435,9 +435,10 @@ impl Qwen4Exp {
         self.placement.as_ref().map_or_else(Default::default, |p| p.gpu_cache())
     }
 
-    /// The placement's (handoff, marginal omission) fractions for the hybrid GPU backend; (0, 0) unplaced.
+    /// The placement's (handoff, marginal omission) fractions for the hybrid GPU backend;
+    /// ([`crate::placement::DEFAULT_HANDOFF`], 0) unplaced.
     pub(crate) fn hybrid_fractions(&self) -> (f32, f32) {
-        self.placement.as_ref().map_or((0.0, 0.0), |p| p.hybrid_fractions())
+        self.placement.as_ref().map_or((crate::placement::DEFAULT_HANDOFF, 0.0), |p| p.hybrid_fractions())
     }
 
     /// The decoded n-gram table rows `rows` (`[rows.len(), head_dim]` f32) from wherever the table lives (RAM or

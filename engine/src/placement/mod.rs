@@ -88,6 +88,11 @@ impl std::str::FromStr for TablePlacement {
     }
 }
 
+/// The default expert handoff of the hybrid GPU backend ([`PlacementOptions::handoff`]): 0, so every token's
+/// resident experts run on the GPU and the others on the CPU (1.43x the decode speed of the original rule's 0.9
+/// on the H200 machine's 12 GB emulation, docs/benchmarks/2026-12-02-h200-mtp.md).
+pub const DEFAULT_HANDOFF: f32 = 0.0;
+
 /// How to place a model's experts and n-gram table.
 #[derive(Clone)]
 pub struct PlacementOptions {
@@ -125,8 +130,7 @@ pub struct PlacementOptions {
     /// another number gets the counts scaled to its own (the 28 MB demo model has 32). `None`: counts as given.
     pub counts_for_experts: Option<usize>,
     /// Hybrid GPU backend: a token whose GPU-resident experts cover less than this fraction of its
-    /// router weight has the layer's whole routed MoE computed on the CPU. Default 0: every token's resident experts
-    /// run on the GPU and the others on the CPU (measured faster than the original rule's 0.9).
+    /// router weight has the layer's whole routed MoE computed on the CPU. Default [`DEFAULT_HANDOFF`].
     pub handoff: f32,
     /// Hybrid GPU backend: the lightest CPU-side experts of a token are dropped while their summed weight stays
     /// within this fraction of the token's mass (marginal-expert omission; 0 = strict, the default).
@@ -155,7 +159,7 @@ impl Default for PlacementOptions {
             reader: None,
             source: "options".into(),
             counts_for_experts: None,
-            handoff: 0.0,
+            handoff: DEFAULT_HANDOFF,
             omit_marginal: 0.0,
             gpu_cache: GpuCacheOptions::default(),
         }

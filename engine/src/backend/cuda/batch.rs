@@ -135,17 +135,7 @@ impl CudaModel {
             spans.push((r0, it.tokens.len(), it.state.pos));
             r0 += it.tokens.len();
         }
-        let mut ids: Vec<i32> = Vec::with_capacity(n);
-        let mut ple_rows: Vec<i32> = Vec::new();
-        let ple = self.layers.iter().find_map(|l| l.ple.as_ref());
-        for it in items.iter_mut() {
-            ids.extend(it.tokens.iter().map(|&t| t as i32));
-            if let (Some(p), Some(ps)) = (ple, it.state.ple.as_mut()) {
-                // Hashed from the item's own n-gram context, which this advances.
-                ple_rows.extend(p.ngram_rows(ps, it.tokens)?);
-            }
-            stream.memcpy_htod(&[it.state.pos as i32], &mut it.state.pos_dev)?;
-        }
+        let (ids, ple_rows) = self.stage_items(items)?;
         // Kept alive until the pass is queued; the frees are stream-ordered.
         let ple_emb = self.upload_ngram_rows(&ple_rows)?;
         let ple_emb_ptr = ple_emb.as_ref().map(|e| ptr(e, &stream, 0));
@@ -220,6 +210,25 @@ impl CudaModel {
             .collect())
     }
 
+    /// The pass's token ids and PLE n-gram rows in the items' order (each item's rows hashed from its own n-gram
+    /// context, which this advances), with each state's position written to its device copy.
+    ///
+    /// Errors: a device copy fails.
+    fn stage_items(&self, items: &mut [&mut BatchItem<'_, CudaState>]) -> Result<(Vec<i32>, Vec<i32>), CudaError> {
+        let stream = self.launch.dev.stream();
+        let ple = self.layers.iter().find_map(|l| l.ple.as_ref());
+        let mut ids: Vec<i32> = Vec::with_capacity(items.iter().map(|it| it.tokens.len()).sum());
+        let mut ple_rows: Vec<i32> = Vec::new();
+        for it in items.iter_mut() {
+            ids.extend(it.tokens.iter().map(|&t| t as i32));
+            if let (Some(p), Some(ps)) = (ple, it.state.ple.as_mut()) {
+                ple_rows.extend(p.ngram_rows(ps, it.tokens)?);
+            }
+            stream.memcpy_htod(&[it.state.pos as i32], &mut it.state.pos_dev)?;
+        }
+        Ok((ids, ple_rows))
+    }
+
     /// One decode step of every item (one token each, its logits wanted; all-GPU) through the batch's CUDA Graph
     /// (see the module docs): the same launches as [`Self::forward_shared_inner`]'s eager pass, with the token ids,
     /// PLE rows and logits in the graph's fixed buffers.
@@ -229,17 +238,8 @@ impl CudaModel {
         let dev = &ctx.dev;
         let stream = dev.stream().clone();
         let (s, dim, vocab) = (items.len(), cfg.hc_dim(), cfg.vocab);
-        let ple = self.layers.iter().find_map(|l| l.ple.as_ref());
-        let heads = ple.map_or(1, |p| p.cfg.n_heads());
-        let mut ids: Vec<i32> = Vec::with_capacity(s);
-        let mut ple_rows: Vec<i32> = Vec::new();
-        for it in items.iter_mut() {
-            ids.push(it.tokens[0] as i32);
-            if let (Some(p), Some(ps)) = (ple, it.state.ple.as_mut()) {
-                ple_rows.extend(p.ngram_rows(ps, it.tokens)?);
-            }
-            stream.memcpy_htod(&[it.state.pos as i32], &mut it.state.pos_dev)?;
-        }
+        let heads = self.layers.iter().find_map(|l| l.ple.as_ref()).map_or(1, |p| p.cfg.n_heads());
+        let (ids, ple_rows) = self.stage_items(items)?;
         let key: Vec<u64> = items.iter().map(|it| it.state.id).collect();
         let mut graphs = self.batch_graphs.lock().expect("batch graphs lock");
         let g = graphs.entry(dev, key, ctx.exact(), heads, vocab)?;

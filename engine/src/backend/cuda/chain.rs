@@ -16,8 +16,9 @@
 //!   smallest share over the layers of its router weight those experts cover (`hybrid_split` writes it). A row
 //!   below the handoff threshold gets no CPU experts (its logits are not trusted: reported as coverage 0, the
 //!   decoder cuts the chain there and runs that token as an exact step); a row at or above it has its other
-//!   experts computed on the CPU as a plain step would, so trusted rows are exact (reported as coverage 1). With `verify_handoff` (`hybrid::policy`) low-coverage rows are
-//!   handed to the CPU inside the verify pass instead (every row exact, coverage 1).
+//!   experts computed on the CPU as a plain step would, so trusted rows are exact (reported as coverage 1). With
+//!   `verify_handoff` (`hybrid::policy`) low-coverage rows are handed to the CPU inside the verify pass instead
+//!   (every row exact, coverage 1).
 //! - **Rollback**: attention KV and indexer keys are position-indexed (nothing to undo but, with the hot window,
 //!   the ring slots the dropped rows overwrote, refilled from the host copies); GDN and PLE states are
 //!   restored from the copies and only their recurrences are replayed over the kept rows (no projection, router,

@@ -17,8 +17,9 @@
 //!    less than moving every non-resident expert over PCIe ([`crossover_tokens`]), capped at
 //!    [`CPU_PATH_MAX_TOKENS`].
 //! 4. **Per token, on the CPU path** ([`HybridPolicy::split`], the numbers the `hybrid_split` kernel in
-//!    kernels/cuda/moe.cu applies): when the resident experts cover less than [`HybridParams::handoff`] (0.9 by
-//!    default) of the token's router weight, the token's whole routed MoE goes to the CPU (expert handoff);
+//!    kernels/cuda/moe.cu applies): when the resident experts cover less than [`HybridParams::handoff`]
+//!    ([`crate::placement::DEFAULT_HANDOFF`], 0, by default; 0.9 is the original rule) of the token's router
+//!    weight, the token's whole routed MoE goes to the CPU (expert handoff);
 //!    otherwise the resident experts run on the GPU and the rest on the CPU, whose lightest experts are dropped
 //!    while their summed weight stays within [`HybridParams::omit`] (marginal-expert omission, 0 = off). In an MTP
 //!    verify pass, unless [`HybridParams::verify_handoff`], a row under the handoff threshold is not handed off but
