@@ -1204,6 +1204,106 @@ fn low_bit_types_match_the_cpu_on_the_gpu() {
     }
 }
 
+/// The mixes users download, made by llama.cpp's own quantizer: `llama-quantize --imatrix` (the seeded matrix
+/// `tests/fixtures/imatrix/wide256.imatrix.dat`, required by the 1- and 2-bit types) of the F32 `wide256`
+/// checkpoint to each file type below, with llama.cpp's type selection for every tensor (no `--pure`). Each file
+/// runs on the CPU engine, the all-GPU model and the hybrid model (half the experts per layer on the GPU, the
+/// others on the CPU for every token): token-by-token decode of the golden ids on the GPU and the hybrid model
+/// against the CPU at max |delta logit| <= 5e-2 x max |logit| and top-1 agreement >= 97 %, as for the other
+/// quantized types, and the 16-token greedy continuation printed with the step where they first differ.
+///
+/// `LLAMA_QUANTIZE` names the `llama-quantize` binary (this repository never builds llama.cpp); the test fails
+/// with that message when it is unset.
+#[test]
+#[ignore = "needs an NVIDIA GPU and LLAMA_QUANTIZE: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn llama_quantize_files_run_on_the_cpu_gpu_and_hybrid() {
+    use nebula_engine::backend::cuda::hybrid::HybridParams;
+    use nebula_engine::gguf::{GgmlType, GgufFile};
+    let exe = std::env::var("LLAMA_QUANTIZE")
+        .expect("LLAMA_QUANTIZE must name llama.cpp's llama-quantize binary (built outside this repository)");
+    let tmp = tempfile::tempdir().unwrap();
+    let root = nebula_tests::repo_root();
+    let (ids, prefill, vocab, _) = golden("wide256");
+    let f32_path = tmp.path().join("wide256-f32.gguf");
+    convert(
+        &root.join("tests/fixtures/golden/wide256"),
+        &f32_path,
+        &ConvertOptions { out_type: OutType::F32, include_mtp: false, ..Default::default() },
+    )
+    .unwrap();
+    let imatrix = root.join("tests/fixtures/imatrix/wide256.imatrix.dat");
+    let split =
+        HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 4, stage_experts: 7, stages: 2, verify_handoff: false };
+    // llama.cpp's file type and the block type it gives most expert weights (IQ2_S files are llama.cpp's IQ2_M).
+    for (ftype, main) in [
+        ("Q2_K", GgmlType::Q2_K),
+        ("Q3_K_S", GgmlType::Q3_K),
+        ("Q3_K_M", GgmlType::Q3_K),
+        ("IQ3_XXS", GgmlType::IQ3_XXS),
+        ("IQ3_S", GgmlType::IQ3_S),
+        ("IQ2_XXS", GgmlType::IQ2_XXS),
+        ("IQ2_XS", GgmlType::IQ2_XS),
+        ("IQ2_M", GgmlType::IQ2_S),
+        ("IQ1_S", GgmlType::IQ1_S),
+        ("IQ1_M", GgmlType::IQ1_M),
+        ("Q4_1", GgmlType::Q4_1),
+        ("Q5_1", GgmlType::Q5_1),
+        ("MXFP4_MOE", GgmlType::MXFP4),
+    ] {
+        let path = tmp.path().join(format!("wide256-{ftype}.gguf"));
+        let run = std::process::Command::new(&exe)
+            .arg("--imatrix")
+            .arg(&imatrix)
+            .arg(&f32_path)
+            .arg(&path)
+            .arg(ftype)
+            .arg("2")
+            .output()
+            .expect("llama-quantize runs");
+        assert!(run.status.success(), "llama-quantize {ftype}: {}", String::from_utf8_lossy(&run.stderr));
+        let mut types = std::collections::BTreeMap::<&str, usize>::new();
+        for t in GgufFile::open(&path).unwrap().tensors() {
+            *types.entry(t.ggml_type.name()).or_default() += 1;
+        }
+        assert!(types.contains_key(main.name()), "{ftype}: llama-quantize wrote no {} tensor: {types:?}", main.name());
+        let cpu = Qwen4Exp::load(&path).unwrap();
+        let mut cs = cpu.new_state(ids.len());
+        let c_all: Vec<f32> = ids.iter().flat_map(|&t| cpu.forward(&mut cs, &[t], LogitsFor::Last).unwrap()).collect();
+        let gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).expect("the GPU model loads");
+        let hybrid =
+            CudaModel::hybrid_with(placed(&path, cpu.config.n_expert / 2), 0, None, split, tuning()).unwrap();
+        let greedy = |fwd: &mut dyn FnMut(&[u32]) -> Vec<f32>| {
+            let mut last = fwd(&ids[..prefill]);
+            (0..16)
+                .map(|_| {
+                    let t = argmax(&last[last.len() - vocab..]) as u32;
+                    last = fwd(&[t]);
+                    t
+                })
+                .collect::<Vec<u32>>()
+        };
+        let mut cs = cpu.new_state(prefill + 16);
+        let c_greedy = greedy(&mut |t| cpu.forward(&mut cs, t, LogitsFor::Last).unwrap());
+        for (label, model) in [("all-GPU", &gpu), ("hybrid", &hybrid)] {
+            let mut st = model.new_state(ids.len()).unwrap();
+            let all: Vec<f32> =
+                ids.iter().flat_map(|&t| model.forward(&mut st, &[t], LogitsFor::Last).unwrap()).collect();
+            let (rel, differ) = compare(&all, &c_all, vocab);
+            let mut st = model.new_state(prefill + 16).unwrap();
+            let g = greedy(&mut |t| model.forward(&mut st, t, LogitsFor::Last).unwrap());
+            let same = c_greedy.iter().zip(&g).take_while(|(a, b)| a == b).count();
+            let agree = 1.0 - differ.len() as f64 / ids.len() as f64;
+            println!(
+                "llama-quantize {ftype} {types:?}: {label} decode vs CPU {rel:.3e}, top-1 agreement {:.1} %; greedy \
+                 tokens identical for {same} of 16 steps",
+                agree * 100.0
+            );
+            assert!(rel <= 5e-2, "{ftype} {label}: decode vs CPU {rel:.3e}");
+            assert!(agree >= 0.97, "{ftype} {label}: top-1 agreement {agree:.3} (differs at {differ:?})");
+        }
+    }
+}
+
 /// The GPU with a hot window of `window` KV tokens (0: every token in VRAM), the rest of the tuning as the tests'.
 fn with_window(window: usize) -> CudaTuning {
     CudaTuning { kv_window: window, ..tuning().clone() }
