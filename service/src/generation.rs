@@ -723,7 +723,7 @@ mod tests {
         let (tx, _rx) = mpsc::channel(16);
         let waited = tokio::time::timeout(
             Duration::from_secs(1000),
-            drive(&model, queued, &parse, vec![], 3, &tx, 0, &settings),
+            drive(&model, queued, &parse, vec![], (3, 0), &tx, 0, &settings),
         )
         .await;
         assert!(waited.is_err(), "a queued request is not stuck");
@@ -733,7 +733,7 @@ mod tests {
         events_tx.send(GenerationEvent::Started { cached_tokens: 0 }).unwrap();
         let (tx, mut rx) = mpsc::channel(16);
         let t0 = tokio::time::Instant::now();
-        assert!(!drive(&model, events, &parse, vec![], 3, &tx, 0, &settings).await);
+        assert!(!drive(&model, events, &parse, vec![], (3, 0), &tx, 0, &settings).await);
         assert!(t0.elapsed() >= Duration::from_secs(5));
         assert_eq!(rx.recv().await, Some((0, Piece::Progress)));
         match rx.recv().await {
