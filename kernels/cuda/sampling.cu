@@ -79,4 +79,3 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, 
         out[t] = i0 == 0x7fffffff ? -1 : i0;
     }
 }
-}

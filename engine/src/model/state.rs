@@ -68,8 +68,12 @@ impl MropeTrack {
         Self { explicit: Vec::new(), next: len as u32 }
     }
 
-    /// A track with these positions (a state image read back).
+    /// A track of `len` tokens with these positions (a state image read back; empty: the tokens are text at
+    /// their indices).
     pub fn from_positions(positions: Vec<[u32; 3]>, len: usize) -> Self {
+        if positions.is_empty() {
+            return Self::text(len);
+        }
         let mut t = Self { explicit: positions, next: 0 };
         t.truncate(len);
         t
