@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nebula's test suite: everything CI runs. Needs cargo and python3 with pip; installs the pinned Python test
 # packages, rebuilds the (uncommitted) tokenizer.json the tokenizer tests read, then runs every Rust test in
-# release mode (the HTTP end-to-end and 32-client load tests among them), the OpenAI Python SDK end-to-end test
+# release mode (the HTTP end-to-end and 32-client load tests among them), every CUDA source through NVRTC, the OpenAI Python SDK end-to-end test
 # and schemathesis (property-based, against openapi/openapi.json) against a real `nebula serve`, and the WebUI's unit and
 # browser tests (webui/scripts/test.sh installs Debian's chromium and nginx-light when they are missing).
 set -euo pipefail
@@ -15,6 +15,9 @@ venv=build/test-venv
 
 cargo build --release --workspace --all-targets
 cargo test --release --workspace
+# Every CUDA source through NVRTC exactly as the GPU backend compiles it at start (libnvrtc from PyPI; no GPU).
+nvrtc_lib=$("$venv/bin/python" -c 'import nvidia, pathlib; print(next(pathlib.Path(p) / "cu13" / "lib" for p in nvidia.__path__))')
+LD_LIBRARY_PATH="$nvrtc_lib" cargo test --release -p nebula-kernels -- --ignored nvrtc
 NEBULA_BIN=target/release/nebula DEPLOY_CHECK_SKIP_CARGO=1 deploy/check.sh
 scripts/test_sdk.sh
 scripts/test_api_schema.sh
