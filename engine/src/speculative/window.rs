@@ -20,6 +20,13 @@
 //! are decoded plainly (32 at first, doubled at each further collapse up to 1024, back to 32 after 64 chains
 //! without a collapse). Then drafting comes back at `N = 4` with a fresh chain history (the plain-step timings,
 //! refreshed by the cooldown, are kept).
+//!
+//! **Early collapse.** A drafter that is wrong from the start does not wait for 8 chains: when the first
+//! [`EARLY_REJECTS`] chains since drafting (re)started all had their first draft rejected, drafting turns off at
+//! once, with the same cooldown. Each such chain produced one token for a draft step plus a verify pass of at least
+//! two rows, never less than a plain step costs, so no timing is needed to judge it. A drafter that is right most of
+//! the time opens an epoch that way rarely (at a per-draft acceptance of 0.7, 2.7 % of epochs), and then loses one
+//! cooldown; a drafter that is never right costs [`EARLY_REJECTS`] chains per cooldown instead of 8.
 
 use std::collections::VecDeque;
 
@@ -39,6 +46,9 @@ pub const BASE_COOLDOWN: usize = 32;
 pub const MAX_COOLDOWN: usize = 1024;
 /// Chains without a collapse after which the cooldown goes back to [`BASE_COOLDOWN`].
 pub const STABLE_CHAINS: usize = 64;
+/// Opening chains (from the moment drafting (re)starts) with their first draft rejected that turn drafting off
+/// without waiting for [`HISTORY`] chains.
+pub const EARLY_REJECTS: usize = 3;
 
 /// How a verified chain ended: A all accepted, B handed to the full target, C a draft rejected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,6 +145,8 @@ pub struct WindowController {
     reject_streak: usize,
     history: VecDeque<ChainSample>,
     chains_since_on: usize,
+    /// Chains since drafting (re)started, all with their first draft rejected (stops counting at the first other).
+    opening_rejects: usize,
     chains_since_collapse: usize,
     /// Plain decode steps: (rows = 1, seconds), most recent last.
     plain: VecDeque<f64>,
@@ -161,6 +173,7 @@ impl WindowController {
             reject_streak: 0,
             history: VecDeque::new(),
             chains_since_on: 0,
+            opening_rejects: 0,
             chains_since_collapse: 0,
             plain: VecDeque::new(),
             off_for: 0,
@@ -216,6 +229,7 @@ impl WindowController {
                 self.accept_streak = 0;
                 self.reject_streak = 0;
                 self.chains_since_on = 0;
+                self.opening_rejects = 0;
                 // Acceptance is what collapsed: forget it, keep the cost measurements' scale via new chains.
                 self.history.clear();
                 return true;
@@ -233,6 +247,9 @@ impl WindowController {
             self.history.pop_front();
         }
         self.chains_since_on += 1;
+        if self.opening_rejects + 1 == self.chains_since_on && s.case == ChainCase::C && s.accepted == 0 {
+            self.opening_rejects += 1;
+        }
         self.chains_since_collapse += 1;
         if self.chains_since_collapse >= STABLE_CHAINS {
             self.cooldown = BASE_COOLDOWN;
@@ -257,6 +274,11 @@ impl WindowController {
         }
         let basic = n.clamp(MIN_WINDOW as isize, MAX_WINDOW as isize) as usize;
         self.n = basic;
+        if self.timing && self.chains_since_on == EARLY_REJECTS && self.opening_rejects == EARLY_REJECTS {
+            self.collapse();
+            ev.collapsed = true;
+            return ev;
+        }
         if self.timing
             && self.chains_since_on >= HISTORY
             && let Some(model) = self.timing_model()
@@ -278,13 +300,18 @@ impl WindowController {
                 self.probe = true;
             } else if self.collapsed(&model) {
                 ev.collapsed = true;
-                self.collapses += 1;
-                self.chains_since_collapse = 0;
-                self.off_for = self.cooldown;
-                self.cooldown = (self.cooldown * 2).min(MAX_COOLDOWN);
+                self.collapse();
             }
         }
         ev
+    }
+
+    /// Turns drafting off for the current cooldown and doubles the next one (up to [`MAX_COOLDOWN`]).
+    fn collapse(&mut self) {
+        self.collapses += 1;
+        self.chains_since_collapse = 0;
+        self.off_for = self.cooldown;
+        self.cooldown = (self.cooldown * 2).min(MAX_COOLDOWN);
     }
 
     /// Whether the last [`HISTORY`] chains produced fewer tokens per second than plain decoding (the mean of the
@@ -425,7 +452,7 @@ mod tests {
         // Without a plain step measured, the eighth chain asks for one instead of judging.
         for _ in 0..HISTORY {
             let n = c.window().unwrap();
-            assert!(!c.on_chain(chain(n, 0, ChainCase::C)).collapsed);
+            assert!(!c.on_chain(chain(n, 1, ChainCase::C)).collapsed);
         }
         assert!(c.wants_plain_probe());
         c.on_plain_step(0.010);
@@ -435,8 +462,9 @@ mod tests {
         let mut collapsed_at = None;
         for i in 0..20 {
             let n = c.window().expect("on until the collapse");
-            // Every first draft rejected: one token per chain at more than a plain step's cost.
-            if c.on_chain(chain(n, 0, ChainCase::C)).collapsed {
+            // One draft accepted a chain: two tokens per chain at more than two plain steps' cost (and not the
+            // opening-rejects rule: the first drafts are right).
+            if c.on_chain(chain(n, 1, ChainCase::C)).collapsed {
                 collapsed_at = Some(i);
                 break;
             }
@@ -460,7 +488,7 @@ mod tests {
         let mut off = false;
         for _ in 0..16 {
             let n = c2.window().unwrap();
-            if c2.on_chain(chain(n, 0, ChainCase::C)).collapsed {
+            if c2.on_chain(chain(n, 1, ChainCase::C)).collapsed {
                 off = true;
                 break;
             }
@@ -468,5 +496,47 @@ mod tests {
         assert!(off);
         let steps = (0..10 * BASE_COOLDOWN).take_while(|_| !c2.on_plain_step(0.010)).count() + 1;
         assert_eq!(steps, 2 * BASE_COOLDOWN);
+    }
+
+    #[test]
+    fn a_drafter_wrong_from_the_start_is_turned_off_after_three_chains() {
+        let mut c = WindowController::new();
+        for i in 0..EARLY_REJECTS {
+            let n = c.window().expect("on until the third chain");
+            let ev = c.on_chain(chain(n, 0, ChainCase::C));
+            assert_eq!(ev.collapsed, i == EARLY_REJECTS - 1, "chain {i}");
+        }
+        assert_eq!(c.window(), None, "off without a plain step measured or 8 chains of history");
+        assert_eq!(c.collapses(), 1);
+        // After the cooldown the next epoch is judged the same way, with the doubled cooldown.
+        assert_eq!((0..BASE_COOLDOWN).filter(|_| c.on_plain_step(0.010)).count(), 1);
+        for _ in 0..EARLY_REJECTS {
+            let n = c.window().unwrap();
+            c.on_chain(chain(n, 0, ChainCase::C));
+        }
+        assert_eq!(c.window(), None);
+        let steps = (0..10 * BASE_COOLDOWN).take_while(|_| !c.on_plain_step(0.010)).count() + 1;
+        assert_eq!(steps, 2 * BASE_COOLDOWN);
+        // One right first draft among the opening chains, or a case-B chain, leaves the judgement to the timing
+        // check.
+        for opening in [[0, 1, 0], [1, 0, 0], [0, 0, 2]] {
+            let mut c = WindowController::new();
+            for acc in opening {
+                let n = c.window().unwrap();
+                assert!(!c.on_chain(chain(n, acc, ChainCase::C)).collapsed, "{opening:?}");
+            }
+            assert!(c.window().is_some());
+        }
+        let mut c = WindowController::new();
+        for case in [ChainCase::C, ChainCase::B, ChainCase::C] {
+            let n = c.window().unwrap();
+            assert!(!c.on_chain(chain(n, 0, case)).collapsed);
+        }
+        // The basic rule alone never collapses.
+        let mut c = WindowController::basic_only();
+        for _ in 0..20 {
+            let n = c.window().unwrap();
+            assert!(!c.on_chain(chain(n, 0, ChainCase::C)).collapsed);
+        }
     }
 }
