@@ -92,8 +92,8 @@ async fn responses_bad_input_gets_openai_errors() {
         (json!({"input": [7]}), Some("input[0]"), "an item that is no object"),
         (
             json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}),
-            Some("input[0].content[0].type"),
-            "an image",
+            Some("input[0].content[0]"),
+            "an image that is not one",
         ),
         (json!({"input": [{"type": "function_call", "name": "f"}]}), Some("input[0].call_id"), "call without id"),
         (json!({"input": "hi", "tools": [{"name": "f"}]}), Some("tools[0].type"), "a tool without a type"),
@@ -154,7 +154,10 @@ async fn messages_bad_input_gets_anthropic_errors() {
         (ok(json!({"max_tokens": "many"})), "max_tokens of the wrong type"),
         (ok(json!({"temperature": 7})), "temperature out of range"),
         (ok(json!({"messages": [{"role": "critic", "content": "x"}]})), "unknown role"),
-        (ok(json!({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]})), "an image"),
+        (
+            ok(json!({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]})),
+            "an image without a source type",
+        ),
         (ok(json!({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]})), "a document"),
         (ok(json!({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]})), "unknown block"),
         (ok(json!({"messages": [{"role": "user", "content": [{"text": "x"}]}]})), "block without type"),
@@ -170,6 +173,9 @@ async fn messages_bad_input_gets_anthropic_errors() {
     }
     let image = ok(json!({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}));
     let message = anthropic_error(&post("/v1/messages", &image).await, 400, "invalid_request_error", "image");
+    assert!(message.contains("`source` with a `type`"), "{message}");
+    let document = ok(json!({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}));
+    let message = anthropic_error(&post("/v1/messages", &document).await, 400, "invalid_request_error", "document");
     assert!(message.contains("text only"), "{message}");
     for raw in ["{", "", "[1]", "{} x"] {
         anthropic_error(&post_raw("/v1/messages", raw).await, 400, "invalid_request_error", raw);

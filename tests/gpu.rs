@@ -264,6 +264,31 @@ fn cuda_graph_replays_equal_eager_decode() {
     println!("32 greedy steps: the device argmax equals the host argmax of the logits");
 }
 
+/// The golden checkpoint `name` (`tests/fixtures/golden`) converted to an F32 GGUF in `dir`.
+fn golden_f32(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let path = dir.join(format!("{name}.gguf"));
+    convert(
+        &nebula_tests::repo_root().join("tests/fixtures/golden").join(name),
+        &path,
+        &ConvertOptions { out_type: OutType::F32, ..Default::default() },
+    )
+    .unwrap();
+    path
+}
+
+/// The hybrid split the tests use to reach every path on tiny checkpoints: the resident experts on the GPU and the
+/// others on the CPU for every token, the CPU path up to 4 tokens, streamed prefill above in stages of 7 experts.
+fn split_params() -> nebula_engine::backend::cuda::hybrid::HybridParams {
+    nebula_engine::backend::cuda::hybrid::HybridParams {
+        handoff: 0.0,
+        omit: 0.0,
+        cpu_max_tokens: 4,
+        stage_experts: 7,
+        stages: 2,
+        verify_handoff: false,
+    }
+}
+
 /// A placed copy of `path` with `gpu` GPU-tier experts per layer (the rest in RAM).
 fn placed(path: &std::path::Path, gpu: usize) -> std::sync::Arc<Qwen4Exp> {
     placed_tiers(path, gpu, usize::MAX)
@@ -289,13 +314,7 @@ fn hybrid_matches_the_reference_on_the_golden_checkpoints() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["hc4_moe", "ple_eos", "qsa_budget"] {
         let (ids, prefill, vocab, reference) = golden(name);
-        let path = tmp.path().join(format!("{name}.gguf"));
-        convert(
-            &nebula_tests::repo_root().join("tests/fixtures/golden").join(name),
-            &path,
-            &ConvertOptions { out_type: OutType::F32, ..Default::default() },
-        )
-        .unwrap();
+        let path = golden_f32(tmp.path(), name);
         let n_expert = Qwen4Exp::load(&path).unwrap().config.n_expert;
         for (label, gpu_experts, ram_experts, params) in [
             // Few GPU experts, default handoff: most token-layers go to the CPU; prefill streams in groups of 3.
@@ -453,8 +472,7 @@ fn hybrid_greedy_tokens_equal_the_cpu_and_all_gpu_runs() {
         stages: 6,
         verify_handoff: false,
     };
-    let split =
-        HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 4, stage_experts: 7, stages: 2, verify_handoff: false };
+    let split = split_params();
     fn greedy(fwd: &mut dyn FnMut(&[u32]) -> Vec<f32>, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
         let mut last = fwd(prompt);
         let (mut out, mut logits) = (Vec::new(), Vec::new());
@@ -469,13 +487,7 @@ fn hybrid_greedy_tokens_equal_the_cpu_and_all_gpu_runs() {
     // F32 golden checkpoints: identical greedy tokens on every backend.
     let tmp = tempfile::tempdir().unwrap();
     for name in ["hc4_moe", "qsa_budget"] {
-        let path = tmp.path().join(format!("{name}.gguf"));
-        convert(
-            &nebula_tests::repo_root().join("tests/fixtures/golden").join(name),
-            &path,
-            &ConvertOptions { out_type: OutType::F32, ..Default::default() },
-        )
-        .unwrap();
+        let path = golden_f32(tmp.path(), name);
         let (ids, prefill, _, _) = golden(name);
         let prompt = &ids[..prefill];
         let cpu = Qwen4Exp::load(&path).unwrap();
@@ -728,13 +740,7 @@ fn gpu_states_resume_from_snapshots_live_and_spilled() {
     let tmp = tempfile::tempdir().unwrap();
     let mut files: Vec<(String, std::path::PathBuf)> = Vec::new();
     for name in CASES {
-        let path = tmp.path().join(format!("{name}.gguf"));
-        convert(
-            &nebula_tests::repo_root().join("tests/fixtures/golden").join(name),
-            &path,
-            &ConvertOptions { out_type: OutType::F32, ..Default::default() },
-        )
-        .unwrap();
+        let path = golden_f32(tmp.path(), name);
         files.push((name.to_owned(), path));
     }
     files.push(("demo".to_owned(), nebula_tests::repo_root().join("models/nebula-demo.gguf")));
@@ -1217,7 +1223,6 @@ fn low_bit_types_match_the_cpu_on_the_gpu() {
 #[test]
 #[ignore = "needs an NVIDIA GPU and LLAMA_QUANTIZE: cargo test --release -p nebula-tests --test gpu -- --ignored"]
 fn llama_quantize_files_run_on_the_cpu_gpu_and_hybrid() {
-    use nebula_engine::backend::cuda::hybrid::HybridParams;
     use nebula_engine::gguf::{GgmlType, GgufFile};
     let exe = std::env::var("LLAMA_QUANTIZE")
         .expect("LLAMA_QUANTIZE must name llama.cpp's llama-quantize binary (built outside this repository)");
@@ -1232,8 +1237,7 @@ fn llama_quantize_files_run_on_the_cpu_gpu_and_hybrid() {
     )
     .unwrap();
     let imatrix = root.join("tests/fixtures/imatrix/wide256.imatrix.dat");
-    let split =
-        HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 4, stage_experts: 7, stages: 2, verify_handoff: false };
+    let split = split_params();
     // llama.cpp's file type and the block type it gives most expert weights (IQ2_S files are llama.cpp's IQ2_M).
     for (ftype, main) in [
         ("Q2_K", GgmlType::Q2_K),
@@ -1270,8 +1274,7 @@ fn llama_quantize_files_run_on_the_cpu_gpu_and_hybrid() {
         let mut cs = cpu.new_state(ids.len());
         let c_all: Vec<f32> = ids.iter().flat_map(|&t| cpu.forward(&mut cs, &[t], LogitsFor::Last).unwrap()).collect();
         let gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).expect("the GPU model loads");
-        let hybrid =
-            CudaModel::hybrid_with(placed(&path, cpu.config.n_expert / 2), 0, None, split, tuning()).unwrap();
+        let hybrid = CudaModel::hybrid_with(placed(&path, cpu.config.n_expert / 2), 0, None, split, tuning()).unwrap();
         let greedy = |fwd: &mut dyn FnMut(&[u32]) -> Vec<f32>| {
             let mut last = fwd(&ids[..prefill]);
             (0..16)
@@ -1493,18 +1496,10 @@ fn greedy_with_chunk(
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
 fn realistic_routing_changes_only_the_experts_on_the_gpu() {
-    use nebula_engine::backend::cuda::hybrid::HybridParams;
-    let split =
-        HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 4, stage_experts: 7, stages: 2, verify_handoff: false };
+    let split = split_params();
     let tmp = tempfile::tempdir().unwrap();
     for name in ["hc4_moe", "qsa_budget"] {
-        let path = tmp.path().join(format!("{name}.gguf"));
-        convert(
-            &nebula_tests::repo_root().join("tests/fixtures/golden").join(name),
-            &path,
-            &ConvertOptions { out_type: OutType::F32, ..Default::default() },
-        )
-        .unwrap();
+        let path = golden_f32(tmp.path(), name);
         let (ids, prefill, vocab, _) = golden(name);
         let (prompt, chunk) = (&ids[..prefill], &ids[prefill..]);
         let cpu = with_realistic_routing(Qwen4Exp::load(&path).unwrap(), 3);
@@ -1561,20 +1556,12 @@ fn realistic_routing_changes_only_the_experts_on_the_gpu() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
 fn the_adaptive_gpu_cache_swaps_experts_and_keeps_the_greedy_tokens() {
-    use nebula_engine::backend::cuda::hybrid::HybridParams;
     use nebula_engine::placement::{GpuCacheOptions, GpuCachePolicy};
     let lru = GpuCacheOptions { policy: GpuCachePolicy::Lru, interval: 1, uploads: 2 };
-    let split =
-        HybridParams { handoff: 0.0, omit: 0.0, cpu_max_tokens: 4, stage_experts: 7, stages: 2, verify_handoff: false };
+    let split = split_params();
     let tmp = tempfile::tempdir().unwrap();
     for name in ["hc4_moe", "qsa_budget"] {
-        let path = tmp.path().join(format!("{name}.gguf"));
-        convert(
-            &nebula_tests::repo_root().join("tests/fixtures/golden").join(name),
-            &path,
-            &ConvertOptions { out_type: OutType::F32, ..Default::default() },
-        )
-        .unwrap();
+        let path = golden_f32(tmp.path(), name);
         let (ids, prefill, vocab, _) = golden(name);
         let (prompt, chunk) = (&ids[..prefill], &ids[prefill..]);
         let cap = prompt.len() + chunk.len() + 60;

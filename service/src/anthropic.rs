@@ -12,8 +12,9 @@
 //! `enabled` turns thinking on (`budget_tokens` is accepted; the model's thinking has no budget of its own),
 //! `disabled` off, `adaptive` leaves the server's default; `display: "omitted"` returns thinking blocks with empty
 //! text and their signature. `output_config.effort` `low`/`medium`/`high`/`max` maps to the reasoning efforts
-//! `low`/`medium`/`high`/`xhigh`. `max_tokens` above what the context leaves is clamped to the room left. Images
-//! and documents are refused (this server reads text only). Unknown top-level fields are refused, as Anthropic
+//! `low`/`medium`/`high`/`xhigh`. `max_tokens` above what the context leaves is clamped to the room left. Image
+//! blocks with a `base64` source become chat `image_url` parts (data: URLs; other sources are refused: no network
+//! requests, no files); documents are refused (this server reads no documents). Unknown top-level fields are refused, as Anthropic
 //! does; `metadata`, `service_tier`, `context_management`, `container` and `cache_control` are accepted and
 //! ignored.
 
@@ -267,7 +268,8 @@ fn system_text(value: &Value, param: &str) -> Result<String, ApiError> {
 
 /// Checks `req` and turns it into a chat completion request (model left out: the handler checked it).
 ///
-/// Errors: 400 naming the field (images and documents: "this server reads text only").
+/// Errors: 400 naming the field (an image block without a `base64` source, documents: "this server reads text
+/// only").
 pub fn to_chat_request(
     req: &MessagesRequest,
     seal: &ReasoningSeal,
@@ -629,11 +631,37 @@ mod tests {
     }
 
     #[test]
-    fn images_and_unknown_fields_are_refused() {
-        let req: MessagesRequest = serde_json::from_value(json!({"model": "m", "max_tokens": 5, "messages": [
-            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]}))
-        .unwrap();
-        let err = to_chat_request(&req, &ReasoningSeal::random()).unwrap_err();
+    fn images_documents_and_unknown_fields() {
+        let user = |content: Value| -> MessagesRequest {
+            serde_json::from_value(
+                json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": content}]}),
+            )
+            .unwrap()
+        };
+        let seal = ReasoningSeal::random();
+        // A base64 image becomes a data: URL part, in order with the text.
+        let req = user(json!([{"type": "text", "text": "what is this?"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]));
+        let (chat, _) = to_chat_request(&req, &seal).unwrap();
+        let parts = serde_json::to_value(&chat.messages[0].content).unwrap();
+        assert_eq!(parts[0]["type"], "text", "{parts}");
+        assert_eq!(parts[1]["image_url"]["url"], "data:image/png;base64,iVBORw0KGgo=", "{parts}");
+        // Each malformed or unreadable image names its field.
+        for (source, param) in [
+            (json!({"type": "base64", "data": ""}), "messages[0].content[0].source.media_type"),
+            (json!({"type": "url", "url": "https://example.com/a.png"}), "messages[0].content[0].source.type"),
+            (json!({}), "messages[0].content[0].source"),
+        ] {
+            match to_chat_request(&user(json!([{"type": "image", "source": source}])), &seal) {
+                Err(ApiError::InvalidRequest { param: Some(p), .. }) => assert_eq!(p, param, "{source}"),
+                other => panic!("{source}: {other:?}"),
+            }
+        }
+        let err = to_chat_request(
+            &user(json!([{"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}])),
+            &seal,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("text only"), "{err}");
         assert!(
             serde_json::from_value::<MessagesRequest>(json!({"model": "m", "max_tokens": 5, "messages": [],

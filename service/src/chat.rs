@@ -19,8 +19,8 @@ use crate::error::ApiError;
 use crate::generation::{ConstraintSpec, Generation};
 use crate::openai::{ChatCompletionRequest, ChatMessage, MessageContent, Role, StopSequences};
 use crate::prompt::{defuse, encode_rendered, pick_marker};
-use crate::vision::ImageRef;
 use crate::state::ServedModel;
+use crate::vision::ImageRef;
 
 /// Most stop strings per request (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
@@ -506,8 +506,15 @@ fn check_content(req: &ChatCompletionRequest, model: &ServedModel) -> Result<Vec
                     images.push(ImageRef { param, url });
                 }
                 Some(other) => {
-                    let what = if model.vision.is_some() { "text and image_url parts are read" } else { "this model reads text only" };
-                    return Err(ApiError::invalid(format!("Content part type `{other}` is not supported: {what}."), param));
+                    let what = if model.vision.is_some() {
+                        "text and image_url parts are read"
+                    } else {
+                        "this model reads text only"
+                    };
+                    return Err(ApiError::invalid(
+                        format!("Content part type `{other}` is not supported: {what}."),
+                        param,
+                    ));
                 }
                 None => return Err(ApiError::invalid("A content part needs a string `type`.", param)),
             }

@@ -158,7 +158,8 @@ pub fn start(
     tokio::spawn(
         async move {
             for (i, events) in receivers.into_iter().enumerate() {
-                let ok = drive(&model, events, &parse, stop.clone(), (prompt_tokens, image_tokens), &tx, i, &settings).await;
+                let ok =
+                    drive(&model, events, &parse, stop.clone(), (prompt_tokens, image_tokens), &tx, i, &settings).await;
                 if !ok {
                     break;
                 }

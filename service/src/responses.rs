@@ -371,7 +371,12 @@ fn user_parts_with_images(conv: &mut Conversation, parts: &[Value], param: &str)
         match part.get("type").and_then(Value::as_str) {
             Some("input_text" | "text") => match part.get("text").and_then(Value::as_str) {
                 Some(t) => out.push(crate::conversation::text_part(t)),
-                None => return Err(ApiError::invalid("An `input_text` part needs a string `text`.", format!("{pparam}.text"))),
+                None => {
+                    return Err(ApiError::invalid(
+                        "An `input_text` part needs a string `text`.",
+                        format!("{pparam}.text"),
+                    ));
+                }
             },
             Some("input_image") => match part.get("image_url").and_then(Value::as_str) {
                 Some(url) if !url.is_empty() => out.push(crate::conversation::image_part(url.to_owned(), &pparam)),
@@ -645,8 +650,14 @@ mod tests {
             (json!({"input": "x", "previous_response_id": "resp_1"}), "previous_response_id"),
             (json!({"input": [{"type": "item_reference", "id": "x"}]}), "input[0].type"),
             (
-                json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
-                "input[0].content[0].type",
+                json!({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]}),
+                "input[0].content[0].file_id",
+            ),
+            (json!({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}), "input[0].content[0]"),
+            (
+                json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"},
+                    {"type": "input_file", "file_id": "f"}]}]}),
+                "input[0].content[1].type",
             ),
             (json!({"input": 5}), "input"),
             (json!({"input": "x", "text": {"format": {"type": "yaml"}}}), "text.format.type"),

@@ -349,7 +349,10 @@ fn load_vision(
         return Err(load_error(nebula_engine::model::ModelError::Metadata {
             file: label.clone(),
             key: "clip.vision.projection_dim".into(),
-            problem: format!("{}: the model's hidden size is {hidden} (a tower of another model?)", tower.config.out_hidden),
+            problem: format!(
+                "{}: the model's hidden size is {hidden} (a tower of another model?)",
+                tower.config.out_hidden
+            ),
         }));
     }
     if !engine.accepts_media() {

@@ -64,7 +64,10 @@ pub fn read_url(url: &str, cfg: &VisionConfig, param: &str) -> Result<Vec<u8>, A
         return Ok(percent_decode(data));
     }
     let lower = url.to_ascii_lowercase();
-    if lower.starts_with("http://") || lower.starts_with("https://") || lower.contains("://") && !lower.starts_with("file://") {
+    if lower.starts_with("http://")
+        || lower.starts_with("https://")
+        || lower.contains("://") && !lower.starts_with("file://")
+    {
         return Err(bad(
             "Remote image URLs are not fetched: this server makes no network requests. Send the image inline as a \
              data: URL (data:image/png;base64,...)."
@@ -83,7 +86,8 @@ pub fn read_url(url: &str, cfg: &VisionConfig, param: &str) -> Result<Vec<u8>, A
     if !path.is_absolute() {
         return Err(bad(format!("A local image path must be absolute, got {}.", path.display())));
     }
-    let real = path.canonicalize().map_err(|e| bad(format!("The image file {} cannot be read: {e}.", path.display())))?;
+    let real =
+        path.canonicalize().map_err(|e| bad(format!("The image file {} cannot be read: {e}.", path.display())))?;
     if let Some(root) = &cfg.local_files_root {
         let root = root.canonicalize().unwrap_or_else(|_| root.clone());
         if !real.starts_with(&root) {
@@ -136,7 +140,11 @@ pub fn encode_images(
 ) -> Result<Vec<EncodedImage>, ApiError> {
     if images.len() > cfg.max_images {
         return Err(ApiError::invalid(
-            format!("The request has {} images; this server takes at most {} (vision.max_images).", images.len(), cfg.max_images),
+            format!(
+                "The request has {} images; this server takes at most {} (vision.max_images).",
+                images.len(),
+                cfg.max_images
+            ),
             images[cfg.max_images].param.clone(),
         ));
     }
@@ -147,11 +155,13 @@ pub fn encode_images(
         .map(|img| {
             let bytes = read_url(&img.url, cfg, &img.param)?;
             let rgb = decode_image(&bytes, limits).map_err(|e| vision_error(&e, &img.param))?;
-            let pixels = preprocess_image(&rgb, &tower.config, Some(bounds)).map_err(|e| vision_error(&e, &img.param))?;
+            let pixels =
+                preprocess_image(&rgb, &tower.config, Some(bounds)).map_err(|e| vision_error(&e, &img.param))?;
             let [_, h, w] = pixels.grid_thw;
             let m = tower.config.merge;
             let features = tower.forward(&pixels);
-            let content_hash = nebula_engine::vision::rope_index::content_hash(&bytes, bounds.0 ^ bounds.1.rotate_left(32));
+            let content_hash =
+                nebula_engine::vision::rope_index::content_hash(&bytes, bounds.0 ^ bounds.1.rotate_left(32));
             Ok(EncodedImage { rows: h / m, cols: w / m, features, content_hash })
         })
         .collect()
@@ -195,8 +205,9 @@ pub fn expand_prompt(
         out.extend(std::iter::repeat_n(image_pad, span.len()));
         items.push(MediaItem { span, features: img.features.clone(), content_hash: img.content_hash });
     }
-    let media = MediaPrompt::new(&out, &items, vocab, hidden)
-        .map_err(|e| ApiError::invalid(format!("image input: {e}"), refs.first().map_or("messages".into(), |r| r.param.clone())))?;
+    let media = MediaPrompt::new(&out, &items, vocab, hidden).map_err(|e| {
+        ApiError::invalid(format!("image input: {e}"), refs.first().map_or("messages".into(), |r| r.param.clone()))
+    })?;
     Ok((out, Arc::new(media)))
 }
 

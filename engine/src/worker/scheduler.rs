@@ -424,19 +424,19 @@ impl<B: Backend> Worker<B> {
         let limit = self.rules.max_context.min(req.prompt.len() + req.max_tokens);
         let use_cache = req.use_prefix_cache && self.side.cache.enabled();
         let drafting = req.speculative && backend.has_mtp();
-        let (state, logits, checkpoints) = match self.side.start_state(backend, req.cache_key(), limit, drafting, use_cache)
-        {
-            Ok(s) => s,
-            Err(e) if !alone && e.is_out_of_memory() => return Err(Some(Box::new(job))),
-            Err(e) => {
-                let error = GenerationError::Backend(e.to_string());
-                let _ = job.events.send(GenerationEvent::Failed(error.clone()));
-                for (_, ev) in &job.followers {
-                    let _ = ev.send(GenerationEvent::Failed(error.clone()));
+        let (state, logits, checkpoints) =
+            match self.side.start_state(backend, req.cache_key(), limit, drafting, use_cache) {
+                Ok(s) => s,
+                Err(e) if !alone && e.is_out_of_memory() => return Err(Some(Box::new(job))),
+                Err(e) => {
+                    let error = GenerationError::Backend(e.to_string());
+                    let _ = job.events.send(GenerationEvent::Failed(error.clone()));
+                    for (_, ev) in &job.followers {
+                        let _ = ev.send(GenerationEvent::Failed(error.clone()));
+                    }
+                    return Err(None);
                 }
-                return Err(None);
-            }
-        };
+            };
         let reserved = self.reservation(&job.req);
         let followers = job
             .followers
