@@ -502,7 +502,8 @@ async fn metrics_openapi_and_models() {
 
     let models: Value = client().get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
     let card = &models["data"][0];
-    assert_eq!(card["input_modalities"], json!(["text"]));
+    // The demo model serves its embedded vision tower.
+    assert_eq!(card["input_modalities"], json!(["text", "image"]));
     assert!(card["max_prefill"].as_u64().unwrap() > 0);
     assert!(card["profile"].is_null());
     let one: Value = client().get(format!("{base}/v1/models/nebula-demo")).send().await.unwrap().json().await.unwrap();
