@@ -210,7 +210,7 @@ done_case
 
 run_entrypoint "missing model (single file, typo)" "0, g, 12282\n" 65700000 NEBULA_MODEL="$ROOT/models/nebula-dem0.gguf"
 expect_rc 5
-expect_err "not found (GGUF files there: nebula-demo.gguf)"
+expect_err "not found (GGUF files there: nebula-demo-mmproj.gguf, nebula-demo.gguf)"
 expect_no_server
 done_case
 
