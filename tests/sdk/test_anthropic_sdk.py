@@ -240,7 +240,9 @@ def test_errors_are_typed(client, server, agent_server):
                 }
             ],
         )
-    assert "text only" in e.value.body["error"]["message"]
+    # Bytes that are no image: a 400 that says so (the server reads PNG, JPEG, WebP and GIF).
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "image could not be used" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL, max_tokens=10, messages=HELLO_MESSAGES, extra_body={"bogus": 1})
     wrong = anthropic.Anthropic(base_url=agent_server, api_key="wrong", max_retries=0)
