@@ -264,6 +264,23 @@ fn cuda_graph_replays_equal_eager_decode() {
     println!("32 greedy steps: the device argmax equals the host argmax of the logits");
 }
 
+/// `steps` greedy tokens after `prompt` (`fwd` returns the logits of the last row it ran, `vocab` wide).
+fn greedy_continuation(
+    fwd: &mut dyn FnMut(&[u32]) -> Vec<f32>,
+    prompt: &[u32],
+    vocab: usize,
+    steps: usize,
+) -> Vec<u32> {
+    let mut last = fwd(prompt);
+    (0..steps)
+        .map(|_| {
+            let t = argmax(&last[last.len() - vocab..]) as u32;
+            last = fwd(&[t]);
+            t
+        })
+        .collect()
+}
+
 /// The golden checkpoint `name` (`tests/fixtures/golden`) converted to an F32 GGUF in `dir`.
 fn golden_f32(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
     let path = dir.join(format!("{name}.gguf"));
@@ -1181,16 +1198,7 @@ fn low_bit_types_match_the_cpu_on_the_gpu() {
         }
         let (rel_d, differ_d) = compare(&g_all, &c_all, vocab);
         // Greedy continuation of the prompt on both.
-        let greedy = |fwd: &mut dyn FnMut(&[u32]) -> Vec<f32>| {
-            let mut last = fwd(&ids[..prefill]);
-            (0..16)
-                .map(|_| {
-                    let t = argmax(&last[last.len() - vocab..]) as u32;
-                    last = fwd(&[t]);
-                    t
-                })
-                .collect::<Vec<u32>>()
-        };
+        let greedy = |fwd: &mut dyn FnMut(&[u32]) -> Vec<f32>| greedy_continuation(fwd, &ids[..prefill], vocab, 16);
         let (mut cs, mut gs) = (cpu.new_state(prefill + 16), gpu.new_state(prefill + 16).unwrap());
         let c_greedy = greedy(&mut |t| cpu.forward(&mut cs, t, LogitsFor::Last).unwrap());
         let g_greedy = greedy(&mut |t| gpu.forward(&mut gs, t, LogitsFor::Last).unwrap());
@@ -1275,16 +1283,7 @@ fn llama_quantize_files_run_on_the_cpu_gpu_and_hybrid() {
         let c_all: Vec<f32> = ids.iter().flat_map(|&t| cpu.forward(&mut cs, &[t], LogitsFor::Last).unwrap()).collect();
         let gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).expect("the GPU model loads");
         let hybrid = CudaModel::hybrid_with(placed(&path, cpu.config.n_expert / 2), 0, None, split, tuning()).unwrap();
-        let greedy = |fwd: &mut dyn FnMut(&[u32]) -> Vec<f32>| {
-            let mut last = fwd(&ids[..prefill]);
-            (0..16)
-                .map(|_| {
-                    let t = argmax(&last[last.len() - vocab..]) as u32;
-                    last = fwd(&[t]);
-                    t
-                })
-                .collect::<Vec<u32>>()
-        };
+        let greedy = |fwd: &mut dyn FnMut(&[u32]) -> Vec<f32>| greedy_continuation(fwd, &ids[..prefill], vocab, 16);
         let mut cs = cpu.new_state(prefill + 16);
         let c_greedy = greedy(&mut |t| cpu.forward(&mut cs, t, LogitsFor::Last).unwrap());
         for (label, model) in [("all-GPU", &gpu), ("hybrid", &hybrid)] {
