@@ -469,13 +469,33 @@ mod tests {
     }
 
     /// Needs libnvrtc (e.g. `pip install nvidia-cuda-nvrtc`, then point LD_LIBRARY_PATH at its lib folder):
-    /// `cargo test -p nebula-kernels -- --ignored nvrtc`.
+    /// `cargo test -p nebula-kernels -- --ignored nvrtc`. With `NEBULA_PTXAS` set to a `ptxas` binary (in PyPI's
+    /// `nvidia-cuda-nvcc`), each PTX is also assembled for sm_90, which checks the inline PTX (`asm`) NVRTC passes
+    /// through unread; `NEBULA_PTXAS_VERBOSE=1` prints each kernel's registers and spills.
     #[test]
     #[ignore = "needs libnvrtc on LD_LIBRARY_PATH: cargo test -p nebula-kernels -- --ignored nvrtc"]
     fn nvrtc_compiles_every_source() {
+        let ptxas = std::env::var_os("NEBULA_PTXAS");
+        let verbose = std::env::var_os("NEBULA_PTXAS_VERBOSE").is_some();
         for (stem, src) in SOURCES {
-            if let Err(e) = nvrtc_compile(stem, src, "sm_90") {
-                panic!("{e}");
+            let ptx = match nvrtc_compile(stem, src, "sm_90") {
+                Ok(p) => p,
+                Err(e) => panic!("{e}"),
+            };
+            if let Some(ptxas) = &ptxas {
+                let path = std::env::temp_dir().join(format!("nebula-{stem}-{}.ptx", std::process::id()));
+                std::fs::write(&path, ptx.to_src()).expect("the PTX is written to the temp folder");
+                let mut cmd = std::process::Command::new(ptxas);
+                cmd.args(["-arch=sm_90", "-o", "/dev/null"]);
+                if verbose {
+                    cmd.arg("-v");
+                }
+                let out = cmd.arg(&path).output().expect("ptxas runs");
+                let _ = std::fs::remove_file(&path);
+                if verbose {
+                    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+                }
+                assert!(out.status.success(), "ptxas rejects {stem}: {}", String::from_utf8_lossy(&out.stderr));
             }
         }
     }
