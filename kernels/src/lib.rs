@@ -288,7 +288,9 @@ pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
         _ => std::env::var_os("XDG_CACHE_HOME")
             .filter(|v| !v.is_empty())
             .map(std::path::PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| std::path::Path::new(&h).join(".cache")))
+            .or_else(|| {
+                std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| std::path::Path::new(&h).join(".cache"))
+            })
             .map(|c| c.join("nebula").join("kernels")),
     }
 }
