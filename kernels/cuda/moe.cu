@@ -235,23 +235,37 @@ extern "C" __global__ void add_gated_shared(const float* __restrict__ shared, co
 }
 
 // Groups the routed (token, expert) slots by expert, stably: offsets[e]..offsets[e+1] index perm, which lists the
-// slots routed to expert e in ascending slot order. One block; E <= 1024.
-extern "C" __global__ void moe_sort(const int* __restrict__ ids, int slots, int E, int* offsets, int* perm) {
+// slots routed to expert e in ascending slot order. Slots whose id is not an expert (negative: computed elsewhere,
+// the CPU's in hybrid decode; or E and above) are left out (offsets[E] counts the others). With `active`, also the
+// experts that have slots, in id order, in active[0 .. count), and -1 in active[count .. min(E, slots)) (the grid
+// of a grouped launch: moe_gemvqg_*). One block; E <= 1024.
+extern "C" __global__ void moe_sort(const int* __restrict__ ids, int slots, int E, int* offsets, int* perm,
+                                    int* active) {
     pdl_entry();
     __shared__ int cnt[1024];
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
-    for (int s = threadIdx.x; s < slots; s += blockDim.x) atomicAdd(&cnt[ids[s]], 1);
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+        const int e = ids[s];
+        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
-        int acc = 0;
+        int acc = 0, used = 0;
         for (int e = 0; e < E; e++) {
             const int c = cnt[e];
             offsets[e] = acc;
             cnt[e] = acc;
             acc += c;
+            if (active && c > 0) active[used++] = e;
         }
         offsets[E] = acc;
-        for (int s = 0; s < slots; s++) perm[cnt[ids[s]]++] = s;
+        if (active) {
+            for (int j = used; j < min(E, slots); j++) active[j] = -1;
+        }
+        for (int s = 0; s < slots; s++) {
+            const int e = ids[s];
+            if (e >= 0 && e < E) perm[cnt[e]++] = s;
+        }
     }
 }
