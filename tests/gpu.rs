@@ -1058,8 +1058,14 @@ fn mid_size_kernels_keep_fast_batches_in_agreement() {
     let ids = golden("hc4_moe").0;
     let cpu = Qwen4Exp::load(&path).unwrap();
     let half = cpu.config.n_expert / 2;
-    let params =
-        HybridParams { handoff: 0.9, omit: 0.0, cpu_max_tokens: 96, stage_experts: 32, stages: 6, verify_handoff: false };
+    let params = HybridParams {
+        handoff: 0.9,
+        omit: 0.0,
+        cpu_max_tokens: 96,
+        stage_experts: 32,
+        stages: 6,
+        verify_handoff: false,
+    };
     for mid_rows in [64, 0] {
         let t = CudaTuning { mid_rows, ..tuning().clone() };
         let models = [

@@ -32,9 +32,6 @@ const GEMV_MIN_THREADS: usize = 1 << 15;
 /// head (248,320 rows) measured slower deep (Nsight Compute: 141 against 122 us).
 const DEEP_MAX_THREADS: usize = 1 << 18;
 
-/// Activation rows per register tile of the mid-size dense GEMV (kernels/cuda/gemv_grouped.cu `MID_TILE`).
-pub(crate) const MID_TILE: usize = 16;
-
 /// Threads per weight row of the mid-size kernels (`gemvqm_*`, `moe_gemvqg_*`): [`Launch::gemv_lanes`]'s choice
 /// for `tasks` per row and `rows` rows per token, at most a warp (the kernels sum a row's partial sums with warp
 /// shuffles only).
@@ -59,25 +56,6 @@ pub(crate) struct SortPlan {
     pub(crate) perm: u64,
     pub(crate) active: u64,
     pub(crate) experts: usize,
-}
-
-/// The host form of what `moe_sort` computes for `ids` over `count` experts (the reference of its GPU test, and
-/// its specification): (offsets `[count + 1]`, perm, active list of length min(count, slots), -1 padded). Ids
-/// outside `0..count` are left out.
-pub(crate) fn sort_plan_host(ids: &[i32], count: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
-    let valid = |e: i32| e >= 0 && (e as usize) < count;
-    let mut offsets = vec![0i32; count + 1];
-    for &e in ids.iter().filter(|&&e| valid(e)) {
-        offsets[e as usize + 1] += 1;
-    }
-    let mut active: Vec<i32> = (0..count).filter(|&e| offsets[e + 1] > 0).map(|e| e as i32).collect();
-    for e in 0..count {
-        offsets[e + 1] += offsets[e];
-    }
-    let mut perm: Vec<i32> = (0..ids.len() as i32).filter(|&s| valid(ids[s as usize])).collect();
-    perm.sort_by_key(|&s| (ids[s as usize], s));
-    active.resize(count.min(ids.len()), -1);
-    (offsets, perm, active)
 }
 
 /// The most columns a GEMV prologue quantizes (gemv.cu `PRO_MAX_COLS`).
@@ -306,7 +284,7 @@ impl Launch {
 
     /// `y[n][rows] = x[n][cols] . W^T` on the 8-bit activations `q = (qx, dx)` (`[n][cols]` int8, `[n][cols / 32]`
     /// f32 scales) with the mid-size dense kernel `gemvqm_*` (kernels/cuda/gemv_grouped.cu): each weight task
-    /// decoded once per tile of `MID_TILE` rows, [`mid_lanes`] threads per weight row.
+    /// decoded once per tile of 16 rows (gemv_grouped.cu `MID_TILE`), [`mid_lanes`] threads per weight row.
     ///
     /// Errors: a type without an 8-bit path ([`q8_type_block`]), a failed launch.
     pub(crate) fn gemvqm(&self, w: MatRef, q: (u64, u64), n: usize, y: u64) -> Result<(), CudaError> {

@@ -28,7 +28,7 @@ use nebula_kernels::cudarc::driver::CudaSlice;
 use rand::{Rng, SeedableRng};
 
 use super::device::{Arg, Dev, ptr, type_suffix};
-use super::gemv::{Acts, MID_TILE, grouped_grid, mid_lanes, q8_type_block, sort_plan_host};
+use super::gemv::{Acts, grouped_grid, mid_lanes, q8_type_block};
 use super::launch::{Launch, mid_path};
 use super::weights::Uploader;
 use crate::gguf::{GgmlType, GgufFile};
@@ -411,7 +411,25 @@ fn mid_size_kernels_are_chosen_only_for_fast_batched_passes_of_their_rows() {
     }
     assert_eq!(grouped_grid(96, 8, 16, true), (6, 16, 2));
     assert_eq!(grouped_grid(100, 32, 0, false), (25, 1, 1));
-    assert_eq!(MID_TILE, 16);
+}
+
+/// The host form of what `moe_sort` computes for `ids` over `count` experts (the reference of its GPU test, and
+/// its specification): (offsets `[count + 1]`, perm, active list of length min(count, slots), -1 padded). Ids
+/// outside `0..count` are left out.
+fn sort_plan_host(ids: &[i32], count: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+    let valid = |e: i32| e >= 0 && (e as usize) < count;
+    let mut offsets = vec![0i32; count + 1];
+    for &e in ids.iter().filter(|&&e| valid(e)) {
+        offsets[e as usize + 1] += 1;
+    }
+    let mut active: Vec<i32> = (0..count).filter(|&e| offsets[e + 1] > 0).map(|e| e as i32).collect();
+    for e in 0..count {
+        offsets[e + 1] += offsets[e];
+    }
+    let mut perm: Vec<i32> = (0..ids.len() as i32).filter(|&s| valid(ids[s as usize])).collect();
+    perm.sort_by_key(|&s| (ids[s as usize], s));
+    active.resize(count.min(ids.len()), -1);
+    (offsets, perm, active)
 }
 
 /// The sort plan of the grouped expert kernels (`moe_sort`, here its host form): experts in id order, each

@@ -3,7 +3,8 @@
 //!
 //! Routing, the routed experts and the gated shared expert run without a host round trip: decode batches take
 //! one GEMV per (token, expert) slot over the device-resident expert stack, prefill batches group the slots by
-//! expert. In hybrid mode the block holds only the policy's resident experts and its forward follows the path
+//! expert, and the mid-size rows of a fast batched pass (`tuning.cuda.mid_rows`) group them by expert on the
+//! decode-sized kernel `moe_gemvqg_*` (each expert read once for all its slots). In hybrid mode the block holds only the policy's resident experts and its forward follows the path
 //! the policy picks (`hybrid::policy`): the rest on the CPU, or streamed to the GPU.
 
 use nebula_kernels::cudarc::driver::CudaSlice;
