@@ -44,9 +44,10 @@ __device__ __forceinline__ void mid_task_accumulate(float& acc, const int (&q)[C
         const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
         int dot = 0, sum = 0;
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            dot = dp4a_(q[h][i], xs[i], dot);
-            sum = dp4a_(0x01010101, xs[i], sum);
+        for (int i = 0; i < 8; i++) dot = dp4a_(q[h][i], xs[i], dot);
+        if (m[h] != 0.f) {  // (m * sum is 0 otherwise: the same value without the sum)
+#pragma unroll
+            for (int i = 0; i < 8; i++) sum = dp4a_(0x01010101, xs[i], sum);
         }
         acc += __ldg(xd + chunk) * (s[h] * (float)dot - m[h] * (float)sum);
     }
@@ -68,11 +69,11 @@ __device__ __forceinline__ void mid_rows_body(const uint8_t* __restrict__ row, i
     const int lane = threadIdx.x % lanes;
     for (int t0 = 0; t0 < n; t0 += NT) {
         const int nt = min(NT, n - t0);
-        long long xoff[NT];
+        int xoff[NT];  // activation offsets (int8 values) of the tile's rows
         float acc[NT];
 #pragma unroll
         for (int t = 0; t < NT; t++) {
-            xoff[t] = xo(t0 + (t < nt ? t : 0));
+            xoff[t] = (int)xo(t0 + (t < nt ? t : 0));
             acc[t] = 0.f;
         }
         QRaw<T> raw[MID_DEPTH];
