@@ -105,6 +105,26 @@ pub(crate) fn q8_type_block(ty: GgmlType) -> Option<usize> {
     }
 }
 
+/// Whether the mid-size kernels (`gemvqm_*`, `moe_gemvqg_*`, kernels/cuda/gemv_grouped.cu) exist for `ty`: the
+/// types with one scale per 32-value chunk whose 8-bit decoders (`QRaw`) they instantiate. A type given an 8-bit
+/// path later ([`q8_type_block`]) keeps the one-row and prefill kernels until gemv_grouped.cu instantiates it too.
+pub(crate) fn mid_type(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::IQ4_NL
+            | GgmlType::Q4_K
+            | GgmlType::Q4_1
+            | GgmlType::Q5_1
+            | GgmlType::MXFP4
+            | GgmlType::IQ2_XXS
+            | GgmlType::IQ3_XXS
+            | GgmlType::IQ3_S
+            | GgmlType::IQ1_S
+    ) && q8_type_block(ty).is_some()
+}
+
 impl Launch {
     /// The activation block of the 8-bit GEMV path for weights of type `ty` with `cols` columns (32 for the
     /// 32-value formats, 256 for the 256-value super-blocks, as `engine/src/quant/acts.rs` pairs them), or `None`
@@ -208,7 +228,10 @@ impl Launch {
 
     /// `y[n][rows] = x[n][cols] . W^T`.
     pub(crate) fn matmul(&self, w: MatRef, x: u64, n: usize, y: u64) -> Result<(), CudaError> {
-        if n <= GEMV_MAX_TOKENS || self.exact() || (self.mid(n) && self.q8_block(w.ty, w.cols).is_some()) {
+        if n <= GEMV_MAX_TOKENS
+            || self.exact()
+            || (self.mid(n) && mid_type(w.ty) && self.q8_block(w.ty, w.cols).is_some())
+        {
             // 8-bit activations where the type has an integer path (`gemvq_*`: x is (qx, dx)), else f32 (`gemv_*`).
             let xa = self.acts(w.ty, x, n, w.cols)?;
             self.gemv(w, xa, n, y)
@@ -230,6 +253,7 @@ impl Launch {
         let sfx = type_suffix(w.ty)?;
         if let Acts::Q8(qx, dx) = xa
             && self.mid(n)
+            && mid_type(w.ty)
         {
             return self.gemvqm(w, (qx, dx), n, y);
         }
@@ -286,9 +310,9 @@ impl Launch {
     /// f32 scales) with the mid-size dense kernel `gemvqm_*` (kernels/cuda/gemv_grouped.cu): each weight task
     /// decoded once per tile of 16 rows (gemv_grouped.cu `MID_TILE`), [`mid_lanes`] threads per weight row.
     ///
-    /// Errors: a type without an 8-bit path ([`q8_type_block`]), a failed launch.
+    /// Errors: a type without mid-size kernels ([`mid_type`]), a failed launch.
     pub(crate) fn gemvqm(&self, w: MatRef, q: (u64, u64), n: usize, y: u64) -> Result<(), CudaError> {
-        if q8_type_block(w.ty).is_none() {
+        if !mid_type(w.ty) {
             return Err(CudaError::Unsupported(format!("no mid-size 8-bit GEMV for {:?} weights", w.ty)));
         }
         let sfx = type_suffix(w.ty)?;
@@ -318,7 +342,8 @@ impl Launch {
     /// into `y.0 + s * rows`. With `second` (same type and shape: gate and up), the same slots multiply it into
     /// `y.1` in the same launch. Slots with no matrix of the stack are not written.
     ///
-    /// Errors: a type without an 8-bit path, a `second` of another type or shape, a failed launch.
+    /// Errors: a type without mid-size kernels ([`mid_type`]), a `second` of another type or shape, a failed
+    /// launch.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn moe_gemvqg(
         &self,
@@ -330,7 +355,7 @@ impl Launch {
         x_stride: usize,
         y: (u64, u64),
     ) -> Result<(), CudaError> {
-        if q8_type_block(stack.ty).is_none() {
+        if !mid_type(stack.ty) {
             return Err(CudaError::Unsupported(format!("no grouped 8-bit expert GEMV for {:?} weights", stack.ty)));
         }
         if let Some(s) = second

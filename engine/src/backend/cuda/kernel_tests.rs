@@ -28,7 +28,7 @@ use nebula_kernels::cudarc::driver::CudaSlice;
 use rand::{Rng, SeedableRng};
 
 use super::device::{Arg, Dev, ptr, type_suffix};
-use super::gemv::{Acts, grouped_grid, mid_lanes, q8_type_block};
+use super::gemv::{Acts, grouped_grid, mid_lanes, mid_type, q8_type_block};
 use super::launch::{Launch, mid_path};
 use super::weights::Uploader;
 use crate::gguf::{GgmlType, GgufFile};
@@ -92,18 +92,12 @@ fn every_cpu_type_has_each_kernel_a_launch_asks_for() {
         }
         if q8_type_block(ty).is_some() {
             want.extend([1, 2, 4, 8].iter().map(|c| format!("gemvq_{sfx}_{c}")));
-            for k in [
-                "gemvqd",
-                "moe_gemvq",
-                "gemvqp",
-                "moe_gemvqp",
-                "moe_groupedq",
-                "moe_groupedmma",
-                "gemvqm",
-                "moe_gemvqg",
-            ] {
+            for k in ["gemvqd", "moe_gemvq", "gemvqp", "moe_gemvqp", "moe_groupedq", "moe_groupedmma"] {
                 want.push(format!("{k}_{sfx}"));
             }
+        }
+        if mid_type(ty) {
+            want.extend([format!("gemvqm_{sfx}"), format!("moe_gemvqg_{sfx}")]);
         }
         for w in want {
             assert!(names.contains(&w), "{}: no kernel {w}", ty.name());
@@ -449,9 +443,11 @@ fn the_sort_plan_groups_valid_slots_by_expert_and_lists_the_active_ones() {
     assert_eq!((offsets, perm, active), (vec![0, 0, 0, 0], vec![], vec![-1, -1]));
 }
 
-/// The types with an 8-bit path (the mid-size kernels' types).
+/// The types of the mid-size kernels ([`mid_type`]: every type with an 8-bit path and one scale per 32 values).
 fn q8_types() -> Vec<GgmlType> {
-    types().into_iter().filter(|&t| q8_type_block(t).is_some()).collect()
+    let t: Vec<GgmlType> = types().into_iter().filter(|&t| mid_type(t)).collect();
+    assert_eq!(t.len(), 11, "{t:?}");
+    t
 }
 
 /// Dense products of a fast batched pass through `Launch::matmul` with the mid-size kernel (`gemvqm_*`) at 2, 5,

@@ -11,7 +11,7 @@ use nebula_kernels::cudarc::driver::CudaSlice;
 
 use super::CudaError;
 use super::device::{Arg, Dev, ptr};
-use super::gemv::{Acts, GEMV_MAX_TOKENS};
+use super::gemv::{Acts, GEMV_MAX_TOKENS, mid_type};
 use super::hybrid::Hybrid;
 use super::hybrid::policy::ExpertPath;
 use super::launch::Launch;
@@ -314,13 +314,16 @@ impl DevSparseMoe {
 
     /// Whether the routed experts of `n` rows run grouped by expert on the mid-size decode kernel
     /// (`moe_gemvqg_*`, [`Self::shared_and_grouped`]): a fast batched pass of more than `GEMV_MAX_TOKENS / 2` and
-    /// at most `mid_rows` rows ([`Launch::mid`]), gate and up of one type, and 8-bit paths for gate/up and down.
+    /// at most `mid_rows` rows ([`Launch::mid`]), gate and up of one type, and mid-size kernels and 8-bit paths for
+    /// gate/up and down.
     /// Otherwise the per-slot GEMVs or the prefill kernels, as before.
     pub(crate) fn grouped_decode(&self, ctx: &Launch, n: usize) -> bool {
         let (d, ff) = (ctx.cfg.hidden, ctx.cfg.expert_ff);
         let ex = &self.experts;
         n > GEMV_MAX_TOKENS / 2
             && ctx.mid(n)
+            && mid_type(ex.gate_proj.ty)
+            && mid_type(ex.down_proj.ty)
             && ex.up_proj.ty == ex.gate_proj.ty
             && ex.up_proj.rows == ex.gate_proj.rows
             && ex.gate_proj.cols == d
