@@ -576,6 +576,137 @@ fn kernel_types_grouped_expert_decode_matches_the_cpu() {
     }
 }
 
+/// Mean seconds of `f` over `reps` calls after one warm-up, the stream drained before and after.
+fn time_calls(ctx: &Launch, reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    ctx.dev.stream().synchronize().unwrap();
+    let t = std::time::Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    ctx.dev.stream().synchronize().unwrap();
+    t.elapsed().as_secs_f64() / reps as f64
+}
+
+/// The mid-size kernels against the paths they replace, at the released model's shapes (hidden 2560, expert
+/// hidden 640, 10 of 128 experts per token here, Q4_K gate/up, IQ4_NL down; a dense Q4_K `[4096, 2560]`), at 8,
+/// 16, 32 and 64 rows: prints the time of each (host clock over 20 launches, the stream drained) for the A/B, and
+/// asserts that both give the same products (within `1e-4` of the largest value: the same integer dot products,
+/// other f32 orders; the prefill matmul's tensor-core sums included).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-engine -- --ignored kernel_timing"]
+fn kernel_timing_of_the_mid_size_kernels_against_the_old_paths() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut ctx = launch();
+    let (d, ff, e, k, reps) = (2560usize, 640usize, 128usize, 10usize, 20usize);
+    ctx.cfg.n_expert = e;
+    ctx.cfg.n_expert_used = k;
+    ctx.flags.mid_rows = 64;
+    let close = |what: &str, a: &[f32], b: &[f32]| {
+        let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff <= 1e-4 * amax, "{what}: {diff:e} apart (largest value {amax:e})");
+    };
+    let dense = weights(GgmlType::Q4_K, 4096, d, 3);
+    let dm = Uploader { dev: &ctx.dev, bytes: 0 }.matrix(&dense, "test.weight").unwrap();
+    let gate = weights(GgmlType::Q4_K, ff, d, 4);
+    let down = weights(GgmlType::IQ4_NL, d, ff, 5);
+    let mut upl = Uploader { dev: &ctx.dev, bytes: 0 };
+    let gs = upl.stack(&vec![&gate; e], &gate, "test.gate_exps").unwrap();
+    let us = upl.stack(&vec![&gate; e], &gate, "test.up_exps").unwrap();
+    let ds = upl.stack(&vec![&down; e], &down, "test.down_exps").unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    println!(
+        "{:>5} {:>26} {:>12} {:>26} {:>12}",
+        "rows", "dense old (GEMV / matmul)", "gemvqm", "experts old (per slot / grouped)", "moe_gemvqg"
+    );
+    for n in [8usize, 16, 32, 64] {
+        ctx.arena_reset().unwrap();
+        let x = activations(n, d, 40 + n as u64);
+        let xb = upload(&ctx, &x);
+        let xp = ptr(&xb, ctx.dev.stream(), 0);
+        let yb = upload(&ctx, &vec![0f32; n * 4096]);
+        let yp = ptr(&yb, ctx.dev.stream(), 0);
+        // Dense: the mid-size kernel in a fast batched pass, else what matmul chose before.
+        let dense_run = |mid: bool| {
+            ctx.batched_rows.store(mid, Relaxed);
+            let s = time_calls(&ctx, reps, || ctx.matmul(dm.view(&ctx.dev), xp, n, yp).unwrap());
+            ctx.batched_rows.store(false, Relaxed);
+            (s, download(&ctx, &yb))
+        };
+        let (t_old, y_old) = dense_run(false);
+        let (t_mid, y_mid) = dense_run(true);
+        close(&format!("dense n={n}"), &y_mid, &y_old);
+        // Experts: n tokens of k distinct experts each.
+        let slots = n * k;
+        let mut ids = Vec::with_capacity(slots);
+        for _ in 0..n {
+            let mut chosen: Vec<i32> = Vec::new();
+            while chosen.len() < k {
+                let c = rng.random_range(0..e as i32);
+                if !chosen.contains(&c) {
+                    chosen.push(c);
+                }
+            }
+            ids.extend(chosen);
+        }
+        let idb = upload(&ctx, &ids);
+        let idp = ptr(&idb, ctx.dev.stream(), 0);
+        let Acts::Q8(qx, dx) = ctx.acts(GgmlType::Q4_K, xp, n, d).unwrap() else { panic!("Q4_K has an 8-bit path") };
+        let h = activations(slots, ff, 60 + n as u64);
+        let hb = upload(&ctx, &h);
+        let Acts::Q8(hq, hd) = ctx.acts(GgmlType::IQ4_NL, ptr(&hb, ctx.dev.stream(), 0), slots, ff).unwrap() else {
+            panic!("IQ4_NL has an 8-bit path")
+        };
+        let bufs: Vec<CudaSlice<f32>> =
+            (0..6).map(|i| upload(&ctx, &vec![0f32; slots * if i % 3 == 2 { d } else { ff }])).collect();
+        let p: Vec<u64> = bufs.iter().map(|b| ptr(b, ctx.dev.stream(), 0)).collect();
+        // Before: per-slot GEMVs up to 4 rows, the grouped prefill kernels (tensor cores) beyond.
+        let t_exp_old = time_calls(&ctx, reps, || {
+            let (offsets, perm) = (ctx.tmp(e + 1).unwrap(), ctx.tmp(slots).unwrap());
+            ctx.dev
+                .launch(
+                    "moe_sort",
+                    (1, 1, 1),
+                    1024,
+                    &[
+                        Arg::Ptr(idp),
+                        Arg::I32(slots as i32),
+                        Arg::I32(e as i32),
+                        Arg::Ptr(offsets),
+                        Arg::Ptr(perm),
+                        Arg::Ptr(0),
+                    ],
+                )
+                .unwrap();
+            for (view, out) in [(gs.view(&ctx.dev), p[0]), (us.view(&ctx.dev), p[1])] {
+                ctx.moe_grouped(view, e, 0, offsets, perm, Acts::Q8(qx, dx), k, d, out, slots).unwrap();
+            }
+            ctx.moe_grouped(ds.view(&ctx.dev), e, 0, offsets, perm, Acts::Q8(hq, hd), 1, ff, p[2], slots).unwrap();
+        });
+        let t_exp_slot = time_calls(&ctx, reps, || {
+            ctx.moe_gemv(&gs, Some(&us), idp, slots, Acts::Q8(qx, dx), d, k, (p[0], p[1]), None).unwrap();
+            ctx.moe_gemv(&ds, None, idp, slots, Acts::Q8(hq, hd), ff, 1, (p[2], p[2]), None).unwrap();
+        });
+        let t_exp_mid = time_calls(&ctx, reps, || {
+            let plan = ctx.sort_plan(idp, slots, e).unwrap();
+            ctx.moe_gemvqg(&gs, Some(&us), plan, (qx, dx), k, d, (p[3], p[4])).unwrap();
+            ctx.moe_gemvqg(&ds, None, plan, (hq, hd), 1, ff, (p[5], p[5])).unwrap();
+        });
+        for (a, b) in [(3, 0), (4, 1), (5, 2)] {
+            close(&format!("experts n={n} buffer {a}"), &download(&ctx, &bufs[a]), &download(&ctx, &bufs[b]));
+        }
+        let us_ = |t: f64| t * 1e6;
+        println!(
+            "{n:>5} {:>26} {:>12.1} {:>26} {:>12.1}",
+            format!("{:.1} us", us_(t_old)),
+            us_(t_mid),
+            format!("{:.1} / {:.1} us", us_(t_exp_slot), us_(t_exp_old)),
+            us_(t_exp_mid)
+        );
+    }
+}
+
 /// The CUDA grids (kernels/cuda/iq_grids.cuh) hold the CPU's tables row for row (both generated by
 /// `scripts/make_iq_grids.py`; a hand edit or a stale regeneration of one would make the GPU decode differently).
 #[test]
