@@ -592,7 +592,8 @@ fn time_calls(ctx: &Launch, reps: usize, mut f: impl FnMut()) -> f64 {
 /// hidden 640, 10 of 128 experts per token here, Q4_K gate/up, IQ4_NL down; a dense Q4_K `[4096, 2560]`), at 8,
 /// 16, 32 and 64 rows: prints the time of each (host clock over 20 launches, the stream drained) for the A/B, and
 /// asserts that both give the same products (within `1e-4` of the largest value: the same integer dot products,
-/// other f32 orders; the prefill matmul's tensor-core sums included).
+/// other f32 orders; the prefill matmul's tensor-core sums included; `2e-2` against its f32 cuBLAS form when
+/// tensor cores are off).
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-engine -- --ignored kernel_timing"]
 fn kernel_timing_of_the_mid_size_kernels_against_the_old_paths() {
@@ -602,10 +603,10 @@ fn kernel_timing_of_the_mid_size_kernels_against_the_old_paths() {
     ctx.cfg.n_expert = e;
     ctx.cfg.n_expert_used = k;
     ctx.flags.mid_rows = 64;
-    let close = |what: &str, a: &[f32], b: &[f32]| {
+    let close = |what: &str, a: &[f32], b: &[f32], tol: f32| {
         let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
         let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-        assert!(diff <= 1e-4 * amax, "{what}: {diff:e} apart (largest value {amax:e})");
+        assert!(diff <= tol * amax, "{what}: {diff:e} apart (largest value {amax:e})");
     };
     let dense = weights(GgmlType::Q4_K, 4096, d, 3);
     let dm = Uploader { dev: &ctx.dev, bytes: 0 }.matrix(&dense, "test.weight").unwrap();
@@ -636,7 +637,9 @@ fn kernel_timing_of_the_mid_size_kernels_against_the_old_paths() {
         };
         let (t_old, y_old) = dense_run(false);
         let (t_mid, y_mid) = dense_run(true);
-        close(&format!("dense n={n}"), &y_mid, &y_old);
+        // (Without tensor cores the old matmul multiplies f32 activations: the 8-bit rounding's bound instead.)
+        let tol = if n > 8 && !ctx.flags.tensor_cores { 2e-2 } else { 1e-4 };
+        close(&format!("dense n={n}"), &y_mid, &y_old, tol);
         // Experts: n tokens of k distinct experts each.
         let slots = n * k;
         let mut ids = Vec::with_capacity(slots);
@@ -694,7 +697,7 @@ fn kernel_timing_of_the_mid_size_kernels_against_the_old_paths() {
             ctx.moe_gemvqg(&ds, None, plan, (hq, hd), 1, ff, (p[5], p[5])).unwrap();
         });
         for (a, b) in [(3, 0), (4, 1), (5, 2)] {
-            close(&format!("experts n={n} buffer {a}"), &download(&ctx, &bufs[a]), &download(&ctx, &bufs[b]));
+            close(&format!("experts n={n} buffer {a}"), &download(&ctx, &bufs[a]), &download(&ctx, &bufs[b]), 1e-4);
         }
         let us_ = |t: f64| t * 1e6;
         println!(
