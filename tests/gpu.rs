@@ -145,18 +145,16 @@ fn golden_checkpoints_match_the_reference_on_the_gpu() {
     }
 }
 
-/// The 8-bit-activation GEMVs (Q8_0, Q4_0, IQ4_NL, Q4_K weights) quantize activations exactly as the CPU kernels
-/// do, so token-by-token decoding on the GPU and on the CPU agree closely: the integer dot products are equal and
+/// The 8-bit-activation GEMVs (every quantized type) quantize activations exactly as the CPU kernels do, so token-by-token decoding on the GPU and on the CPU agree closely: the integer dot products are equal and
 /// only the f32 summation order differs, which now and then moves an activation across a rounding boundary (one
 /// step of 1/127 of its block's maximum); on these random tiny checkpoints that reaches 2.2e-2 x max |logit| at
 /// worst (measured on the H200; 2e-7 where no flip happens), hence a bar of 5e-2 and top-1 agreement >= 97 %
 /// (a wrong kernel gives errors of order 1). `wide256` requantized with the `nebula-q4` recipe
-/// exercises Q4_K and IQ4_NL; the 32-wide checkpoints in Q8_0 exercise Q8_0.
+/// exercises Q4_K and IQ4_NL (and the recipe's Q6_K and Q5_0); the 32-wide checkpoints in Q8_0 exercise Q8_0.
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
 fn quantized_decode_matches_the_cpu_on_the_gpu() {
     use nebula_engine::convert::{QuantRecipe, RecipeName, requantize};
-    use nebula_engine::gguf::GgmlType;
     let tmp = tempfile::tempdir().unwrap();
     let root = nebula_tests::repo_root().join("tests/fixtures/golden");
     for (name, recipe) in
@@ -167,20 +165,6 @@ fn quantized_decode_matches_the_cpu_on_the_gpu() {
         convert(&root.join(name), &f32_path, &ConvertOptions { out_type: OutType::F32, ..Default::default() }).unwrap();
         let path = tmp.path().join(format!("{name}-{}.gguf", recipe.name()));
         requantize(&f32_path, &path, &QuantRecipe::Named(recipe)).unwrap();
-        // The recipe's other 8-bit-activation-free types (Q6_K, Q5_0: f32 activations on the GPU, 8-bit on the
-        // CPU) become Q8_0, so every quantized weight takes the integer path on both sides.
-        let types = nebula_engine::gguf::GgufFile::open(&path)
-            .unwrap()
-            .tensors()
-            .map(|t| {
-                let ty = match t.ggml_type {
-                    GgmlType::Q6_K | GgmlType::Q5_0 | GgmlType::Q5_K => GgmlType::Q8_0,
-                    other => other,
-                };
-                (t.name.clone(), ty)
-            })
-            .collect();
-        requantize(&f32_path, &path, &QuantRecipe::FromFile { path: "test".into(), types }).unwrap();
         let cpu = Qwen4Exp::load(&path).unwrap();
         let gpu = CudaModel::from_cpu(&cpu, 0, None, tuning()).expect("the GPU model loads");
         let (mut cs, mut gs) = (cpu.new_state(ids.len()), gpu.new_state(ids.len()).unwrap());
@@ -1209,9 +1193,10 @@ fn wide256_in(ty: nebula_engine::gguf::GgmlType, f32_path: &std::path::Path, out
 /// Every type the CPU reads beyond the older kernels' set, end to end on `wide256` (`wide256_in`): all-GPU
 /// prefill (tensor cores or dequantized cuBLAS, grouped experts) and token-by-token decode (GEMVs, routed-expert
 /// GEMVs) against the CPU engine on the same file: max |delta logit| <= 5e-2 x max |logit| and top-1 agreement
-/// >= 97 % at every position, as for the older quantized types (the GPU and the CPU differ by the f32 order of
-/// their sums, and for the f32-activation types by the CPU's 8-bit activation rounding, which can swap a near
-/// tie), and the greedy continuation of the prompt printed with the step where the two first differ.
+/// >= 97 % at every position, as for the older quantized types (the GPU and the CPU share the 8-bit activations
+/// and the integer dot products and differ by the f32 order of their sums, which can move an activation across a
+/// rounding boundary and swap a near tie), and the greedy continuation of the prompt printed with the step where
+/// the two first differ.
 #[test]
 #[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
 fn low_bit_types_match_the_cpu_on_the_gpu() {

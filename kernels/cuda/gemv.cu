@@ -362,7 +362,7 @@ extern "C" __global__ void quantize_act(const float* __restrict__ x, int cols, s
 
 #include "qraw.cuh"
 
-// The low-bit types with one scale per 32-value chunk (Q4_1, Q5_1, MXFP4, IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S).
+// The low-bit types, Q5_0, Q5_K and IQ4_XS, and the types with a scale per 16 values (lowbit_q8.cuh).
 #include "lowbit_q8.cuh"
 
 // The decoded task t of a row (QRaw's load, then decode).
@@ -397,6 +397,35 @@ __device__ __forceinline__ void q8_task_accumulate(float& acc, const int (&q)[C]
         acc += (SMEM ? xd[chunk] : __ldg(xd + chunk)) * (s[h] * (float)dot - m[h] * (float)sum);
     }
 }
+
+// As q8_task_accumulate for the types with a scale per 16 values (Sub16): the integer dot and the activation sum of
+// each half of a chunk are weighted by its run scale k and run min n before the f32 step:
+// dx * (s * (k0 dot0 + k1 dot1) - m * (n0 sum0 + n1 sum1)).
+template <int C, bool SMEM = false>
+__device__ __forceinline__ void q8_task_accumulate_sub16(float& acc, const int (&q)[C][8], const float (&s)[C],
+                                                         const float (&m)[C], const int (&k)[C][2],
+                                                         const int (&n)[C][2], const signed char* __restrict__ xq,
+                                                         const float* __restrict__ xd, int task) {
+#pragma unroll
+    for (int h = 0; h < C; h++) {
+        const int chunk = task * C + h;
+        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
+        const int4 a = SMEM ? xp[0] : __ldg(xp), b = SMEM ? xp[1] : __ldg(xp + 1);
+        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        int dot[2] = {0, 0}, sum[2] = {0, 0};
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            dot[i >> 2] = dp4a_(q[h][i], xs[i], dot[i >> 2]);
+            sum[i >> 2] = dp4a_(0x01010101, xs[i], sum[i >> 2]);
+        }
+        const int idot = k[h][0] * dot[0] + k[h][1] * dot[1];
+        const int isum = n[h][0] * sum[0] + n[h][1] * sum[1];
+        acc += (SMEM ? xd[chunk] : __ldg(xd + chunk)) * (s[h] * (float)idot - m[h] * (float)isum);
+    }
+}
+
+// Whether type T's 8-bit decode reads the IQ4_NL byte-pair table (`pairs`, filled by iq4nl_pairs_).
+__host__ __device__ constexpr bool uses_pairs(int t) { return t == T_IQ4_NL || t == T_IQ4_XS; }
 
 // The most activations a GEMV prologue quantizes into shared memory (quantize_prologue): an expert's or the shared
 // expert's hidden layer, a hyper-connection's low-rank activation.
@@ -518,7 +547,7 @@ __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long l
     for (int k = 0; k < D; k++) {
         if (lane + k * lanes < ntasks) raw[k].load(row, lane + k * lanes);
     }
-    if constexpr (T == T_IQ4_NL) iq4nl_pairs_(pairs);
+    if constexpr (uses_pairs(T)) iq4nl_pairs_(pairs);
     if constexpr (WAIT) pdl_wait();
     if constexpr (PRO != PRO_Q8) {
         quantize_prologue(pro, cols, sq, sd);
@@ -535,12 +564,23 @@ __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long l
             if (task < ntasks) {
                 int q[C][8];
                 float s[C], m[C];
-                raw[k].decode(q, s, m, pairs);
-                if (task + D * lanes < ntasks) raw[k].load(row, task + D * lanes);
+                if constexpr (Sub16<T>::value) {
+                    int ks[C][2], ns[C][2];
+                    raw[k].decode(q, s, m, pairs, ks, ns);
+                    if (task + D * lanes < ntasks) raw[k].load(row, task + D * lanes);
 #pragma unroll
-                for (int t = 0; t < NT; t++) {
-                    q8_task_accumulate<C, PRO != PRO_Q8>(acc[t], q, s, m, qx + t * x_stride,
-                                                         dx + t * (x_stride / 32), task);
+                    for (int t = 0; t < NT; t++) {
+                        q8_task_accumulate_sub16<C, PRO != PRO_Q8>(acc[t], q, s, m, ks, ns, qx + t * x_stride,
+                                                                   dx + t * (x_stride / 32), task);
+                    }
+                } else {
+                    raw[k].decode(q, s, m, pairs);
+                    if (task + D * lanes < ntasks) raw[k].load(row, task + D * lanes);
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        q8_task_accumulate<C, PRO != PRO_Q8>(acc[t], q, s, m, qx + t * x_stride,
+                                                             dx + t * (x_stride / 32), task);
+                    }
                 }
             }
         }
@@ -566,6 +606,13 @@ struct MoeShared {
 // (slots from sh.nr on: the dense parts of MoeShared). blockIdx.z picks (W0, y0) or (W1, y1) so gate and up run in
 // one launch. With PRO_ACT the slot's input row is pro's row xt (x and x2 advanced by xt * x_stride), computed and
 // quantized by the block (gemvq_body).
+// Tasks in flight per thread in the routed-expert GEMVs (7 blocks of 128 threads per SM leave 72 registers): one
+// for the types whose raw task exceeds 64 bytes (Q3_K, Q5_K, Q6_K), which spilled with two (ptxas -v).
+template <int T>
+__host__ __device__ constexpr int moe_gemvq_depth() {
+    return sizeof(QRaw<T>) > 64 ? 1 : GEMVQ_DEPTH;
+}
+
 template <int T, int PRO = PRO_Q8>
 __device__ __forceinline__ void moe_gemvq_body(const uint8_t* W0, const uint8_t* W1, long long expert_bytes,
                                                long long row_bytes, int rows, int cols, const int* __restrict__ ids,
@@ -588,13 +635,14 @@ __device__ __forceinline__ void moe_gemvq_body(const uint8_t* W0, const uint8_t*
     }
     float* y = blockIdx.z == 0 ? y0 : y1;
     if constexpr (PRO == PRO_Q8) {
-        gemvq_body<T, 1, false>(W, row_bytes, rows, cols, qx + xt * x_stride,
-                                dx + xt * (x_stride / 32), 0, y + (long long)s * rows, 0, lanes, pairs);
+        gemvq_body<T, 1, false, PRO_Q8, moe_gemvq_depth<T>()>(W, row_bytes, rows, cols, qx + xt * x_stride,
+                                                              dx + xt * (x_stride / 32), 0,
+                                                              y + (long long)s * rows, 0, lanes, pairs);
     } else {
         pro.x += xt * x_stride;
         if (pro.x2) pro.x2 += xt * x_stride;
-        gemvq_body<T, 1, false, PRO>(W, row_bytes, rows, cols, nullptr, nullptr, 0,
-                                     y + (long long)s * rows, 0, lanes, pairs, pro);
+        gemvq_body<T, 1, false, PRO, moe_gemvq_depth<T>()>(W, row_bytes, rows, cols, nullptr, nullptr, 0,
+                                                           y + (long long)s * rows, 0, lanes, pairs, pro);
     }
 }
 
@@ -650,6 +698,15 @@ GEMVQ(iq2_xxs, T_IQ2_XXS)
 GEMVQ(iq3_xxs, T_IQ3_XXS)
 GEMVQ(iq3_s, T_IQ3_S)
 GEMVQ(iq1_s, T_IQ1_S)
+GEMVQ(q5_0, T_Q5_0)
+GEMVQ(q5_k, T_Q5_K)
+GEMVQ(iq4_xs, T_IQ4_XS)
+GEMVQ(q2_k, T_Q2_K)
+GEMVQ(q3_k, T_Q3_K)
+GEMVQ(q6_k, T_Q6_K)
+GEMVQ(iq2_xs, T_IQ2_XS)
+GEMVQ(iq2_s, T_IQ2_S)
+GEMVQ(iq1_m, T_IQ1_M)
 
 // Decode GEMVs of one token whose blocks compute and quantize their own input (quantize_prologue: x2 set,
 // silu(x) * x2; x2 null, silu(x * scale) and the injection weights into aux): gemvqp_* (dense) and moe_gemvqp_*
@@ -683,6 +740,15 @@ GEMVQP(iq2_xxs, T_IQ2_XXS)
 GEMVQP(iq3_xxs, T_IQ3_XXS)
 GEMVQP(iq3_s, T_IQ3_S)
 GEMVQP(iq1_s, T_IQ1_S)
+GEMVQP(q5_0, T_Q5_0)
+GEMVQP(q5_k, T_Q5_K)
+GEMVQP(iq4_xs, T_IQ4_XS)
+GEMVQP(q2_k, T_Q2_K)
+GEMVQP(q3_k, T_Q3_K)
+GEMVQP(q6_k, T_Q6_K)
+GEMVQP(iq2_xs, T_IQ2_XS)
+GEMVQP(iq2_s, T_IQ2_S)
+GEMVQP(iq1_m, T_IQ1_M)
 
 // Routed experts, prefill, on 8-bit activations: as moe_grouped (blockIdx.y = expert e, its slots
 // perm[offsets[e] .. offsets[e+1]] 8 at a time) with each weight task decoded once per 8 slots and multiplied by
@@ -721,11 +787,23 @@ __device__ __forceinline__ void moe_groupedq_body(const uint8_t* __restrict__ W,
         for (int task = lane; task < ntasks; task += lanes) {
             int q[C][8];
             float s[C], m[C];
-            qtask_load<T, C>(row, task, q, s, m, pairs);
+            QRaw<T> r;
+            r.load(row, task);
+            if constexpr (Sub16<T>::value) {
+                int ks[C][2], ns[C][2];
+                r.decode(q, s, m, pairs, ks, ns);
 #pragma unroll
-            for (int t = 0; t < 8; t++) {
-                if (t >= nt) break;
-                q8_task_accumulate<C>(acc[t], q, s, m, qx + xo[t], dx + xo[t] / 32, task);
+                for (int t = 0; t < 8; t++) {
+                    if (t >= nt) break;
+                    q8_task_accumulate_sub16<C>(acc[t], q, s, m, ks, ns, qx + xo[t], dx + xo[t] / 32, task);
+                }
+            } else {
+                r.decode(q, s, m, pairs);
+#pragma unroll
+                for (int t = 0; t < 8; t++) {
+                    if (t >= nt) break;
+                    q8_task_accumulate<C>(acc[t], q, s, m, qx + xo[t], dx + xo[t] / 32, task);
+                }
             }
         }
 #pragma unroll
@@ -742,7 +820,7 @@ __device__ __forceinline__ void moe_groupedq_body(const uint8_t* __restrict__ W,
                                                    const signed char* qx, const float* dx, int x_div, long long xs, \
                                                    float* y, int lanes) { pdl_entry();                \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        if (uses_pairs(T)) iq4nl_pairs_(pairs);                                                                    \
         moe_groupedq_body<T>(W, eb, rb, rows, cols, offsets, perm, se, qx, dx, x_div, xs, y, lanes, pairs);      \
     }
 
@@ -757,6 +835,15 @@ GROUPEDQ(iq2_xxs, T_IQ2_XXS)
 GROUPEDQ(iq3_xxs, T_IQ3_XXS)
 GROUPEDQ(iq3_s, T_IQ3_S)
 GROUPEDQ(iq1_s, T_IQ1_S)
+GROUPEDQ(q5_0, T_Q5_0)
+GROUPEDQ(q5_k, T_Q5_K)
+GROUPEDQ(iq4_xs, T_IQ4_XS)
+GROUPEDQ(q2_k, T_Q2_K)
+GROUPEDQ(q3_k, T_Q3_K)
+GROUPEDQ(q6_k, T_Q6_K)
+GROUPEDQ(iq2_xs, T_IQ2_XS)
+GROUPEDQ(iq2_s, T_IQ2_S)
+GROUPEDQ(iq1_m, T_IQ1_M)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Routed experts, prefill, on tensor cores (sm_80+): the integer products of moe_groupedq (8-bit weights decoded
@@ -781,6 +868,20 @@ __device__ __forceinline__ void mma_s8_16832(int (&d)[4], const int (&a)[4], con
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+#else
+    d[0] = d[1] = d[2] = d[3] = 0;
+    __trap();
+#endif
+}
+
+// d = A (16 x 16 int8) . B (16 x 8 int8), int32: each half of mma_s8_16832 (a0, a1 with b0: the first 16 of k; a2,
+// a3 with b1: the second), for the types with a scale per 16 values (PTX ISA, "Matrix Fragments for
+// mma.m16n8k16" with .s8).
+__device__ __forceinline__ void mma_s8_16816(int (&d)[4], int a0, int a1, int b0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0), "r"(0));
 #else
     d[0] = d[1] = d[2] = d[3] = 0;
     __trap();
@@ -885,6 +986,198 @@ struct QStep<T_Q4_K> {
     }
 };
 
+// The types with a scale per 16 values (Sub16): the four chunks' raw blocks, decoded one after another with their
+// run scales k and mins n.
+template <int T>
+struct QStepSub16 {
+    QRaw<T> c[4];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[i].load(row, k0 / 32 + i);
+    }
+    __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4], const uint16_t* pairs,
+                                           int (&k)[4][2], int (&n)[4][2]) const {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int qq[1][8], kk[1][2], nn[1][2];
+            float ss[1], mm[1];
+            c[i].decode(qq, ss, mm, pairs, kk, nn);
+#pragma unroll
+            for (int j = 0; j < 8; j++) q[i][j] = qq[0][j];
+            s[i] = ss[0];
+            m[i] = mm[0];
+            k[i][0] = kk[0][0];
+            k[i][1] = kk[0][1];
+            n[i][0] = nn[0][0];
+            n[i][1] = nn[0][1];
+        }
+    }
+};
+// Q2_K: a k-step is half h of a super-block, whose four chunks share their 32 level bytes (bits 2c for chunk c) and
+// take the scale/min bytes 8h .. 8h + 7.
+template <>
+struct QStep<T_Q2_K> {
+    unsigned int dm, sc[2], w[8];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
+        const uint8_t* b = row + 84 * (k0 / 256);
+        const int h = (k0 / 128) & 1;
+        dm = ld_u32(b + 80);
+        sc[0] = ld_u32(b + 8 * h);
+        sc[1] = ld_u32(b + 8 * h + 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = ld_u32(b + 16 + 32 * h + 4 * i);
+    }
+    __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4], const uint16_t*,
+                                           int (&k)[4][2], int (&n)[4][2]) const {
+        const float d = half_bits_to_f32((unsigned short)(dm & 0xFFFF));
+        const float dmin = half_bits_to_f32((unsigned short)(dm >> 16));
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const unsigned int b2 = (sc[c >> 1] >> (16 * (c & 1))) & 0xFFFF;
+            s[c] = d;
+            m[c] = dmin;
+            k[c][0] = b2 & 15;
+            n[c][0] = (b2 >> 4) & 15;
+            k[c][1] = (b2 >> 8) & 15;
+            n[c][1] = b2 >> 12;
+#pragma unroll
+            for (int i = 0; i < 8; i++) q[c][i] = (int)((w[i] >> (2 * c)) & 0x03030303u);
+        }
+    }
+};
+
+// Q3_K: half h of a super-block: its four chunks share 32 low-level bytes (bits 2c) and the 32 hmask bytes (bit
+// 4h + c); the 12 scale bytes are kept raw.
+template <>
+struct QStep<T_Q3_K> {
+    unsigned int d, h, sw[3], w[8], hm[8];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
+        const uint8_t* b = row + 110 * (k0 / 256);
+        h = (k0 / 128) & 1;
+        d = ld_u16(b + 108);
+#pragma unroll
+        for (int i = 0; i < 3; i++) sw[i] = ld_u32(b + 96 + 4 * i);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            w[i] = ld_u32(b + 32 + 32 * h + 4 * i);
+            hm[i] = ld_u32(b + 4 * i);
+        }
+    }
+    // Scale j (0..15), as q3k_scale from the raw words.
+    __device__ __forceinline__ int scale(int j) const {
+        const auto byte = [&](int x) { return (int)((sw[x >> 2] >> (8 * (x & 3))) & 255); };
+        const int l = j < 8 ? (byte(j) & 15) : (byte(j - 8) >> 4);
+        const int hb = (byte(8 + (j & 3)) >> (2 * (j >> 2))) & 3;
+        return (l | (hb << 4)) - 32;
+    }
+    __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4], const uint16_t*,
+                                           int (&k)[4][2], int (&n)[4][2]) const {
+        const float df = half_bits_to_f32((unsigned short)d);
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int sub = 4 * h + c;
+            s[c] = df;
+            m[c] = 0.f;
+            k[c][0] = scale(2 * sub);
+            k[c][1] = scale(2 * sub + 1);
+            n[c][0] = n[c][1] = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const unsigned int lv = ((w[i] >> (2 * c)) & 0x03030303u) | (((hm[i] >> sub) & 0x01010101u) << 2);
+                q[c][i] = (int)__vsub4(lv, 0x04040404u);
+            }
+        }
+    }
+};
+
+// Q6_K: half h of a super-block: chunk c takes nibble c / 2 of the 32 ql bytes at 64h + 32 (c % 2) and bits 2c of
+// the 32 qh bytes at 128 + 32h; run scales the signed bytes 192 + 8h + 2c, + 1.
+template <>
+struct QStep<T_Q6_K> {
+    unsigned int d, sc[2], lo[16], hi[8];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
+        const uint8_t* b = row + 210 * (k0 / 256);
+        const int h = (k0 / 128) & 1;
+        d = ld_u16(b + 208);
+        sc[0] = ld_u32(b + 192 + 8 * h);
+        sc[1] = ld_u32(b + 196 + 8 * h);
+#pragma unroll
+        for (int i = 0; i < 16; i++) lo[i] = ld_u32(b + 64 * h + 4 * i);
+#pragma unroll
+        for (int i = 0; i < 8; i++) hi[i] = ld_u32(b + 128 + 32 * h + 4 * i);
+    }
+    __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4], const uint16_t*,
+                                           int (&k)[4][2], int (&n)[4][2]) const {
+        const float df = half_bits_to_f32((unsigned short)d);
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const unsigned int b2 = (sc[c >> 1] >> (16 * (c & 1))) & 0xFFFF;
+            s[c] = df;
+            m[c] = 0.f;
+            k[c][0] = (int)(signed char)(b2 & 0xFF);
+            k[c][1] = (int)(signed char)(b2 >> 8);
+            n[c][0] = n[c][1] = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const unsigned int lv =
+                    ((lo[8 * (c & 1) + i] >> (4 * (c >> 1))) & 0x0F0F0F0Fu) | (((hi[i] >> (2 * c)) & 0x03030303u) << 4);
+                q[c][i] = (int)__vsub4(lv, 0x20202020u);
+            }
+        }
+    }
+};
+
+// IQ1_M: half h of a super-block (chunks ib = 4h + c): their 16 index bytes at 16h, their 8 nibble bytes at
+// 32 + 8h and the four scale words.
+template <>
+struct QStep<T_IQ1_M> {
+    unsigned int h, idx[4], qh[2], sw[4];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
+        const uint8_t* b = row + 56 * (k0 / 256);
+        h = (k0 / 128) & 1;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            idx[i] = ld_u32(b + 16 * h + 4 * i);
+            sw[i] = ld_u16(b + 48 + 2 * i);
+        }
+        qh[0] = ld_u32(b + 32 + 8 * h);
+        qh[1] = ld_u32(b + 36 + 8 * h);
+    }
+    __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4], const uint16_t*,
+                                           int (&k)[4][2], int (&n)[4][2]) const {
+        const unsigned short dbits =
+            (unsigned short)((sw[0] >> 12) | ((sw[1] >> 8) & 0x00f0) | ((sw[2] >> 4) & 0x0f00) | (sw[3] & 0xf000));
+        const float df = __fmul_rn(half_bits_to_f32(dbits), 0.125f);
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int ib = 4 * h + c;
+            const unsigned int w = sw[ib >> 1];
+            const int j0 = (2 * ib) & 3;
+            s[c] = df;
+            m[c] = 0.f;
+            k[c][0] = 2 * (int)((w >> (3 * j0)) & 7) + 1;
+            k[c][1] = 2 * (int)((w >> (3 * (j0 + 1))) & 7) + 1;
+            n[c][0] = n[c][1] = 0;
+            const unsigned int nibs = (qh[c >> 1] >> (16 * (c & 1))) & 0xFFFF;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const unsigned int nib = (nibs >> (4 * e)) & 15;
+                const unsigned long long g = __ldg(iq1s_grid + (((idx[c] >> (8 * e)) & 255) | ((nib & 7) << 8)));
+                const unsigned int delta = (nib & 8) ? 0xFFFFFFFFu : 0x01010101u;
+                q[c][2 * e] = (int)__vadd4(((unsigned int)g << 3) & 0xF8F8F8F8u, delta);
+                q[c][2 * e + 1] = (int)__vadd4(((unsigned int)(g >> 32) << 3) & 0xF8F8F8F8u, delta);
+            }
+        }
+    }
+};
+template <>
+struct QStep<T_IQ2_XS> : QStepSub16<T_IQ2_XS> {};
+template <>
+struct QStep<T_IQ2_S> : QStepSub16<T_IQ2_S> {};
+
+// With a scale per 16 values (Sub16) each chunk's product is two m16n8k16 MMAs whose integer dots are weighted by
+// the row's run scales before the f32 step, and the min term takes the slot's integer sums per 16 (the dp4a
+// kernel's integers).
 template <int T>
 __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ W, long long expert_bytes,
                                                     long long row_bytes, int rows, int cols,
@@ -900,6 +1193,11 @@ __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ 
     __shared__ __align__(16) int xs[MMA_SLOTS * MMA_LD];
     __shared__ float xd[MMA_SLOTS][KC], xds[MMA_SLOTS][KC];  // dx and dx * sum(qx) per slot and chunk
     __shared__ int slot_sh[MMA_SLOTS];
+    constexpr bool SUB = Sub16<T>::value, MINS = Sub16<T>::mins;
+    // Sub16: the rows' run scales and mins (k0 | k1 << 16 as int16 halves, and n likewise) and the slots' integer
+    // activation sums per 16.
+    __shared__ int wk[SUB ? MMA_ROWS : 1][KC], wnn[MINS ? MMA_ROWS : 1][KC];
+    __shared__ int xsum[MINS ? MMA_SLOTS : 1][KC][2];
     const int e = slot_expert ? slot_expert[blockIdx.y] : blockIdx.y;
     if (e < 0) return;  // uniform over the block
     const int start = offsets ? offsets[e] : 0, end = offsets ? offsets[e + 1] : nslots;
@@ -939,13 +1237,16 @@ __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ 
             {
                 int q[4][8];
                 float s[4], m[4];
+                int ks[4][2], ns[4][2];
                 if (lvalid) {
-                    wn.decode(q, s, m, pairs);
+                    if constexpr (SUB) wn.decode(q, s, m, pairs, ks, ns);
+                    else wn.decode(q, s, m, pairs);
                 } else {
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
                         s[c] = 0.f;
                         m[c] = 0.f;
+                        ks[c][0] = ks[c][1] = ns[c][0] = ns[c][1] = 0;
 #pragma unroll
                         for (int i = 0; i < 8; i++) q[c][i] = 0;
                     }
@@ -957,21 +1258,27 @@ __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ 
                     dst[1] = make_int4(q[c][4], q[c][5], q[c][6], q[c][7]);
                     wsc[tid][c] = s[c];
                     wmn[tid][c] = m[c];
+                    if constexpr (SUB) wk[tid][c] = (ks[c][0] & 0xFFFF) | (ks[c][1] << 16);
+                    if constexpr (MINS) wnn[tid][c] = (ns[c][0] & 0xFFFF) | (ns[c][1] << 16);
                 }
-                int sum = 0;
-                sum = dp4a_(0x01010101, an.x, sum);
-                sum = dp4a_(0x01010101, an.y, sum);
-                sum = dp4a_(0x01010101, an.z, sum);
-                sum = dp4a_(0x01010101, an.w, sum);
-                sum = dp4a_(0x01010101, bn.x, sum);
-                sum = dp4a_(0x01010101, bn.y, sum);
-                sum = dp4a_(0x01010101, bn.z, sum);
-                sum = dp4a_(0x01010101, bn.w, sum);
+                int sum0 = 0, sum1 = 0;
+                sum0 = dp4a_(0x01010101, an.x, sum0);
+                sum0 = dp4a_(0x01010101, an.y, sum0);
+                sum0 = dp4a_(0x01010101, an.z, sum0);
+                sum0 = dp4a_(0x01010101, an.w, sum0);
+                sum1 = dp4a_(0x01010101, bn.x, sum1);
+                sum1 = dp4a_(0x01010101, bn.y, sum1);
+                sum1 = dp4a_(0x01010101, bn.z, sum1);
+                sum1 = dp4a_(0x01010101, bn.w, sum1);
                 int4* xdst = reinterpret_cast<int4*>(xs + xsl * MMA_LD + 8 * xc);
                 xdst[0] = an;
                 xdst[1] = bn;
                 xd[xsl][xc] = dn;
-                xds[xsl][xc] = dn * (float)sum;
+                xds[xsl][xc] = dn * (float)(sum0 + sum1);
+                if constexpr (MINS) {
+                    xsum[xsl][xc][0] = sum0;
+                    xsum[xsl][xc][1] = sum1;
+                }
             }
             __syncthreads();
             if (k0 + MMA_K < cols) load_step(k0 + MMA_K);  // in flight during this step's MMAs
@@ -991,18 +1298,58 @@ __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ 
                     ma[mt][0] = wmn[ra][c];
                     ma[mt][1] = wmn[ra + 8][c];
                 }
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const int b[2] = {xs[(j * 8 + g) * MMA_LD + 8 * c + tig], xs[(j * 8 + g) * MMA_LD + 8 * c + 4 + tig]};
-                    const int t0 = j * 8 + 2 * tig;
-                    const float dxv[2] = {xd[t0][c], xd[t0 + 1][c]}, dsv[2] = {xds[t0][c], xds[t0 + 1][c]};
+                if constexpr (SUB) {
 #pragma unroll
                     for (int mt = 0; mt < 2; mt++) {
-                        int d[4];
-                        mma_s8_16832(d, a[mt], b);
+                        const int ra = warp * 32 + mt * 16 + g;
+                        int ka[2][2], na[2][2];  // [row g, g + 8][half]
 #pragma unroll
-                        for (int i = 0; i < 4; i++)
-                            acc[mt][j][i] += dxv[i & 1] * sa[mt][i >> 1] * (float)d[i] - ma[mt][i >> 1] * dsv[i & 1];
+                        for (int h = 0; h < 2; h++) {
+                            const int kw = wk[ra + 8 * h][c];
+                            ka[h][0] = (int)(short)(kw & 0xFFFF);
+                            ka[h][1] = kw >> 16;
+                            if constexpr (MINS) {
+                                const int nw = wnn[ra + 8 * h][c];
+                                na[h][0] = nw & 0xFFFF;
+                                na[h][1] = nw >> 16;
+                            }
+                        }
+#pragma unroll
+                        for (int j = 0; j < 4; j++) {
+                            const int b0 = xs[(j * 8 + g) * MMA_LD + 8 * c + tig];
+                            const int b1 = xs[(j * 8 + g) * MMA_LD + 8 * c + 4 + tig];
+                            const int t0 = j * 8 + 2 * tig;
+                            const float dxv[2] = {xd[t0][c], xd[t0 + 1][c]};
+                            int d0[4], d1[4];
+                            mma_s8_16816(d0, a[mt][0], a[mt][1], b0);
+                            mma_s8_16816(d1, a[mt][2], a[mt][3], b1);
+#pragma unroll
+                            for (int i = 0; i < 4; i++) {
+                                const int h = i >> 1, t = i & 1;
+                                const int idot = ka[h][0] * d0[i] + ka[h][1] * d1[i];
+                                if constexpr (MINS) {
+                                    const int isum = na[h][0] * xsum[t0 + t][c][0] + na[h][1] * xsum[t0 + t][c][1];
+                                    acc[mt][j][i] += dxv[t] * (sa[mt][h] * (float)idot - ma[mt][h] * (float)isum);
+                                } else {
+                                    acc[mt][j][i] += dxv[t] * (sa[mt][h] * (float)idot);
+                                }
+                            }
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const int b[2] = {xs[(j * 8 + g) * MMA_LD + 8 * c + tig], xs[(j * 8 + g) * MMA_LD + 8 * c + 4 + tig]};
+                        const int t0 = j * 8 + 2 * tig;
+                        const float dxv[2] = {xd[t0][c], xd[t0 + 1][c]}, dsv[2] = {xds[t0][c], xds[t0 + 1][c]};
+#pragma unroll
+                        for (int mt = 0; mt < 2; mt++) {
+                            int d[4];
+                            mma_s8_16832(d, a[mt], b);
+#pragma unroll
+                            for (int i = 0; i < 4; i++)
+                                acc[mt][j][i] += dxv[i & 1] * sa[mt][i >> 1] * (float)d[i] - ma[mt][i >> 1] * dsv[i & 1];
+                        }
                     }
                 }
             }
@@ -1028,7 +1375,7 @@ __device__ __forceinline__ void moe_groupedmma_body(const uint8_t* __restrict__ 
                                                      const signed char* qx, const float* dx, int x_div,           \
                                                      long long xs, float* y, int nslots) { pdl_entry();           \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        if (uses_pairs(T)) iq4nl_pairs_(pairs);                                                                    \
         moe_groupedmma_body<T>(W, eb, rb, rows, cols, offsets, perm, se, qx, dx, x_div, xs, y, nslots, pairs);   \
     }
 
@@ -1043,3 +1390,12 @@ GROUPEDMMA(iq2_xxs, T_IQ2_XXS)
 GROUPEDMMA(iq3_xxs, T_IQ3_XXS)
 GROUPEDMMA(iq3_s, T_IQ3_S)
 GROUPEDMMA(iq1_s, T_IQ1_S)
+GROUPEDMMA(q5_0, T_Q5_0)
+GROUPEDMMA(q5_k, T_Q5_K)
+GROUPEDMMA(iq4_xs, T_IQ4_XS)
+GROUPEDMMA(q2_k, T_Q2_K)
+GROUPEDMMA(q3_k, T_Q3_K)
+GROUPEDMMA(q6_k, T_Q6_K)
+GROUPEDMMA(iq2_xs, T_IQ2_XS)
+GROUPEDMMA(iq2_s, T_IQ2_S)
+GROUPEDMMA(iq1_m, T_IQ1_M)

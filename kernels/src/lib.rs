@@ -282,6 +282,50 @@ pub fn nvrtc_compile(stem: &str, src: &str, arch: &'static str) -> Result<cudarc
         .map_err(|e| GpuError::Compile { file: stem.to_string(), message: format!("{e:?}") })
 }
 
+/// The folder of compiled kernels kept between runs: `NEBULA_KERNEL_CACHE` (`0` or `off`: none), else
+/// `$XDG_CACHE_HOME/nebula/kernels`, else `$HOME/.cache/nebula/kernels`.
+pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
+    match std::env::var_os("NEBULA_KERNEL_CACHE") {
+        Some(v) if v == "0" || v == "off" => None,
+        Some(v) if !v.is_empty() => Some(v.into()),
+        _ => std::env::var_os("XDG_CACHE_HOME")
+            .filter(|v| !v.is_empty())
+            .map(std::path::PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| std::path::Path::new(&h).join(".cache")))
+            .map(|c| c.join("nebula").join("kernels")),
+    }
+}
+
+/// The cache file name of `stem` compiled for `arch` from `full` (the source with its headers inlined): FNV-1a
+/// (64-bit) of the crate version, the arch and the source, so any change to either compiles afresh.
+fn kernel_cache_name(stem: &str, full: &str, arch: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in env!("CARGO_PKG_VERSION").bytes().chain([0]).chain(arch.bytes()).chain([0]).chain(full.bytes()) {
+        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{stem}-{arch}-{h:016x}.ptx")
+}
+
+/// [`nvrtc_compile`] through the kernel cache ([`kernel_cache_dir`]): a PTX compiled before from the same source
+/// for the same arch is read back instead of compiled again (NVRTC takes tens of seconds for the GEMV source).
+/// The cache is best effort: a folder that cannot be read or written only means compiling.
+fn cached_nvrtc_compile(stem: &str, src: &str, arch: &'static str) -> Result<cudarc::nvrtc::Ptx, GpuError> {
+    let Some(dir) = kernel_cache_dir() else { return nvrtc_compile(stem, src, arch) };
+    let path = dir.join(kernel_cache_name(stem, &inline_includes(src, &mut Vec::new()), arch));
+    if let Ok(text) = std::fs::read_to_string(&path)
+        && text.contains(".entry")
+    {
+        return Ok(cudarc::nvrtc::Ptx::from_src(text));
+    }
+    let ptx = nvrtc_compile(stem, src, arch)?;
+    // Written under a temporary name, then renamed: a concurrent reader never sees half a file.
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::create_dir_all(&dir).is_ok() && std::fs::write(&tmp, ptx.to_src()).is_ok() {
+        let _ = std::fs::rename(&tmp, &path);
+    }
+    Ok(ptx)
+}
+
 impl Gpu {
     /// Opens GPU `ordinal`, loading every kernel.
     ///
@@ -314,7 +358,7 @@ impl Gpu {
                 ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin.to_vec()))?
             } else {
                 let arch: &'static str = Box::leak(format!("sm_{}{}", capability.0, capability.1).into_boxed_str());
-                ctx.load_module(nvrtc_compile(stem, src, arch)?)?
+                ctx.load_module(cached_nvrtc_compile(stem, src, arch)?)?
             };
             for name in expand_names(src) {
                 let f = module
@@ -472,15 +516,45 @@ mod tests {
     }
 
     /// Needs libnvrtc (e.g. `pip install nvidia-cuda-nvrtc`, then point LD_LIBRARY_PATH at its lib folder):
-    /// `cargo test -p nebula-kernels -- --ignored nvrtc`.
+    /// `cargo test -p nebula-kernels -- --ignored nvrtc`. With `NEBULA_PTXAS` set to a `ptxas` binary (in PyPI's
+    /// `nvidia-cuda-nvcc`), each PTX is also assembled for sm_90, which checks the inline PTX (`asm`) NVRTC passes
+    /// through unread; `NEBULA_PTXAS_VERBOSE=1` prints each kernel's registers and spills.
     #[test]
     #[ignore = "needs libnvrtc on LD_LIBRARY_PATH: cargo test -p nebula-kernels -- --ignored nvrtc"]
     fn nvrtc_compiles_every_source() {
+        let ptxas = std::env::var_os("NEBULA_PTXAS");
+        let verbose = std::env::var_os("NEBULA_PTXAS_VERBOSE").is_some();
         for (stem, src) in SOURCES {
-            if let Err(e) = nvrtc_compile(stem, src, "sm_90") {
-                panic!("{e}");
+            let ptx = match nvrtc_compile(stem, src, "sm_90") {
+                Ok(p) => p,
+                Err(e) => panic!("{e}"),
+            };
+            if let Some(ptxas) = &ptxas {
+                let path = std::env::temp_dir().join(format!("nebula-{stem}-{}.ptx", std::process::id()));
+                std::fs::write(&path, ptx.to_src()).expect("the PTX is written to the temp folder");
+                let mut cmd = std::process::Command::new(ptxas);
+                cmd.args(["-arch=sm_90", "-o", "/dev/null"]);
+                if verbose {
+                    cmd.arg("-v");
+                }
+                let out = cmd.arg(&path).output().expect("ptxas runs");
+                let _ = std::fs::remove_file(&path);
+                if verbose {
+                    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+                }
+                assert!(out.status.success(), "ptxas rejects {stem}: {}", String::from_utf8_lossy(&out.stderr));
             }
         }
+    }
+
+    /// The kernel cache's file name changes with the source and the arch, and is the same for the same pair.
+    #[test]
+    fn kernel_cache_names_follow_the_source_and_arch() {
+        let a = kernel_cache_name("gemv", "__global__ void f() {}", "sm_90");
+        assert_eq!(a, kernel_cache_name("gemv", "__global__ void f() {}", "sm_90"));
+        assert_ne!(a, kernel_cache_name("gemv", "__global__ void f() { }", "sm_90"));
+        assert_ne!(a, kernel_cache_name("gemv", "__global__ void f() {}", "sm_89"));
+        assert!(a.starts_with("gemv-sm_90-") && a.ends_with(".ptx"));
     }
 
     /// NVRTC gets each source with its headers inlined once each, recursively (lowbit.cuh includes common.cuh,

@@ -97,10 +97,26 @@ pub(crate) struct Pro {
 /// `moe_groupedq_*`, `moe_groupedmma_*`), whatever the tuning: see [`Launch::q8_block`].
 pub(crate) fn q8_type_block(ty: GgmlType) -> Option<usize> {
     match ty {
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::IQ4_NL | GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::MXFP4 => {
-            Some(32)
-        }
-        GgmlType::Q4_K | GgmlType::IQ2_XXS | GgmlType::IQ3_XXS | GgmlType::IQ3_S | GgmlType::IQ1_S => Some(256),
+        GgmlType::Q8_0
+        | GgmlType::Q4_0
+        | GgmlType::Q5_0
+        | GgmlType::IQ4_NL
+        | GgmlType::Q4_1
+        | GgmlType::Q5_1
+        | GgmlType::MXFP4 => Some(32),
+        GgmlType::Q4_K
+        | GgmlType::Q5_K
+        | GgmlType::IQ4_XS
+        | GgmlType::IQ2_XXS
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ3_S
+        | GgmlType::IQ1_S
+        | GgmlType::Q2_K
+        | GgmlType::Q3_K
+        | GgmlType::Q6_K
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ1_M => Some(256),
         _ => None,
     }
 }
@@ -128,18 +144,19 @@ pub(crate) fn mid_type(ty: GgmlType) -> bool {
 impl Launch {
     /// The activation block of the 8-bit GEMV path for weights of type `ty` with `cols` columns (32 for the
     /// 32-value formats, 256 for the 256-value super-blocks, as `engine/src/quant/acts.rs` pairs them), or `None`
-    /// for f32 activations: the types whose 32-value chunks have one scale each (gemv.cu `QRaw`,
-    /// kernels/cuda/lowbit_q8.cuh). Q2_K, Q3_K, IQ1_M, IQ2_XS and IQ2_S (a scale per 16 values), Q5_0, Q5_K, Q6_K
-    /// and IQ4_XS multiply f32 activations.
+    /// for f32 activations: every quantized type (gemv.cu `QRaw`, kernels/cuda/lowbit_q8.cuh; Q2_K, Q3_K, Q6_K,
+    /// IQ2_XS, IQ2_S and IQ1_M with their integer run scales per 16 values); F32, F16 and BF16 weights multiply
+    /// f32 activations.
     pub(crate) fn q8_block(&self, ty: GgmlType, cols: usize) -> Option<usize> {
         let blk = q8_type_block(ty)?;
         (self.flags.q8_acts && cols.is_multiple_of(blk)).then_some(blk)
     }
 
-    /// Tasks (the unit one thread decodes at a time: a 32-value chunk, 64 values for Q4_K on 8-bit activations)
+    /// Tasks (the unit one thread decodes at a time: a 32-value chunk, 64 values for Q4_K and Q5_K on 8-bit
+    /// activations)
     /// per row of `cols` weights of type `ty`.
     pub(crate) fn tasks_per_row(ty: GgmlType, cols: usize, q8: bool) -> usize {
-        let per_task = if q8 && ty == GgmlType::Q4_K { 64 } else { 32 };
+        let per_task = if q8 && matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K) { 64 } else { 32 };
         (cols / per_task).max(1)
     }
 

@@ -10,16 +10,16 @@
 //!
 //! Bounds, per output value, relative to `S = sum_i |w_i x_i|` (w from the CPU decoder, x the f32 activations),
 //! which a wrong decode misses by orders of magnitude:
-//! - types with an 8-bit path ([`q8_type_block`]: Q8_0, Q4_0, Q4_1, Q5_1, MXFP4, IQ4_NL, Q4_K, IQ1_S, IQ2_XXS,
-//!   IQ3_XXS, IQ3_S): against the CPU kernel (`Matrix::matmul`, same 8-bit activations, same integer dot
+//! - the 8-bit path ([`q8_type_block`]: every quantized type, the ones with a scale per 16 values through their
+//!   integer run scales): against the CPU kernel (`Matrix::matmul`, same 8-bit activations, same integer dot
 //!   products; only the f32 sums of the block terms differ in order): `2e-5 S`;
-//! - the f32-activation types (Q5_0, Q5_K, Q6_K, IQ4_XS, Q2_K, Q3_K, IQ1_M, IQ2_XS, IQ2_S): against the f64 dot
-//!   of the CPU-decoded weights with the f32 activations, `3e-5 S` (f32 accumulation), and against the CPU kernel
-//!   (which rounds the activations to 8 bits: at most half a step of 1/127 of a block's largest value each)
-//!   `2e-2 S`;
+//! - the f32-activation kernels (every type, run with the 8-bit path turned off, `LaunchFlags::q8_acts`, and
+//!   by the prefill matmul without tensor cores): against the f64 dot of the CPU-decoded weights with the f32
+//!   activations, `3e-5 S` (f32 accumulation), and against the CPU kernel (which rounds the activations to 8
+//!   bits: at most half a step of 1/127 of a block's largest value each) `2e-2 S`;
 //! - the mid-size kernels of fast batched passes (`gemvqm_*` dense, `moe_gemvqg_*` grouped experts; the types with
-//!   an 8-bit path) at 2, 5, 17 and 64 rows: against the CPU kernel, `2e-5 S` as above (the same integer
-//!   products, another f32 order);
+//!   one scale per 32 values, `mid_type`) at 2, 5, 17 and 64 rows: against the CPU kernel, `2e-5 S` as above (the
+//!   same integer products, another f32 order);
 //! - row gather and dequantization of the new types: bit for bit the CPU decoder's values (same f32 operations,
 //!   unfused), the bf16 copy its round-to-nearest-even.
 
@@ -212,17 +212,23 @@ fn kernel_types_dense_products_match_the_cpu() {
     for (k, ty) in types().into_iter().enumerate() {
         let m = weights(ty, rows, cols, 10 + k as u64);
         let dm = Uploader { dev: &ctx.dev, bytes: 0 }.matrix(&m, "test.weight").unwrap();
-        for (n, mma) in [(1, true), (2, true), (5, true), (8, true), (40, true), (40, false)] {
+        let runs = [(1, true, true), (2, true, true), (5, true, true), (8, true, true), (40, true, true)];
+        for (n, mma, q8) in runs.into_iter().chain([(40, false, true), (1, true, false), (5, true, false)]) {
             ctx.flags.tensor_cores = mma && ctx.dev.gpu.capability.0 >= 8;
+            ctx.flags.q8_acts = q8;
             ctx.arena_reset().unwrap();
             let x = activations(n, cols, 100 + n as u64);
             let xb = upload(&ctx, &x);
             let yb = upload(&ctx, &vec![0f32; n * rows]);
             let (xp, yp) = (ptr(&xb, ctx.dev.stream(), 0), ptr(&yb, ctx.dev.stream(), 0));
             ctx.matmul(dm.view(&ctx.dev), xp, n, yp).unwrap();
-            let label = if n <= 8 { format!("GEMV n={n}") } else { format!("matmul n={n} tensor cores {mma}") };
+            let label = match (n <= 8, q8) {
+                (true, true) => format!("GEMV n={n}"),
+                (true, false) => format!("GEMV n={n} f32 activations"),
+                _ => format!("matmul n={n} tensor cores {mma}"),
+            };
             // Without tensor cores a prefill matmul dequantizes to f32 for cuBLAS: f32 activations.
-            let int8 = q8_type_block(ty).is_some() && (n <= 8 || ctx.flags.tensor_cores);
+            let int8 = q8 && q8_type_block(ty).is_some() && (n <= 8 || ctx.flags.tensor_cores);
             check_path(&label, &m, &download(&ctx, &yb), &x, n, true, int8);
         }
     }
@@ -273,12 +279,25 @@ fn kernel_types_expert_products_match_the_cpu() {
                 }
             };
             if n <= 8 {
-                let xa = ctx.acts(ty, xp, n, cols).unwrap();
-                let (y0, y1) = (upload(&ctx, &vec![0f32; slots * rows]), upload(&ctx, &vec![0f32; slots * rows]));
-                let (p0, p1) = (ptr(&y0, ctx.dev.stream(), 0), ptr(&y1, ctx.dev.stream(), 0));
-                ctx.moe_gemv(&gs, Some(&us), idp, slots, xa, cols, k, (p0, p1), None).unwrap();
-                check_slots("MoE GEMV gate", &gate, &download(&ctx, &y0), &[]);
-                check_slots("MoE GEMV up", &up, &download(&ctx, &y1), &[]);
+                // The 8-bit path, then the f32-activation kernels (check's bound follows the path taken).
+                for q8 in [true, false] {
+                    ctx.flags.q8_acts = q8;
+                    let xa = ctx.acts(ty, xp, n, cols).unwrap();
+                    let (y0, y1) = (upload(&ctx, &vec![0f32; slots * rows]), upload(&ctx, &vec![0f32; slots * rows]));
+                    let (p0, p1) = (ptr(&y0, ctx.dev.stream(), 0), ptr(&y1, ctx.dev.stream(), 0));
+                    ctx.moe_gemv(&gs, Some(&us), idp, slots, xa, cols, k, (p0, p1), None).unwrap();
+                    let (g, u) = (download(&ctx, &y0), download(&ctx, &y1));
+                    let int8 = matches!(xa, Acts::Q8(..) | Acts::Pro(_));
+                    for (what, ms, got) in [("MoE GEMV gate", &gate, &g), ("MoE GEMV up", &up, &u)] {
+                        for (s, &ex) in ids.iter().enumerate() {
+                            let xt = &x[(s / k) * cols..(s / k + 1) * cols];
+                            let y = &got[s * rows..(s + 1) * rows];
+                            let label = format!("{what}{} (slot {s})", if int8 { "" } else { " f32 activations" });
+                            check_path(&label, &ms[ex as usize], y, xt, 1, s == 0, int8);
+                        }
+                    }
+                }
+                ctx.flags.q8_acts = true;
                 continue;
             }
             // Grouped by expert, as moe_sort orders them: offsets[e] .. offsets[e + 1] index perm.
