@@ -5,7 +5,7 @@
 //
 // gemvqm_*: a dense matrix, y[t][r] = sum_c W[r][c] x[t][c] for n rows of activations. A group of `lanes` threads
 // (a power of two, at most 32) owns one weight row and strides over its tasks (QRaw: a 32-value chunk, two for
-// Q4_K); each task is loaded and decoded once per tile of MID_TILE activation rows and multiplied with every row
+// Q4_K and Q5_K; the types with a scale per 16 values with their integer run scales, Sub16); each task is loaded and decoded once per tile of MID_TILE activation rows and multiplied with every row
 // of the tile by dp4a, the tile's accumulators in registers. Tiles after the first re-read the block's weight rows
 // from L1/L2, not DRAM (a block's rows are a few KiB).
 //
@@ -53,6 +53,33 @@ __device__ __forceinline__ void mid_task_accumulate(float& acc, const int (&q)[C
     }
 }
 
+// mid_task_accumulate for the types with a scale per 16 values (Sub16<T>, lowbit_q8.cuh): each half chunk's integer
+// dot weighted by its run scale k (and its activation sum by its run min n, Q2_K alone) before the f32 step:
+// dx * (s * (k0 dot0 + k1 dot1) - m * (n0 sum0 + n1 sum1)).
+template <int T, int C>
+__device__ __forceinline__ void mid_task_accumulate_sub16(float& acc, const int (&q)[C][8], const float (&s)[C],
+                                                          const float (&m)[C], const int (&k)[C][2],
+                                                          const int (&n)[C][2], const signed char* __restrict__ xq,
+                                                          const float* __restrict__ xd, int task) {
+#pragma unroll
+    for (int h = 0; h < C; h++) {
+        const int chunk = task * C + h;
+        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
+        const int4 a = __ldg(xp), b = __ldg(xp + 1);
+        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        int dot[2] = {0, 0}, sum[2] = {0, 0};
+#pragma unroll
+        for (int i = 0; i < 8; i++) dot[i >> 2] = dp4a_(q[h][i], xs[i], dot[i >> 2]);
+        if constexpr (Sub16<T>::mins) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) sum[i >> 2] = dp4a_(0x01010101, xs[i], sum[i >> 2]);
+        }
+        const int idot = k[h][0] * dot[0] + k[h][1] * dot[1];
+        const int isum = n[h][0] * sum[0] + n[h][1] * sum[1];
+        acc += __ldg(xd + chunk) * (s[h] * (float)idot - m[h] * (float)isum);
+    }
+}
+
 // Tasks whose raw weight bytes a thread keeps in flight (task i + 1's loads issued before task i is decoded).
 #define MID_DEPTH 2
 
@@ -88,11 +115,24 @@ __device__ __forceinline__ void mid_rows_body(const uint8_t* __restrict__ row, i
                 if (task < ntasks) {
                     int q[C][8];
                     float s[C], m[C];
-                    raw[k].decode(q, s, m, pairs);
-                    if (task + MID_DEPTH * lanes < ntasks) raw[k].load(row, task + MID_DEPTH * lanes);
+                    if constexpr (Sub16<T>::value) {
+                        int ks[C][2], ns[C][2];
+                        raw[k].decode(q, s, m, pairs, ks, ns);
+                        if (task + MID_DEPTH * lanes < ntasks) raw[k].load(row, task + MID_DEPTH * lanes);
 #pragma unroll
-                    for (int t = 0; t < NT; t++) {
-                        if (t < nt) mid_task_accumulate<C>(acc[t], q, s, m, qx + xoff[t], dx + xoff[t] / 32, task);
+                        for (int t = 0; t < NT; t++) {
+                            if (t < nt)
+                                mid_task_accumulate_sub16<T, C>(acc[t], q, s, m, ks, ns, qx + xoff[t],
+                                                                dx + xoff[t] / 32, task);
+                        }
+                    } else {
+                        raw[k].decode(q, s, m, pairs);
+                        if (task + MID_DEPTH * lanes < ntasks) raw[k].load(row, task + MID_DEPTH * lanes);
+#pragma unroll
+                        for (int t = 0; t < NT; t++) {
+                            if (t < nt)
+                                mid_task_accumulate<C>(acc[t], q, s, m, qx + xoff[t], dx + xoff[t] / 32, task);
+                        }
                     }
                 }
             }
@@ -157,7 +197,7 @@ __device__ __forceinline__ void moe_gemvqg_body(const uint8_t* __restrict__ W0, 
                                              const signed char* qx, const float* dx, long long xs, float* y,     \
                                              long long ys, int n, int lanes) { pdl_entry();                       \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        if (T == T_IQ4_NL || T == T_IQ4_XS) iq4nl_pairs_(pairs); /* the types whose decode reads `pairs` */      \
         gemvqm_body<T>(W, rb, rows, cols, qx, dx, xs, y, ys, n, lanes, pairs);                                    \
     }                                                                                                             \
     extern "C" __global__ void moe_gemvqg_##NAME(const uint8_t* W0, const uint8_t* W1, long long eb, long long rb, \
@@ -166,7 +206,7 @@ __device__ __forceinline__ void moe_gemvqg_body(const uint8_t* __restrict__ W0, 
                                                  int x_div, long long xs, float* y0, float* y1, int lanes) {       \
         pdl_entry();                                                                                               \
         __shared__ uint16_t pairs[256];                                                                            \
-        if (T == T_IQ4_NL) iq4nl_pairs_(pairs);                                                                    \
+        if (T == T_IQ4_NL || T == T_IQ4_XS) iq4nl_pairs_(pairs);                                                   \
         moe_gemvqg_body<T>(W0, W1, eb, rb, rows, cols, offsets, perm, active, qx, dx, x_div, xs, y0, y1, lanes,  \
                            pairs);                                                                                 \
     }
@@ -182,3 +222,12 @@ GEMVQM(iq2_xxs, T_IQ2_XXS)
 GEMVQM(iq3_xxs, T_IQ3_XXS)
 GEMVQM(iq3_s, T_IQ3_S)
 GEMVQM(iq1_s, T_IQ1_S)
+GEMVQM(q5_0, T_Q5_0)
+GEMVQM(q5_k, T_Q5_K)
+GEMVQM(iq4_xs, T_IQ4_XS)
+GEMVQM(q2_k, T_Q2_K)
+GEMVQM(q3_k, T_Q3_K)
+GEMVQM(q6_k, T_Q6_K)
+GEMVQM(iq2_xs, T_IQ2_XS)
+GEMVQM(iq2_s, T_IQ2_S)
+GEMVQM(iq1_m, T_IQ1_M)

@@ -17,8 +17,8 @@
 //!   by the prefill matmul without tensor cores): against the f64 dot of the CPU-decoded weights with the f32
 //!   activations, `3e-5 S` (f32 accumulation), and against the CPU kernel (which rounds the activations to 8
 //!   bits: at most half a step of 1/127 of a block's largest value each) `2e-2 S`;
-//! - the mid-size kernels of fast batched passes (`gemvqm_*` dense, `moe_gemvqg_*` grouped experts; the types with
-//!   one scale per 32 values, `mid_type`) at 2, 5, 17 and 64 rows: against the CPU kernel, `2e-5 S` as above (the
+//! - the mid-size kernels of fast batched passes (`gemvqm_*` dense, `moe_gemvqg_*` grouped experts; every type with
+//!   an 8-bit path, `mid_type`) at 2, 5, 17 and 64 rows: against the CPU kernel, `2e-5 S` as above (the
 //!   same integer products, another f32 order);
 //! - row gather and dequantization of the new types: bit for bit the CPU decoder's values (same f32 operations,
 //!   unfused), the bf16 copy its round-to-nearest-even.
@@ -423,6 +423,11 @@ fn mid_size_kernels_are_chosen_only_for_fast_batched_passes_of_their_rows() {
         assert!(lanes.is_power_of_two() && lanes <= 32 && lanes <= tasks.max(1).next_power_of_two(), "{tasks} {rows}");
     }
     assert_eq!(grouped_grid(96, 8, 16, true), (6, 16, 2));
+    // Every type with an 8-bit path has the mid-size kernels (a type added to one list and not the other would
+    // silently keep the old kernels).
+    for ty in crate::quant::SUPPORTED {
+        assert_eq!(mid_type(ty), q8_type_block(ty).is_some(), "{}", ty.name());
+    }
     assert_eq!(grouped_grid(100, 32, 0, false), (25, 1, 1));
 }
 
@@ -462,11 +467,9 @@ fn the_sort_plan_groups_valid_slots_by_expert_and_lists_the_active_ones() {
     assert_eq!((offsets, perm, active), (vec![0, 0, 0, 0], vec![], vec![-1, -1]));
 }
 
-/// The types of the mid-size kernels ([`mid_type`]: every type with an 8-bit path and one scale per 32 values).
+/// The types of the mid-size kernels ([`mid_type`]: every type with an 8-bit path).
 fn q8_types() -> Vec<GgmlType> {
-    let t: Vec<GgmlType> = types().into_iter().filter(|&t| mid_type(t)).collect();
-    assert_eq!(t.len(), 11, "{t:?}");
-    t
+    types().into_iter().filter(|&t| mid_type(t)).collect()
 }
 
 /// Dense products of a fast batched pass through `Launch::matmul` with the mid-size kernel (`gemvqm_*`) at 2, 5,
