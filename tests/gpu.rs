@@ -1020,6 +1020,60 @@ fn fast_batches_agree_with_single_request_decoding() {
     }
 }
 
+/// The mid-size kernels of fast batched passes (`tuning.cuda.mid_rows`: the tiled dense GEMV and the routed
+/// experts grouped by expert, on 8-bit activations) on the Q8_0 golden checkpoint `hc4_moe`, all-GPU and hybrid
+/// with half the experts on the GPU (the grouped kernels then skip the CPU's slots): the batch script of
+/// [`fast_batches_agree_with_single_request_decoding`] (eight sequences, passes of 8 to 40 rows) keeps top-1
+/// agreement >= 99 % with each sequence decoded alone; with `mid_rows` 0 as the control. Deterministic batches
+/// with the mid-size kernels on stay bit for bit the alone runs (the exact mode keeps its kernels).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-tests --test gpu -- --ignored"]
+fn mid_size_kernels_keep_fast_batches_in_agreement() {
+    use nebula_engine::backend::BatchMode;
+    use nebula_engine::backend::cuda::hybrid::HybridParams;
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("hc4_moe-q8_0.gguf");
+    convert(
+        &nebula_tests::repo_root().join("tests/fixtures/golden/hc4_moe"),
+        &path,
+        &ConvertOptions { out_type: OutType::Q8_0, ..Default::default() },
+    )
+    .unwrap();
+    let ids = golden("hc4_moe").0;
+    let cpu = Qwen4Exp::load(&path).unwrap();
+    let half = cpu.config.n_expert / 2;
+    let params = HybridParams {
+        handoff: 0.9,
+        omit: 0.0,
+        cpu_max_tokens: 96,
+        stage_experts: 32,
+        stages: 6,
+        verify_handoff: false,
+    };
+    for mid_rows in [64, 0] {
+        let t = CudaTuning { mid_rows, ..tuning().clone() };
+        let models = [
+            ("all-GPU", CudaModel::from_cpu(&cpu, 0, None, &t).unwrap()),
+            ("hybrid", CudaModel::hybrid_with(placed(&path, half), 0, None, params, &t).unwrap()),
+        ];
+        for (label, gpu) in models {
+            let (compared, exact, agree) = batch_against_alone(&gpu, &ids, BatchMode::Fast, 32);
+            let share = agree as f64 / compared as f64;
+            println!(
+                "hc4_moe Q8_0 {label}, mid_rows {mid_rows}: fast batch of 8, top-1 agreement {:.1} % over {compared} \
+                 rows ({exact} bit-identical)",
+                share * 100.0
+            );
+            assert!(compared > 200, "{label}: only {compared} rows compared");
+            assert!(share >= 0.99, "{label}, mid_rows {mid_rows}: top-1 agreement {share:.3}");
+            if mid_rows > 0 {
+                let (compared, exact, _) = batch_against_alone(&gpu, &ids, BatchMode::Deterministic, 6);
+                assert_eq!(exact, compared, "{label}: a deterministic batch differs from the alone runs");
+            }
+        }
+    }
+}
+
 /// A bad item fails the whole batched call before anything runs: a token past the vocabulary or a chunk past an
 /// item's capacity is reported (the model's error) and every state is unchanged, so the corrected batch then
 /// gives, bit for bit, the logits of states that never saw the failed call. Also: a fresh state holds what

@@ -197,6 +197,13 @@ pub struct CudaTuning {
     /// selects from there (`backend::cuda::kv_cache`). The tokens do not change. At least the QSA token budget
     /// plus a block, and a pass (a prefill chunk) may hold at most `kv_window` minus a block of tokens.
     pub kv_window: usize,
+    /// The most rows of a fast batched pass (several sequences in one pass, not the exact mode of verify passes
+    /// and deterministic batches) whose 8-bit products take the mid-size kernels (`NEBULA_CUDA_MID_ROWS`; 64):
+    /// dense matrices of 2 rows and more the tiled GEMV `gemvqm_*` (each weight task decoded once per 16 rows),
+    /// routed experts of more than 4 rows the grouped decode GEMV `moe_gemvqg_*` (each expert read once for all
+    /// the rows routed to it). 0 keeps the one-row GEMVs (repeated per 8 rows) and, past 8 rows, the prefill
+    /// kernels.
+    pub mid_rows: usize,
     /// The hybrid backend's.
     pub hybrid: HybridTuning,
 }
@@ -214,6 +221,7 @@ impl Default for CudaTuning {
             tensor_cores: true,
             pdl: true,
             kv_window: 0,
+            mid_rows: 64,
             hybrid: HybridTuning::default(),
         }
     }
@@ -258,6 +266,12 @@ impl CudaTuning {
                 .trim()
                 .parse::<usize>()
                 .map_err(|_| invalid("NEBULA_CUDA_KV_WINDOW", &v, "takes a token count (0: every token in VRAM)"))?;
+        }
+        if let Some(v) = lookup("NEBULA_CUDA_MID_ROWS") {
+            self.mid_rows = v
+                .trim()
+                .parse::<usize>()
+                .map_err(|_| invalid("NEBULA_CUDA_MID_ROWS", &v, "takes a row count (0: no mid-size kernels)"))?;
         }
         self.hybrid.apply_env(lookup);
         Ok(())
@@ -498,6 +512,19 @@ mod tests {
         assert!(t.cuda.graphs && !t.cuda.graphs_in_effect());
         let e = Tuning::default().with_env(env(&[("NEBULA_CUDA_PROFILE", "all")])).unwrap_err().to_string();
         assert!(e.contains("NEBULA_CUDA_PROFILE") && e.contains("\"all\""), "{e}");
+    }
+
+    #[test]
+    fn mid_rows_default_to_64_and_take_a_row_count_from_the_environment() {
+        let mid = |v: &str| Tuning::default().with_env(env(&[("NEBULA_CUDA_MID_ROWS", v)])).map(|t| t.cuda.mid_rows);
+        assert_eq!(Tuning::default().cuda.mid_rows, 64);
+        assert_eq!(Tuning::default().with_env(env(&[])).unwrap().cuda.mid_rows, 64);
+        assert_eq!(mid("0").unwrap(), 0);
+        assert_eq!(mid(" 32 ").unwrap(), 32);
+        for bad in ["-1", "all", ""] {
+            let e = mid(bad).unwrap_err().to_string();
+            assert!(e.contains("NEBULA_CUDA_MID_ROWS") && e.contains(&format!("{bad:?}")), "{e}");
+        }
     }
 
     #[test]

@@ -234,24 +234,83 @@ extern "C" __global__ void add_gated_shared(const float* __restrict__ shared, co
     out[i] += sigmoidf_(sg[i / d]) * shared[i];
 }
 
+// An exclusive prefix sum over the block (blockDim.x a multiple of 32, at most 1024): thread i gets the sum of v
+// over threads 0 .. i - 1, and `total` the sum over the block. Every thread must call it; it synchronises the block.
+__device__ __forceinline__ int block_exclusive_scan_(int v, int& total) {
+    __shared__ int wsum[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();  // wsum is free (an earlier call's readers are done)
+    if (lane == 31) wsum[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int t = lane < nwarps ? wsum[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += y;
+        }
+        wsum[lane] = t;
+    }
+    __syncthreads();
+    total = wsum[nwarps - 1];
+    return (warp > 0 ? wsum[warp - 1] : 0) + x - v;
+}
+
 // Groups the routed (token, expert) slots by expert, stably: offsets[e]..offsets[e+1] index perm, which lists the
-// slots routed to expert e in ascending slot order. One block; E <= 1024.
-extern "C" __global__ void moe_sort(const int* __restrict__ ids, int slots, int E, int* offsets, int* perm) {
+// slots routed to expert e in ascending slot order. Slots whose id is not an expert (negative: computed elsewhere,
+// the CPU's in hybrid decode; or E and above) are left out (offsets[E] counts the others). With `active`, also the
+// experts that have slots, in id order, in active[0 .. count), and -1 in active[count .. min(E, slots)) (the grid
+// of a grouped launch: moe_gemvqg_*). One block of 1024 threads; E <= 1024. Counts by shared atomics, offsets and
+// the active list by block scans; the slots are placed blockDim at a time, warp after warp, each warp ranking its
+// lanes of one expert with __match_any_sync, so the order within an expert is the slot order.
+extern "C" __global__ void moe_sort(const int* __restrict__ ids, int slots, int E, int* offsets, int* perm,
+                                    int* active) {
     pdl_entry();
     __shared__ int cnt[1024];
-    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    for (int e = tid; e < 1024; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
-    for (int s = threadIdx.x; s < slots; s += blockDim.x) atomicAdd(&cnt[ids[s]], 1);
+    for (int s = tid; s < slots; s += blockDim.x) {
+        const int e = ids[s];
+        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int acc = 0;
-        for (int e = 0; e < E; e++) {
-            const int c = cnt[e];
-            offsets[e] = acc;
-            cnt[e] = acc;
-            acc += c;
+    const int c = tid < E ? cnt[tid] : 0;
+    int total, used;
+    const int at = block_exclusive_scan_(c, total);
+    const int act = block_exclusive_scan_(c > 0 ? 1 : 0, used);
+    if (tid < E) {
+        offsets[tid] = at;
+        cnt[tid] = at;  // from here on: expert tid's next free place in perm
+        if (active && c > 0) active[act] = tid;
+    }
+    if (tid == 0) offsets[E] = total;
+    if (active) {
+        for (int j = used + tid; j < min(E, slots); j += blockDim.x) active[j] = -1;
+    }
+    __syncthreads();
+    for (int base = 0; base < slots; base += blockDim.x) {
+        const int s = base + tid;
+        const int e = s < slots ? ids[s] : -1;
+        const bool valid = e >= 0 && e < E;
+        const unsigned int peers = __match_any_sync(0xffffffffu, valid ? e : -1);
+        for (int w = 0; w < nwarps; w++) {
+            if (warp == w) {
+                int pos = 0;
+                if (valid) pos = cnt[e] + __popc(peers & ((1u << lane) - 1u));
+                __syncwarp();  // every lane has read its expert's place before the first of them moves it
+                if (valid) {
+                    perm[pos] = s;
+                    if (lane == __ffs(peers) - 1) cnt[e] += __popc(peers);
+                }
+            }
+            __syncthreads();
         }
-        offsets[E] = acc;
-        for (int s = 0; s < slots; s++) perm[cnt[ids[s]]++] = s;
     }
 }

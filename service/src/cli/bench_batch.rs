@@ -162,6 +162,7 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
     }
     let source = args.profile.as_ref().map_or("flags".to_owned(), |p| format!("profile {}", p.display()));
     let steps = StepTimes::default();
+    let mid_rows = tuning.cuda.mid_rows;
     let widest = args.concurrency.iter().copied().max().unwrap_or(1).max(1);
     let opts = EngineOptions {
         max_context: Some(args.prompt + args.tokens + 8),
@@ -204,6 +205,9 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
         args.tokens,
         if args.mtp { "on" } else { "off" }
     );
+    if matches!(args.backend, BackendKind::Cuda { .. }) {
+        println!("{}", mid_path_line(mid_rows, args.deterministic));
+    }
     let mut tokens = super::RandomTokens::new(0x2545_F491_4F6C_DD1Du64, vocab);
     let mut random = |n: usize| tokens.take(n);
     // Warm up both modes (first passes allocate arenas, capture graphs, fault pages in); not reported.
@@ -297,6 +301,25 @@ pub fn run_batch(args: BenchBatchArgs) -> anyhow::Result<()> {
         println!("routing: the routers' choices are not collected by bench batch (bench model reports them)");
     }
     Ok(())
+}
+
+/// Which kernels the GPU's batched passes take for their 8-bit products (`tuning.cuda.mid_rows`,
+/// `NEBULA_CUDA_MID_ROWS`), for the A/B of the mid-size kernels.
+fn mid_path_line(mid_rows: usize, deterministic: bool) -> String {
+    if deterministic {
+        "GPU batched passes: deterministic (each row on a decode step's kernels; NEBULA_CUDA_MID_ROWS does not apply)"
+            .to_owned()
+    } else if mid_rows >= 2 {
+        format!(
+            "GPU batched passes: mid-size kernels up to {mid_rows} rows (NEBULA_CUDA_MID_ROWS={mid_rows}: dense \
+             gemvqm_*, routed experts grouped by expert moe_gemvqg_* from 5 rows; 8-bit types only)"
+        )
+    } else {
+        format!(
+            "GPU batched passes: mid-size kernels off (NEBULA_CUDA_MID_ROWS={mid_rows}: dense one-row GEMVs up to 8 rows and \
+             per-slot expert GEMVs up to 4, the prefill kernels beyond)"
+        )
+    }
 }
 
 /// Decode passes by batch size (sequences), from the engine's step observer: how long `forward_batch` took and

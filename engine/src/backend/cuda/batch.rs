@@ -11,9 +11,10 @@
 //! the PLE n-gram rows are hashed from each sequence's own context, and each sequence's MTP cache is extended
 //! from its own rows after the pass.
 //!
-//! [`BatchMode::Fast`] chooses kernels for the pass's row count (tensor-core GEMMs and grouped experts for more
-//! than a decode step's rows; hybrid: the policy's path for that count), so a sequence's logits may differ in
-//! the last bits from a pass run alone. [`BatchMode::Deterministic`] runs the shared pass on the single-step
+//! [`BatchMode::Fast`] chooses kernels for the pass's row count (up to `tuning.cuda.mid_rows` rows the mid-size
+//! 8-bit kernels: the tiled dense GEMV `gemvqm_*` and the grouped expert GEMV `moe_gemvqg_*`, which read each
+//! weight once for all the rows; beyond, tensor-core GEMMs and grouped experts; hybrid: the policy's path for that
+//! count), so a sequence's logits may differ in the last bits from a pass run alone. [`BatchMode::Deterministic`] runs the shared pass on the single-step
 //! kernels row by row (the exact-rows mode of the verify pass: batch-invariant GEMVs, per-slot expert GEMVs, split
 //! attention, the hybrid CPU path), which is bit for bit what [`CudaModel::forward`] computes for a decode step
 //! and for chunks of up to [`CudaModel::single_step_rows`] tokens; longer chunks run alone (their alone-pass
@@ -107,8 +108,11 @@ impl CudaModel {
         use std::sync::atomic::Ordering::Relaxed;
         let ctx = &self.launch;
         ctx.exact_rows.store(exact, Relaxed);
+        // A fast pass may take the mid-size kernels for its row count (`Launch::mid`).
+        ctx.batched_rows.store(!exact, Relaxed);
         let out = self.forward_shared_inner(items);
         ctx.exact_rows.store(false, Relaxed);
+        ctx.batched_rows.store(false, Relaxed);
         self.settle(out)
     }
 

@@ -1,7 +1,8 @@
 //! GEMV launch geometry and the 8-bit activation helpers: every matrix product of the model goes through
-//! [`Launch::matmul`] (decode-sized batches on the quantized GEMV kernels, larger ones on tensor cores or cuBLAS),
-//! and the routed experts through [`Launch::moe_gemv`] (decode) and [`Launch::moe_grouped`] (prefill, grouped by
-//! expert). Threads per row depend on the matrix only, never on the token count, so a verify pass's rows sum in a
+//! [`Launch::matmul`] (decode-sized batches on the quantized GEMV kernels, mid-size fast batched passes on the
+//! tiled GEMV [`Launch::gemvqm`], larger ones on tensor cores or cuBLAS), and the routed experts through
+//! [`Launch::moe_gemv`] (decode), [`Launch::moe_gemvqg`] (mid-size fast batched passes, grouped by expert) and
+//! [`Launch::moe_grouped`] (prefill, grouped by expert). Threads per row depend on the matrix only, never on the token count, so a verify pass's rows sum in a
 //! decode step's order (batch invariance).
 
 use super::CudaError;
@@ -30,6 +31,32 @@ const GEMV_MIN_THREADS: usize = 1 << 15;
 /// prefetch with a GEMV depth of 4: about the threads an H200 holds at once (132 SMs x 2048); the output
 /// head (248,320 rows) measured slower deep (Nsight Compute: 141 against 122 us).
 const DEEP_MAX_THREADS: usize = 1 << 18;
+
+/// Threads per weight row of the mid-size kernels (`gemvqm_*`, `moe_gemvqg_*`): [`Launch::gemv_lanes`]'s choice
+/// for `tasks` per row and `rows` rows per token, at most a warp (the kernels sum a row's partial sums with warp
+/// shuffles only).
+pub(crate) fn mid_lanes(tasks: usize, rows: usize, min_threads: usize) -> usize {
+    Launch::gemv_lanes(tasks, rows, min_threads).min(32)
+}
+
+/// The grid of a grouped expert launch (`moe_gemvqg_*`, 128-thread blocks of `128 / lanes` weight rows): the
+/// row groups of a matrix of `rows`, one y per entry of the sort plan's active list (`experts`, the most experts
+/// that can have slots), z = 2 for gate and up in one launch.
+pub(crate) fn grouped_grid(rows: usize, lanes: usize, experts: usize, both: bool) -> (u32, u32, u32) {
+    (rows.div_ceil(128 / lanes) as u32, experts.max(1) as u32, if both { 2 } else { 1 })
+}
+
+/// Token slots grouped by expert on the device (`moe_sort`, [`Launch::sort_plan`]): `offsets` (`[count + 1]`
+/// i32: expert `e`'s slots are `perm[offsets[e] .. offsets[e + 1]]`, ascending), `perm` (`[slots]` i32, the
+/// slots with a valid id first), `active` (`[experts]` i32: the experts with slots in id order, then -1) and
+/// `experts` = min(count, slots), the length of `active`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SortPlan {
+    pub(crate) offsets: u64,
+    pub(crate) perm: u64,
+    pub(crate) active: u64,
+    pub(crate) experts: usize,
+}
 
 /// The most columns a GEMV prologue quantizes (gemv.cu `PRO_MAX_COLS`).
 pub(crate) const PRO_MAX_COLS: usize = 2560;
@@ -92,6 +119,36 @@ pub(crate) fn q8_type_block(ty: GgmlType) -> Option<usize> {
         | GgmlType::IQ1_M => Some(256),
         _ => None,
     }
+}
+
+/// Whether the mid-size kernels (`gemvqm_*`, `moe_gemvqg_*`, kernels/cuda/gemv_grouped.cu) exist for `ty`: every
+/// type with an 8-bit path ([`q8_type_block`]; gemv_grouped.cu instantiates each of them on its `QRaw` decoder). A
+/// type given an 8-bit path later keeps the one-row and prefill kernels until gemv_grouped.cu instantiates it too
+/// (and is added here).
+pub(crate) fn mid_type(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q5_0
+            | GgmlType::IQ4_NL
+            | GgmlType::Q4_1
+            | GgmlType::Q5_1
+            | GgmlType::MXFP4
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::IQ4_XS
+            | GgmlType::IQ2_XXS
+            | GgmlType::IQ3_XXS
+            | GgmlType::IQ3_S
+            | GgmlType::IQ1_S
+            | GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ2_XS
+            | GgmlType::IQ2_S
+            | GgmlType::IQ1_M
+    ) && q8_type_block(ty).is_some()
 }
 
 impl Launch {
@@ -198,7 +255,10 @@ impl Launch {
 
     /// `y[n][rows] = x[n][cols] . W^T`.
     pub(crate) fn matmul(&self, w: MatRef, x: u64, n: usize, y: u64) -> Result<(), CudaError> {
-        if n <= GEMV_MAX_TOKENS || self.exact() {
+        if n <= GEMV_MAX_TOKENS
+            || self.exact()
+            || (self.mid(n) && mid_type(w.ty) && self.q8_block(w.ty, w.cols).is_some())
+        {
             // 8-bit activations where the type has an integer path (`gemvq_*`: x is (qx, dx)), else f32 (`gemv_*`).
             let xa = self.acts(w.ty, x, n, w.cols)?;
             self.gemv(w, xa, n, y)
@@ -218,6 +278,12 @@ impl Launch {
     pub(crate) fn gemv_as(&self, w: MatRef, xa: Acts, n: usize, y: u64, lane_rows: usize) -> Result<(), CudaError> {
         let dev = &self.dev;
         let sfx = type_suffix(w.ty)?;
+        if let Acts::Q8(qx, dx) = xa
+            && self.mid(n)
+            && mid_type(w.ty)
+        {
+            return self.gemvqm(w, (qx, dx), n, y);
+        }
         // 128-thread blocks, [`Self::gemv_lanes`] threads per row.
         let tasks = Self::tasks_per_row(w.ty, w.cols, !matches!(xa, Acts::F32(..)));
         let (lanes, deep) = self.dense_lanes(tasks, lane_rows);
@@ -265,6 +331,115 @@ impl Launch {
             t0 += c;
         }
         Ok(())
+    }
+
+    /// `y[n][rows] = x[n][cols] . W^T` on the 8-bit activations `q = (qx, dx)` (`[n][cols]` int8, `[n][cols / 32]`
+    /// f32 scales) with the mid-size dense kernel `gemvqm_*` (kernels/cuda/gemv_grouped.cu): each weight task
+    /// decoded once per tile of 16 rows (gemv_grouped.cu `MID_TILE`), [`mid_lanes`] threads per weight row.
+    ///
+    /// Errors: a type without mid-size kernels ([`mid_type`]), a failed launch.
+    pub(crate) fn gemvqm(&self, w: MatRef, q: (u64, u64), n: usize, y: u64) -> Result<(), CudaError> {
+        if !mid_type(w.ty) {
+            return Err(CudaError::Unsupported(format!("no mid-size 8-bit GEMV for {:?} weights", w.ty)));
+        }
+        let sfx = type_suffix(w.ty)?;
+        let tasks = Self::tasks_per_row(w.ty, w.cols, true);
+        let lanes = mid_lanes(tasks, w.rows, self.flags.gemv_min_threads);
+        let args = [
+            Arg::Ptr(w.ptr),
+            Arg::I64(w.row_bytes as i64),
+            Arg::I32(w.rows as i32),
+            Arg::I32(w.cols as i32),
+            Arg::Ptr(q.0),
+            Arg::Ptr(q.1),
+            Arg::I64(w.cols as i64),
+            Arg::Ptr(y),
+            Arg::I64(w.rows as i64),
+            Arg::I32(n as i32),
+            Arg::I32(lanes as i32),
+        ];
+        self.dev.launch(&format!("gemvqm_{sfx}"), (w.rows.div_ceil(128 / lanes) as u32, 1, 1), 128, &args)?;
+        Ok(())
+    }
+
+    /// Routed experts of a mid-size batch grouped by expert, on 8-bit activations (`moe_gemvqg_*`,
+    /// kernels/cuda/gemv_grouped.cu): `plan` is [`Self::sort_plan`]'s over `slots` token slots and the `count`
+    /// matrices of `stack` (slot `j` of the stack at `j * rows * row_bytes`); every slot routed to a matrix of
+    /// the stack multiplies it with row `s / x_div` of the activations `q = (qx, dx)` (`x_stride` values apart)
+    /// into `y.0 + s * rows`. With `second` (same type and shape: gate and up), the same slots multiply it into
+    /// `y.1` in the same launch. Slots with no matrix of the stack are not written.
+    ///
+    /// Errors: a type without mid-size kernels ([`mid_type`]), a `second` of another type or shape, a failed
+    /// launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn moe_gemvqg(
+        &self,
+        stack: &DevStack,
+        second: Option<&DevStack>,
+        plan: SortPlan,
+        q: (u64, u64),
+        x_div: usize,
+        x_stride: usize,
+        y: (u64, u64),
+    ) -> Result<(), CudaError> {
+        if !mid_type(stack.ty) {
+            return Err(CudaError::Unsupported(format!("no grouped 8-bit expert GEMV for {:?} weights", stack.ty)));
+        }
+        if let Some(s) = second
+            && (s.ty != stack.ty || s.rows != stack.rows || s.cols != stack.cols || s.row_bytes != stack.row_bytes)
+        {
+            return Err(CudaError::Unsupported("a grouped gate/up launch over matrices of two shapes".into()));
+        }
+        let stream = self.dev.stream();
+        let tasks = Self::tasks_per_row(stack.ty, stack.cols, true);
+        let lanes = mid_lanes(tasks, stack.rows * self.cfg.n_expert_used, GEMV_MIN_THREADS);
+        let w0 = ptr(&stack.data, stream, 0);
+        let w1 = second.map_or(w0, |s| ptr(&s.data, stream, 0));
+        let mut args = vec![Arg::Ptr(w0), Arg::Ptr(w1)];
+        args.extend(stack.shape_args());
+        args.extend([
+            Arg::Ptr(plan.offsets),
+            Arg::Ptr(plan.perm),
+            Arg::Ptr(plan.active),
+            Arg::Ptr(q.0),
+            Arg::Ptr(q.1),
+            Arg::I32(x_div as i32),
+            Arg::I64(x_stride as i64),
+            Arg::Ptr(y.0),
+            Arg::Ptr(y.1),
+            Arg::I32(lanes as i32),
+        ]);
+        let grid = grouped_grid(stack.rows, lanes, plan.experts, second.is_some());
+        self.dev.launch(&format!("moe_gemvqg_{}", type_suffix(stack.ty)?), grid, 128, &args)?;
+        Ok(())
+    }
+
+    /// Groups `slots` token slots by the matrix of a stack of `count` that `ids` (`[slots]` i32) names, on the
+    /// device (`moe_sort`): ids outside `0..count` (negative: computed elsewhere) are left out. See [`SortPlan`].
+    ///
+    /// Errors: more than 1024 matrices (the sort's limit), a failed launch.
+    pub(crate) fn sort_plan(&self, ids: u64, slots: usize, count: usize) -> Result<SortPlan, CudaError> {
+        if count > 1024 {
+            return Err(CudaError::Unsupported(format!("grouping slots over {count} experts (at most 1024)")));
+        }
+        let offsets = self.tmp(count + 1)?;
+        let perm = self.tmp(slots.max(1))?;
+        let experts = count.min(slots);
+        let active = self.tmp(experts.max(1))?;
+        self.dev.launch(
+            "moe_sort",
+            (1, 1, 1),
+            1024,
+            &[
+                Arg::Ptr(ids),
+                Arg::I32(slots as i32),
+                Arg::I32(count as i32),
+                Arg::Ptr(offsets),
+                Arg::Ptr(perm),
+                Arg::Ptr(active),
+            ],
+        )?;
+        Ok(SortPlan { offsets, perm, active, experts })
     }
 
     /// `y[n][rows] = x[n][cols] . W^T` for more than `GEMV_MAX_TOKENS` tokens (prefill): tensor cores on 8-bit

@@ -17,6 +17,9 @@
 //!   by the prefill matmul without tensor cores): against the f64 dot of the CPU-decoded weights with the f32
 //!   activations, `3e-5 S` (f32 accumulation), and against the CPU kernel (which rounds the activations to 8
 //!   bits: at most half a step of 1/127 of a block's largest value each) `2e-2 S`;
+//! - the mid-size kernels of fast batched passes (`gemvqm_*` dense, `moe_gemvqg_*` grouped experts; every type with
+//!   an 8-bit path, `mid_type`) at 2, 5, 17 and 64 rows: against the CPU kernel, `2e-5 S` as above (the
+//!   same integer products, another f32 order);
 //! - row gather and dequantization of the new types: bit for bit the CPU decoder's values (same f32 operations,
 //!   unfused), the bf16 copy its round-to-nearest-even.
 
@@ -25,8 +28,8 @@ use nebula_kernels::cudarc::driver::CudaSlice;
 use rand::{Rng, SeedableRng};
 
 use super::device::{Arg, Dev, ptr, type_suffix};
-use super::gemv::{Acts, q8_type_block};
-use super::launch::Launch;
+use super::gemv::{Acts, grouped_grid, mid_lanes, mid_type, q8_type_block};
+use super::launch::{Launch, mid_path};
 use super::weights::Uploader;
 use crate::gguf::{GgmlType, GgufFile};
 use crate::model::config::ModelConfig;
@@ -92,6 +95,9 @@ fn every_cpu_type_has_each_kernel_a_launch_asks_for() {
             for k in ["gemvqd", "moe_gemvq", "gemvqp", "moe_gemvqp", "moe_groupedq", "moe_groupedmma"] {
                 want.push(format!("{k}_{sfx}"));
             }
+        }
+        if mid_type(ty) {
+            want.extend([format!("gemvqm_{sfx}"), format!("moe_gemvqg_{sfx}")]);
         }
         for w in want {
             assert!(names.contains(&w), "{}: no kernel {w}", ty.name());
@@ -396,6 +402,332 @@ fn kernel_types_gather_and_dequantize_match_the_cpu() {
             "{:8} get_rows and dequantize (f32, bf16): {}",
             ty.name(),
             if exact { "bit-exact" } else { "within 1e-6" }
+        );
+    }
+}
+
+/// The selection and geometry of the mid-size kernels, on the host: they run only in fast batched passes of 2 to
+/// `mid_rows` rows (never in the exact mode, never with `mid_rows` 0); threads per row stay within a warp; the
+/// grouped grid has one y per possible active expert and a z for gate and up.
+#[test]
+fn mid_size_kernels_are_chosen_only_for_fast_batched_passes_of_their_rows() {
+    for n in [2, 5, 17, 64] {
+        assert!(mid_path(64, true, false, n), "{n} rows of a fast batched pass");
+        assert!(!mid_path(64, true, true, n), "{n} rows in the exact mode");
+        assert!(!mid_path(64, false, false, n), "{n} rows of one sequence's pass");
+        assert!(!mid_path(0, true, false, n), "{n} rows with mid_rows 0");
+    }
+    assert!(!mid_path(64, true, false, 1) && !mid_path(64, true, false, 65) && mid_path(65, true, false, 65));
+    for (tasks, rows) in [(1, 1), (8, 96), (64, 200), (512, 2048), (2048, 1)] {
+        let lanes = mid_lanes(tasks, rows, 1 << 15);
+        assert!(lanes.is_power_of_two() && lanes <= 32 && lanes <= tasks.max(1).next_power_of_two(), "{tasks} {rows}");
+    }
+    assert_eq!(grouped_grid(96, 8, 16, true), (6, 16, 2));
+    // Every type with an 8-bit path has the mid-size kernels (a type added to one list and not the other would
+    // silently keep the old kernels).
+    for ty in crate::quant::SUPPORTED {
+        assert_eq!(mid_type(ty), q8_type_block(ty).is_some(), "{}", ty.name());
+    }
+    assert_eq!(grouped_grid(100, 32, 0, false), (25, 1, 1));
+}
+
+/// The host form of what `moe_sort` computes for `ids` over `count` experts (the reference of its GPU test, and
+/// its specification): (offsets `[count + 1]`, perm, active list of length min(count, slots), -1 padded). Ids
+/// outside `0..count` are left out.
+fn sort_plan_host(ids: &[i32], count: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+    let valid = |e: i32| e >= 0 && (e as usize) < count;
+    let mut offsets = vec![0i32; count + 1];
+    for &e in ids.iter().filter(|&&e| valid(e)) {
+        offsets[e as usize + 1] += 1;
+    }
+    let mut active: Vec<i32> = (0..count).filter(|&e| offsets[e + 1] > 0).map(|e| e as i32).collect();
+    for e in 0..count {
+        offsets[e + 1] += offsets[e];
+    }
+    let mut perm: Vec<i32> = (0..ids.len() as i32).filter(|&s| valid(ids[s as usize])).collect();
+    perm.sort_by_key(|&s| (ids[s as usize], s));
+    active.resize(count.min(ids.len()), -1);
+    (offsets, perm, active)
+}
+
+/// The sort plan of the grouped expert kernels (`moe_sort`, here its host form): experts in id order, each
+/// expert's slots ascending, ids out of range (negative: computed elsewhere; `count` and above) left out, the
+/// active list the experts with slots then -1 up to min(count, slots).
+#[test]
+fn the_sort_plan_groups_valid_slots_by_expert_and_lists_the_active_ones() {
+    let ids = [3, 1, -1, 3, 8, 0, 3, 1];
+    let (offsets, perm, active) = sort_plan_host(&ids, 5);
+    assert_eq!(offsets, [0, 1, 3, 3, 6, 6]);
+    assert_eq!(perm, [5, 1, 7, 0, 3, 6]);
+    assert_eq!(active, [0, 1, 3, -1, -1]);
+    // Fewer slots than experts: the active list is as long as the slots.
+    let (offsets, perm, active) = sort_plan_host(&[2, 2], 4);
+    assert_eq!((offsets, perm, active), (vec![0, 0, 0, 2, 2], vec![0, 1], vec![2, -1]));
+    let (offsets, perm, active) = sort_plan_host(&[-1, -7], 3);
+    assert_eq!((offsets, perm, active), (vec![0, 0, 0, 0], vec![], vec![-1, -1]));
+}
+
+/// The types of the mid-size kernels ([`mid_type`]: every type with an 8-bit path).
+fn q8_types() -> Vec<GgmlType> {
+    types().into_iter().filter(|&t| mid_type(t)).collect()
+}
+
+/// Dense products of a fast batched pass through `Launch::matmul` with the mid-size kernel (`gemvqm_*`) at 2, 5,
+/// 17 and 64 rows, against the CPU kernel (`2e-5 S`); and in the exact mode the same call gives, bit for bit, what
+/// it gives with the mid-size kernels off (the exact mode keeps its kernels).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-engine -- --ignored kernel_types"]
+fn kernel_types_mid_dense_products_match_the_cpu() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut ctx = launch();
+    let (rows, cols) = (200, 1024);
+    for (k, ty) in q8_types().into_iter().enumerate() {
+        let m = weights(ty, rows, cols, 40 + k as u64);
+        let dm = Uploader { dev: &ctx.dev, bytes: 0 }.matrix(&m, "test.weight").unwrap();
+        for n in [2usize, 5, 17, 64] {
+            let x = activations(n, cols, 500 + n as u64);
+            let xb = upload(&ctx, &x);
+            let xp = ptr(&xb, ctx.dev.stream(), 0);
+            let run = |ctx: &Launch| {
+                ctx.arena_reset().unwrap();
+                let yb = upload(ctx, &vec![0f32; n * rows]);
+                ctx.matmul(dm.view(&ctx.dev), xp, n, ptr(&yb, ctx.dev.stream(), 0)).unwrap();
+                download(ctx, &yb)
+            };
+            ctx.flags.mid_rows = 64;
+            ctx.batched_rows.store(true, Relaxed);
+            assert!(ctx.mid(n));
+            check(&format!("mid-size GEMV n={n}"), &m, &run(&ctx), &x, n, true);
+            ctx.exact_rows.store(true, Relaxed);
+            let exact_mid = run(&ctx);
+            ctx.flags.mid_rows = 0;
+            let exact_old = run(&ctx);
+            ctx.exact_rows.store(false, Relaxed);
+            ctx.batched_rows.store(false, Relaxed);
+            assert!(
+                exact_mid.iter().zip(&exact_old).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{} n={n}: the exact mode's result depends on mid_rows",
+                ty.name()
+            );
+        }
+    }
+}
+
+/// Routed experts of a fast batched pass grouped by expert (`Launch::sort_plan`, `Launch::moe_gemvqg`) at 2, 5,
+/// 17 and 64 tokens of 2 slots: expert 3 takes every token, experts 6 and 7 none, the second slots spread over the
+/// others, and some slots name no expert of the stack (-1, and 9 of 8), which the sort leaves out and the kernels
+/// leave unwritten. The device's sort plan equals its host form; gate and up (one launch) and down (each slot its
+/// own activations) match the CPU kernel per slot (`2e-5 S`).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-engine -- --ignored kernel_types"]
+fn kernel_types_grouped_expert_decode_matches_the_cpu() {
+    let ctx = launch();
+    let (e, k, ff, d) = (8usize, 2usize, 256usize, 512usize);
+    // `len` i32 values at a device address (the arena's sort plan).
+    let dl = |at: u64, len: usize| {
+        let mut out = vec![0i32; len];
+        super::device::dtoh(ctx.dev.stream(), out.as_mut_ptr() as *mut std::ffi::c_void, at, len * 4).unwrap();
+        ctx.dev.stream().synchronize().unwrap();
+        out
+    };
+    for (ti, ty) in q8_types().into_iter().enumerate() {
+        let seed = 9000 + 30 * ti as u64;
+        let gate: Vec<Matrix> = (0..e).map(|j| weights(ty, ff, d, seed + j as u64)).collect();
+        let up: Vec<Matrix> = (0..e).map(|j| weights(ty, ff, d, seed + 10 + j as u64)).collect();
+        let down: Vec<Matrix> = (0..e).map(|j| weights(ty, d, ff, seed + 20 + j as u64)).collect();
+        let mut upl = Uploader { dev: &ctx.dev, bytes: 0 };
+        let gs = upl.stack(&gate.iter().collect::<Vec<_>>(), &gate[0], "test.gate_exps").unwrap();
+        let us = upl.stack(&up.iter().collect::<Vec<_>>(), &up[0], "test.up_exps").unwrap();
+        let ds = upl.stack(&down.iter().collect::<Vec<_>>(), &down[0], "test.down_exps").unwrap();
+        assert_eq!((gs.count(), ds.count()), (e, e));
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for n in [2usize, 5, 17, 64] {
+            ctx.arena_reset().unwrap();
+            let slots = n * k;
+            let mut ids = Vec::with_capacity(slots);
+            for t in 0..n {
+                let second = match t % 7 {
+                    3 => -1,
+                    5 => 9,
+                    _ => [0, 1, 2, 4, 5][rng.random_range(0..5usize)],
+                };
+                ids.extend([3, second]);
+            }
+            let idb = upload(&ctx, &ids);
+            let plan = ctx.sort_plan(ptr(&idb, ctx.dev.stream(), 0), slots, e).unwrap();
+            let (want_off, want_perm, want_active) = sort_plan_host(&ids, e);
+            let (got_off, got_perm, got_active) =
+                (dl(plan.offsets, e + 1), dl(plan.perm, slots), dl(plan.active, plan.experts));
+            assert_eq!(got_off, want_off, "{} n={n}: offsets", ty.name());
+            assert_eq!(got_perm[..want_perm.len()], want_perm[..], "{} n={n}: perm", ty.name());
+            assert_eq!(got_active, want_active, "{} n={n}: active experts", ty.name());
+            // Gate and up: slot s reads token s / k.
+            let x = activations(n, d, 700 + n as u64);
+            let xb = upload(&ctx, &x);
+            let Acts::Q8(qx, dx) = ctx.acts(ty, ptr(&xb, ctx.dev.stream(), 0), n, d).unwrap() else {
+                panic!("{}: no 8-bit activations", ty.name())
+            };
+            let (y0, y1) = (upload(&ctx, &vec![0f32; slots * ff]), upload(&ctx, &vec![0f32; slots * ff]));
+            let (p0, p1) = (ptr(&y0, ctx.dev.stream(), 0), ptr(&y1, ctx.dev.stream(), 0));
+            ctx.moe_gemvqg(&gs, Some(&us), plan, (qx, dx), k, d, (p0, p1)).unwrap();
+            // Down: slot s reads its own row of h.
+            let h = activations(slots, ff, 900 + n as u64);
+            let hb = upload(&ctx, &h);
+            let Acts::Q8(hq, hd) = ctx.acts(ty, ptr(&hb, ctx.dev.stream(), 0), slots, ff).unwrap() else {
+                panic!("{}: no 8-bit activations", ty.name())
+            };
+            let yd = upload(&ctx, &vec![0f32; slots * d]);
+            let pd = ptr(&yd, ctx.dev.stream(), 0);
+            ctx.moe_gemvqg(&ds, None, plan, (hq, hd), 1, ff, (pd, pd)).unwrap();
+            let (g, u, dn) = (download(&ctx, &y0), download(&ctx, &y1), download(&ctx, &yd));
+            let mut shown = false;
+            for (s, &ex) in ids.iter().enumerate() {
+                let (gy, uy, dy) = (&g[s * ff..(s + 1) * ff], &u[s * ff..(s + 1) * ff], &dn[s * d..(s + 1) * d]);
+                if !(0..e as i32).contains(&ex) {
+                    assert!(gy.iter().chain(uy).chain(dy).all(|&v| v == 0.0), "{} n={n}: slot {s} written", ty.name());
+                    continue;
+                }
+                let xt = &x[(s / k) * d..(s / k + 1) * d];
+                let label = |what: &str| format!("grouped decode {what} n={n} (slot {s} shown, every slot checked)");
+                check(&label("gate"), &gate[ex as usize], gy, xt, 1, !shown);
+                check(&label("up"), &up[ex as usize], uy, xt, 1, !shown);
+                check(&label("down"), &down[ex as usize], dy, &h[s * ff..(s + 1) * ff], 1, !shown);
+                shown = true;
+            }
+        }
+    }
+}
+
+/// Mean seconds of `f` over `reps` calls after one warm-up, the stream drained before and after.
+fn time_calls(ctx: &Launch, reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    ctx.dev.stream().synchronize().unwrap();
+    let t = std::time::Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    ctx.dev.stream().synchronize().unwrap();
+    t.elapsed().as_secs_f64() / reps as f64
+}
+
+/// The mid-size kernels against the paths they replace, at the released model's shapes (hidden 2560, expert
+/// hidden 640, 10 of 128 experts per token here, Q4_K gate/up, IQ4_NL down; a dense Q4_K `[4096, 2560]`), at 8,
+/// 16, 32 and 64 rows: prints the time of each (host clock over 20 launches, the stream drained) for the A/B, and
+/// asserts that both give the same products (within `1e-4` of the largest value: the same integer dot products,
+/// other f32 orders; the prefill matmul's tensor-core sums included; `2e-2` against its f32 cuBLAS form when
+/// tensor cores are off).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-engine -- --ignored kernel_timing"]
+fn kernel_timing_of_the_mid_size_kernels_against_the_old_paths() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut ctx = launch();
+    let (d, ff, e, k, reps) = (2560usize, 640usize, 128usize, 10usize, 20usize);
+    ctx.cfg.n_expert = e;
+    ctx.cfg.n_expert_used = k;
+    ctx.flags.mid_rows = 64;
+    let close = |what: &str, a: &[f32], b: &[f32], tol: f32| {
+        let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff <= tol * amax, "{what}: {diff:e} apart (largest value {amax:e})");
+    };
+    let dense = weights(GgmlType::Q4_K, 4096, d, 3);
+    let dm = Uploader { dev: &ctx.dev, bytes: 0 }.matrix(&dense, "test.weight").unwrap();
+    let gate = weights(GgmlType::Q4_K, ff, d, 4);
+    let down = weights(GgmlType::IQ4_NL, d, ff, 5);
+    let mut upl = Uploader { dev: &ctx.dev, bytes: 0 };
+    let gs = upl.stack(&vec![&gate; e], &gate, "test.gate_exps").unwrap();
+    let us = upl.stack(&vec![&gate; e], &gate, "test.up_exps").unwrap();
+    let ds = upl.stack(&vec![&down; e], &down, "test.down_exps").unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    println!(
+        "{:>5} {:>26} {:>12} {:>26} {:>12}",
+        "rows", "dense old (GEMV / matmul)", "gemvqm", "experts old (per slot / grouped)", "moe_gemvqg"
+    );
+    for n in [8usize, 16, 32, 64] {
+        ctx.arena_reset().unwrap();
+        let x = activations(n, d, 40 + n as u64);
+        let xb = upload(&ctx, &x);
+        let xp = ptr(&xb, ctx.dev.stream(), 0);
+        let yb = upload(&ctx, &vec![0f32; n * 4096]);
+        let yp = ptr(&yb, ctx.dev.stream(), 0);
+        // Dense: the mid-size kernel in a fast batched pass, else what matmul chose before.
+        let dense_run = |mid: bool| {
+            ctx.batched_rows.store(mid, Relaxed);
+            let s = time_calls(&ctx, reps, || ctx.matmul(dm.view(&ctx.dev), xp, n, yp).unwrap());
+            ctx.batched_rows.store(false, Relaxed);
+            (s, download(&ctx, &yb))
+        };
+        let (t_old, y_old) = dense_run(false);
+        let (t_mid, y_mid) = dense_run(true);
+        // (Without tensor cores the old matmul multiplies f32 activations: the 8-bit rounding's bound instead.)
+        let tol = if n > 8 && !ctx.flags.tensor_cores { 2e-2 } else { 1e-4 };
+        close(&format!("dense n={n}"), &y_mid, &y_old, tol);
+        // Experts: n tokens of k distinct experts each.
+        let slots = n * k;
+        let mut ids = Vec::with_capacity(slots);
+        for _ in 0..n {
+            let mut chosen: Vec<i32> = Vec::new();
+            while chosen.len() < k {
+                let c = rng.random_range(0..e as i32);
+                if !chosen.contains(&c) {
+                    chosen.push(c);
+                }
+            }
+            ids.extend(chosen);
+        }
+        let idb = upload(&ctx, &ids);
+        let idp = ptr(&idb, ctx.dev.stream(), 0);
+        let Acts::Q8(qx, dx) = ctx.acts(GgmlType::Q4_K, xp, n, d).unwrap() else { panic!("Q4_K has an 8-bit path") };
+        let h = activations(slots, ff, 60 + n as u64);
+        let hb = upload(&ctx, &h);
+        let Acts::Q8(hq, hd) = ctx.acts(GgmlType::IQ4_NL, ptr(&hb, ctx.dev.stream(), 0), slots, ff).unwrap() else {
+            panic!("IQ4_NL has an 8-bit path")
+        };
+        let bufs: Vec<CudaSlice<f32>> =
+            (0..6).map(|i| upload(&ctx, &vec![0f32; slots * if i % 3 == 2 { d } else { ff }])).collect();
+        let p: Vec<u64> = bufs.iter().map(|b| ptr(b, ctx.dev.stream(), 0)).collect();
+        // Before: per-slot GEMVs up to 4 rows, the grouped prefill kernels (tensor cores) beyond.
+        let t_exp_old = time_calls(&ctx, reps, || {
+            let (offsets, perm) = (ctx.tmp(e + 1).unwrap(), ctx.tmp(slots).unwrap());
+            ctx.dev
+                .launch(
+                    "moe_sort",
+                    (1, 1, 1),
+                    1024,
+                    &[
+                        Arg::Ptr(idp),
+                        Arg::I32(slots as i32),
+                        Arg::I32(e as i32),
+                        Arg::Ptr(offsets),
+                        Arg::Ptr(perm),
+                        Arg::Ptr(0),
+                    ],
+                )
+                .unwrap();
+            for (view, out) in [(gs.view(&ctx.dev), p[0]), (us.view(&ctx.dev), p[1])] {
+                ctx.moe_grouped(view, e, 0, offsets, perm, Acts::Q8(qx, dx), k, d, out, slots).unwrap();
+            }
+            ctx.moe_grouped(ds.view(&ctx.dev), e, 0, offsets, perm, Acts::Q8(hq, hd), 1, ff, p[2], slots).unwrap();
+        });
+        let t_exp_slot = time_calls(&ctx, reps, || {
+            ctx.moe_gemv(&gs, Some(&us), idp, slots, Acts::Q8(qx, dx), d, k, (p[0], p[1]), None).unwrap();
+            ctx.moe_gemv(&ds, None, idp, slots, Acts::Q8(hq, hd), ff, 1, (p[2], p[2]), None).unwrap();
+        });
+        let t_exp_mid = time_calls(&ctx, reps, || {
+            let plan = ctx.sort_plan(idp, slots, e).unwrap();
+            ctx.moe_gemvqg(&gs, Some(&us), plan, (qx, dx), k, d, (p[3], p[4])).unwrap();
+            ctx.moe_gemvqg(&ds, None, plan, (hq, hd), 1, ff, (p[5], p[5])).unwrap();
+        });
+        for (a, b) in [(3, 0), (4, 1), (5, 2)] {
+            close(&format!("experts n={n} buffer {a}"), &download(&ctx, &bufs[a]), &download(&ctx, &bufs[b]), 1e-4);
+        }
+        let us_ = |t: f64| t * 1e6;
+        println!(
+            "{n:>5} {:>26} {:>12.1} {:>26} {:>12.1}",
+            format!("{:.1} us", us_(t_old)),
+            us_(t_mid),
+            format!("{:.1} / {:.1} us", us_(t_exp_slot), us_(t_exp_old)),
+            us_(t_exp_mid)
         );
     }
 }

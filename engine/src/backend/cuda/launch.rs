@@ -38,6 +38,9 @@ pub(crate) struct LaunchFlags {
     /// (needs `q8_acts`) and the column count is a multiple of 128; otherwise the dp4a expert kernel
     /// (`moe_groupedq_*`, the same integer dot products) and f32 cuBLAS for dense matmuls.
     pub(crate) tensor_cores: bool,
+    /// The most rows of a fast batched pass whose 8-bit products take the mid-size kernels (`gemvqm_*`,
+    /// `moe_gemvqg_*`; 0: none) ([`CudaTuning::mid_rows`], `Launch::mid`).
+    pub(crate) mid_rows: usize,
 }
 
 impl LaunchFlags {
@@ -50,8 +53,16 @@ impl LaunchFlags {
             gemv_deep: tuning.gemv_depth == 4,
             fuse: tuning.fuse,
             tensor_cores: capability_major >= 8 && tuning.tensor_cores,
+            mid_rows: tuning.mid_rows,
         }
     }
+}
+
+/// Whether a product of `n` rows takes the mid-size kernels (`gemvqm_*`; routed experts `moe_gemvqg_*` from
+/// `GEMV_MAX_TOKENS / 2 + 1` rows): in a fast pass over several sequences (`batched`), never in the exact mode
+/// (whose rows must be bit for bit a decode step's), for 2 to `mid_rows` rows.
+pub(crate) fn mid_path(mid_rows: usize, batched: bool, exact: bool, n: usize) -> bool {
+    batched && !exact && n >= 2 && n <= mid_rows
 }
 
 /// One sequence's rows in a pass over the rows of several sequences (`CudaModel::forward_batch`; a single
@@ -99,6 +110,10 @@ pub(crate) struct Launch {
     /// decode step makes, so each row's result is bit for bit a decode step's (batch-invariant GEMVs, per-token
     /// expert GEMVs, split attention).
     pub(crate) exact_rows: AtomicBool,
+    /// Set during a fast pass over the rows of several sequences (`CudaModel::forward_batch` in
+    /// `BatchMode::Fast`): its products of up to `flags.mid_rows` rows may take the mid-size kernels
+    /// (`Launch::mid`). Never during a pass of one sequence, whose kernels a deterministic batch reproduces.
+    pub(crate) batched_rows: AtomicBool,
     /// During a hybrid verify pass, the device address of the per-row coverage buffer (0 otherwise).
     pub(crate) coverage_out: AtomicU64,
     /// Tokens of a QSA layer's K and V kept in VRAM per sequence (0: all; [`CudaTuning::kv_window`]).
@@ -119,6 +134,7 @@ impl Launch {
             flags,
             profile: (tuning.profile == CudaProfile::Phases).then(|| Mutex::new(PhaseTimes::default())),
             exact_rows: Default::default(),
+            batched_rows: Default::default(),
             coverage_out: Default::default(),
             kv_window: tuning.kv_window,
             cold: Mutex::default(),
@@ -133,6 +149,11 @@ impl Launch {
     /// Whether a verify pass is running (every kernel choice a decode step's, see `exact_rows`).
     pub(crate) fn exact(&self) -> bool {
         self.exact_rows.load(Ordering::Relaxed)
+    }
+
+    /// Whether a product of `n` rows takes the mid-size kernels ([`mid_path`] with this pass's state).
+    pub(crate) fn mid(&self, n: usize) -> bool {
+        mid_path(self.flags.mid_rows, self.batched_rows.load(Ordering::Relaxed), self.exact(), n)
     }
 
     /// A temporary of `n` f32 (or i32) values from the arena, valid until the end of the forward pass.

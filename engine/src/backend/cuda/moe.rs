@@ -3,14 +3,15 @@
 //!
 //! Routing, the routed experts and the gated shared expert run without a host round trip: decode batches take
 //! one GEMV per (token, expert) slot over the device-resident expert stack, prefill batches group the slots by
-//! expert. In hybrid mode the block holds only the policy's resident experts and its forward follows the path
+//! expert, and the mid-size rows of a fast batched pass (`tuning.cuda.mid_rows`) group them by expert on the
+//! decode-sized kernel `moe_gemvqg_*` (each expert read once for all its slots). In hybrid mode the block holds only the policy's resident experts and its forward follows the path
 //! the policy picks (`hybrid::policy`): the rest on the CPU, or streamed to the GPU.
 
 use nebula_kernels::cudarc::driver::CudaSlice;
 
 use super::CudaError;
 use super::device::{Arg, Dev, ptr};
-use super::gemv::{Acts, GEMV_MAX_TOKENS};
+use super::gemv::{Acts, GEMV_MAX_TOKENS, mid_type};
 use super::hybrid::Hybrid;
 use super::hybrid::policy::ExpertPath;
 use super::launch::Launch;
@@ -205,8 +206,9 @@ impl DevSparseMoe {
         }
         let slots = n * k;
         let ys = ctx.tmp(slots * d)?;
-        let shared = if n <= GEMV_MAX_TOKENS / 2 || ctx.exact() {
-            // Decode: one GEMV per (token, expert) slot, expert ids read on the device.
+        let shared = if n <= GEMV_MAX_TOKENS / 2 || ctx.exact() || moe.grouped_decode(ctx, n) {
+            // Decode: one GEMV per (token, expert) slot, expert ids read on the device (a mid-size fast batched
+            // pass: one per expert for all its slots).
             moe.shared_and_routed(ctx, m, n, Some((ids, ys)))?
         } else {
             // Prefill: slots grouped by expert on the device; each expert's weights decoded once per 8 tokens.
@@ -242,6 +244,11 @@ impl DevSparseMoe {
         let cfg = &ctx.cfg;
         let (d, k, ff) = (cfg.hidden, cfg.n_expert_used, cfg.expert_ff);
         let sff = moe.shared_expert.ff();
+        if let Some((ids, ys)) = routed
+            && moe.grouped_decode(ctx, n)
+        {
+            return moe.shared_and_grouped(ctx, m, n, ids, ys);
+        }
         if let Some((ids, ys)) = routed
             && let Some(parts) = moe.shared_parts(ctx)
         {
@@ -303,6 +310,49 @@ impl DevSparseMoe {
             ctx.moe_gemv(&moe.experts.down_proj, None, ids, slots, xg, ff, 1, (ys, ys), None)?;
         }
         Ok(shared)
+    }
+
+    /// Whether the routed experts of `n` rows run grouped by expert on the mid-size decode kernel
+    /// (`moe_gemvqg_*`, [`Self::shared_and_grouped`]): a fast batched pass of more than `GEMV_MAX_TOKENS / 2` and
+    /// at most `mid_rows` rows ([`Launch::mid`]), gate and up of one type, and mid-size kernels and 8-bit paths for
+    /// gate/up and down.
+    /// Otherwise the per-slot GEMVs or the prefill kernels, as before.
+    pub(crate) fn grouped_decode(&self, ctx: &Launch, n: usize) -> bool {
+        let (d, ff) = (ctx.cfg.hidden, ctx.cfg.expert_ff);
+        let ex = &self.experts;
+        n > GEMV_MAX_TOKENS / 2
+            && ctx.mid(n)
+            && mid_type(ex.gate_proj.ty)
+            && mid_type(ex.down_proj.ty)
+            && ex.up_proj.ty == ex.gate_proj.ty
+            && ex.up_proj.rows == ex.gate_proj.rows
+            && ex.gate_proj.cols == d
+            && ex.down_proj.cols == ff
+            && ctx.q8_block(ex.gate_proj.ty, d).is_some()
+            && ctx.q8_block(ex.down_proj.ty, ff).is_some()
+    }
+
+    /// The MoE of [`Self::shared_and_routed`] for a mid-size fast batched pass ([`Self::grouped_decode`]): the
+    /// `n k` slots grouped by expert on the device (`ids`: a matrix of the stacks per slot, negative or out of
+    /// range = not here, its output left alone), gate and up of every slot in one grouped launch (each expert's
+    /// rows read once for all its slots), the SiLU and its 8-bit form in one launch, the down projections grouped
+    /// the same way into `ys + s * d`; the shared expert through [`Launch::matmul`] (the mid-size dense GEMV).
+    /// Returns the shared expert's output `[n, d]`.
+    fn shared_and_grouped(&self, ctx: &Launch, m: u64, n: usize, ids: u64, ys: u64) -> Result<u64, CudaError> {
+        let ex = &self.experts;
+        let (d, k, ff) = (ctx.cfg.hidden, ctx.cfg.n_expert_used, ctx.cfg.expert_ff);
+        let slots = n * k;
+        let plan = ctx.sort_plan(ids, slots, ex.gate_proj.count())?;
+        let Acts::Q8(qx, dx) = ctx.acts(ex.gate_proj.ty, m, n, d)? else {
+            return Err(CudaError::Unsupported(format!("no 8-bit activations for {:?} experts", ex.gate_proj.ty)));
+        };
+        let (g, u) = (ctx.tmp(slots * ff)?, ctx.tmp(slots * ff)?);
+        ctx.moe_gemvqg(&ex.gate_proj, Some(&ex.up_proj), plan, (qx, dx), k, d, (g, u))?;
+        let (hq, hd, _) = ctx.silu_mul_q8(g, u, slots, ff, ex.down_proj.ty)?.ok_or_else(|| {
+            CudaError::Unsupported(format!("no 8-bit SiLU output for a {:?} down projection", ex.down_proj.ty))
+        })?;
+        ctx.moe_gemvqg(&ex.down_proj, None, plan, (hq, hd), 1, ff, (ys, ys))?;
+        self.shared_expert(ctx, m, n)
     }
 
     /// The parts of `expert_ff` rows the shared expert's gate and up split into when they run as extra slots of
@@ -427,7 +477,14 @@ impl DevSparseMoe {
             "moe_sort",
             (1, 1, 1),
             1024,
-            &[Arg::Ptr(ids), Arg::I32(slots as i32), Arg::I32(e as i32), Arg::Ptr(offsets), Arg::Ptr(perm)],
+            &[
+                Arg::Ptr(ids),
+                Arg::I32(slots as i32),
+                Arg::I32(e as i32),
+                Arg::Ptr(offsets),
+                Arg::Ptr(perm),
+                Arg::Ptr(0),
+            ],
         )?;
         Ok((offsets, perm))
     }

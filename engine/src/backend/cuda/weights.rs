@@ -69,6 +69,11 @@ impl DevStack {
     fn expert_bytes(&self) -> usize {
         self.rows * self.row_bytes
     }
+
+    /// The matrices the stack holds (its bytes over one matrix's).
+    pub(crate) fn count(&self) -> usize {
+        self.data.len() / self.expert_bytes().max(1)
+    }
 }
 
 /// A matrix by address (a whole [`DevMatrix`], one matrix of a [`DevStack`], or rows of a stacked matrix).
