@@ -220,14 +220,17 @@ extern "C" __global__ void attn_split_q(const float* __restrict__ P, float* q, f
 
 // Pools the blocks completed by the n tokens appended at [pos, pos + n) (pos = *pos_dev when given): block b's
 // raw indexer keys (type T, ring slot tok % ring_len) are averaged, RMS-normed with kn_w and rotated at the
-// block's first position b*r (dims [0, rope_dim) in rotate-half pairs), and stored as row b of `pooled` (type T).
+// block's first position b*r (dims [0, rope_dim) in rotate-half pairs; with `thw`, the sequence's M-RoPE table
+// [cache index][3], token b*r's position of each slot's stream, sections sec1/sec2 as rope_heads), and stored
+// as row b of `pooled` (type T).
 // Block i of the grid handles block pos/r + i when it is complete. 128 threads (whole warps over each 32 values,
 // as the quantized store needs).
 template <int T>
 __device__ __forceinline__ void qsa_pool_new_body(const uint8_t* __restrict__ raw, uint8_t* pooled, int pos0,
                                                   const int* pos_dev, int n, int r, int ihd,
                                                   const float* __restrict__ kn_w, float eps, int rope_dim,
-                                                  float theta, int ring_len) {
+                                                  float theta, int ring_len, const int* __restrict__ thw, int sec1,
+                                                  int sec2) {
     const int pos = pos_dev ? *pos_dev : pos0;
     const int b = pos / r + blockIdx.x;
     if ((b + 1) * r > pos + n || (b + 1) * r <= pos) return;
@@ -255,7 +258,13 @@ __device__ __forceinline__ void qsa_pool_new_body(const uint8_t* __restrict__ ra
         if (i < rope_dim) {
             const int k = i < half ? i : i - half;
             const float inv_freq = 1.f / powf(theta, (float)(2 * k) / (float)rope_dim);
-            const float a = (float)(b * r) * inv_freq;
+            // The block's first token's position: b * r for text, its M-RoPE position of slot k's stream.
+            int p = b * r;
+            if (thw) {
+                const int axis = (k % 3 == 1 && k < 3 * sec1) ? 1 : (k % 3 == 2 && k < 3 * sec2) ? 2 : 0;
+                p = thw[(long long)b * r * 3 + axis];
+            }
+            const float a = (float)p * inv_freq;
             const float c = (float)cos((double)a), sn = (float)sin((double)a);
             v = i < half ? mean[i] * c - mean[i + half] * sn : mean[i] * c + mean[i - half] * sn;
         }
@@ -271,9 +280,11 @@ __device__ __forceinline__ void qsa_pool_new_body(const uint8_t* __restrict__ ra
     extern "C" __global__ void qsa_pool_new_##NAME(const uint8_t* __restrict__ raw, uint8_t* pooled, int pos0,  \
                                                    const int* pos_dev, int n, int r, int ihd,                     \
                                                    const float* __restrict__ kn_w, float eps, int rope_dim,       \
-                                                   float theta, int ring_len) {                                   \
+                                                   float theta, int ring_len, const int* __restrict__ thw,        \
+                                                   int sec1, int sec2) {                                          \
         pdl_entry();                                                                                               \
-        qsa_pool_new_body<T>(raw, pooled, pos0, pos_dev, n, r, ihd, kn_w, eps, rope_dim, theta, ring_len);        \
+        qsa_pool_new_body<T>(raw, pooled, pos0, pos_dev, n, r, ihd, kn_w, eps, rope_dim, theta, ring_len, thw,    \
+                             sec1, sec2);                                                                          \
     }
 QSA_POOL(f32, T_F32)
 QSA_POOL(f16, T_F16)
