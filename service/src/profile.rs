@@ -1224,6 +1224,18 @@ pub fn run(args: ProfileArgs) -> u8 {
 ///
 /// # Errors
 /// Any [`DetectError`]; a file that cannot be written is [`DetectError::Input`].
+/// The vision tower served with `model` by convention (`<stem>-mmproj.gguf` beside it, as `nebula bench vision`
+/// finds it) and the VRAM the GPU tower takes at its own `max_pixels` (`CudaVisionModel::vram_bytes`); `None`
+/// when there is none or it cannot be read.
+fn mmproj_beside(model: &Path) -> Option<(PathBuf, u64)> {
+    let stem = model.file_stem()?.to_string_lossy().into_owned();
+    let path = model.with_file_name(format!("{stem}-mmproj.gguf"));
+    let file = GgufFile::open(&path).ok()?;
+    let cfg = nebula_engine::vision::VisionConfig::from_gguf(&file).ok()?;
+    let bytes = nebula_engine::backend::cuda::CudaVisionModel::vram_bytes(&cfg, cfg.max_pixels);
+    Some((path, bytes))
+}
+
 pub fn detect(args: &DetectArgs) -> Result<String, DetectError> {
     let table = match &args.table {
         Some(path) => {
@@ -1278,16 +1290,23 @@ pub fn detect(args: &DetectArgs) -> Result<String, DetectError> {
             {
                 let kv_type = profile.kv_cache_type.unwrap_or(KvCacheType::F32);
                 let (kv, _) = released_kv_bytes(profile.max_context, kv_type, profile.kv_window.unwrap_or(0), true);
-                if let Some(gpu) = expert_size::fill_vram(&mut profile, &size, row.free_vram_gb, kv) {
+                // A vision tower beside the model goes to the GPU when served: its VRAM at its own max_pixels.
+                let vision = mmproj_beside(model).map(|(_, bytes)| bytes).unwrap_or(0);
+                if let Some(gpu) = expert_size::fill_vram(&mut profile, &size, row.free_vram_gb, kv + vision) {
                     let _ = writeln!(
                         summary,
                         "GPU tier filled to {gpu} experts per layer: {} GB step less the {} GB headroom, the \
-                         file's dense weights ({:.2} GiB) and one {}-token sequence's KV cache ({:.2} GiB)",
+                         file's dense weights ({:.2} GiB), one {}-token sequence's KV cache ({:.2} GiB){}",
                         profile.vram_gb,
                         row.free_vram_gb,
                         size.dense_bytes as f64 / GIB,
                         profile.max_context,
-                        kv as f64 / GIB
+                        kv as f64 / GIB,
+                        if vision > 0 {
+                            format!(" and the vision tower beside the model ({:.2} GiB)", vision as f64 / GIB)
+                        } else {
+                            String::new()
+                        }
                     );
                 }
             }

@@ -13,8 +13,10 @@
 //! Recounting keeps the table's byte budget for experts, but a smaller mix's dense weights are smaller too, so on
 //! the GPU that budget leaves VRAM unused (a 48-layer UD-Q2_K_XL-class file planned 5.45 GiB of a 12 GiB step).
 //! [`fill_vram`] then grows the GPU tier to what the step holds after the file's own dense weights, one
-//! full-context sequence's KV cache (`released_kv_bytes`) and the headroom the table's row leaves free:
-//! `gpu = floor((step - free - dense - kv) / (blocks x mean expert bytes))`, when that is more than the recount.
+//! full-context sequence's KV cache (`released_kv_bytes`), the GPU vision tower when its mmproj sits beside the
+//! model, and the headroom the table's row leaves free:
+//! `gpu = floor((step - free - dense - kv - vision) / (blocks x mean expert bytes))`, when that is more than the
+//! recount.
 //! The RAM tier keeps what it holds; its copies of the GPU experts grow with the GPU tier, so the CPU computes
 //! that many fewer.
 
@@ -137,11 +139,11 @@ pub fn apply(profile: &mut super::Profile, size: &ExpertSize) -> bool {
 }
 
 /// Grows the GPU tier of a CUDA profile to fill its VRAM step (see the module docs): `free_vram_gb` is the table
-/// row's headroom, `kv_vram` the VRAM of one full-context sequence's caches. The RAM tier keeps the experts it
+/// row's headroom, `other_vram` what else the GPU holds (one full-context sequence's caches, a GPU vision tower). The RAM tier keeps the experts it
 /// holds (its copies of the GPU experts grow, its CPU-computed experts shrink as much), the SSD tier is unchanged.
 /// Returns the new GPU count when it grew, `None` when the recount already fills the step (or there is no GPU
 /// tier).
-pub fn fill_vram(profile: &mut super::Profile, size: &ExpertSize, free_vram_gb: f64, kv_vram: u64) -> Option<u32> {
+pub fn fill_vram(profile: &mut super::Profile, size: &ExpertSize, free_vram_gb: f64, other_vram: u64) -> Option<u32> {
     const GIB: f64 = (1u64 << 30) as f64;
     let total = profile.experts_per_layer;
     let gpu_now = profile.placement.iter().find(|t| t.tier == "gpu")?.experts_per_layer;
@@ -150,7 +152,7 @@ pub fn fill_vram(profile: &mut super::Profile, size: &ExpertSize, free_vram_gb: 
     if profile.vram_gb == 0 || size.blocks == 0 || size.mean_bytes <= 0.0 {
         return None;
     }
-    let free = profile.vram_gb as f64 * GIB - free_vram_gb * GIB - size.dense_bytes as f64 - kv_vram as f64;
+    let free = profile.vram_gb as f64 * GIB - free_vram_gb * GIB - size.dense_bytes as f64 - other_vram as f64;
     let fit = (free / (size.blocks as f64 * size.mean_bytes)).floor();
     let held = ram.experts_per_layer + copies;
     // The GPU experts keep their RAM copies, so the tier is at most what RAM holds.
