@@ -45,6 +45,18 @@ __device__ __forceinline__ float kv_get(const uint8_t* __restrict__ row, int i) 
     }
 }
 
+// Writes a ggml block of an f16 scale `d` and bytes (lane j's `byte` at 2 + j) as `words` 16-bit stores, one per
+// lane 0 .. words - 1 in a single instruction (lane 0 the scale, lane l the bytes of lanes 2l - 2 and 2l - 1). The
+// block is written by one store instruction of the warp: with the scale and the bytes written by separate byte
+// stores, the KV host copy (mapped pinned memory) read back with each block's first byte zero on the H200
+// (kernel_types_kv_cache_rows_match_the_cpu). Every lane of the warp must call it.
+__device__ __forceinline__ void kv_put_block_u16(uint8_t* b, int lane, unsigned short d, unsigned int byte, int words) {
+    const int src = max(2 * lane - 2, 0);
+    const unsigned int lo = __shfl_sync(0xffffffffu, byte, src & 31);
+    const unsigned int hi = __shfl_sync(0xffffffffu, byte, (src + 1) & 31);
+    if (lane < words) reinterpret_cast<unsigned short*>(b)[lane] = lane == 0 ? d : (unsigned short)(lo | (hi << 8));
+}
+
 // Stores x as value i of a row of KV type T, for a warp whose 32 lanes store values 32b .. 32b + 31 of the row
 // together (lane l value 32b + l): the quantized types form one ggml block from them, bit-exact with the CPU's
 // quantizers (engine/src/quant: Q8_0 d = max|x| / 127, q = round-half-away(x / d); Q4_0 d = max / -8 with max the
@@ -59,13 +71,8 @@ __device__ __forceinline__ void kv_put(uint8_t* row, int i, float x) {
         const float amax = warp_max(fabsf(x));
         const float d = __fdiv_rn(amax, 127.f);
         const float id = d == 0.f ? 0.f : __fdiv_rn(1.f, d);
-        uint8_t* b = row + (i >> 5) * 34;
-        if (lane == 0) {
-            const unsigned short h = f32_to_half_bits(d);
-            b[0] = (uint8_t)(h & 255);
-            b[1] = (uint8_t)(h >> 8);
-        }
-        b[2 + lane] = (uint8_t)(signed char)(int)roundf(__fmul_rn(x, id));
+        const unsigned int q = (unsigned int)(uint8_t)(signed char)(int)roundf(__fmul_rn(x, id));
+        kv_put_block_u16(row + (i >> 5) * 34, lane, f32_to_half_bits(d), q, 17);
     } else {
         const int lane = i & 31;
         // The value of largest magnitude, the first (lowest lane) among equals.
@@ -86,13 +93,7 @@ __device__ __forceinline__ void kv_put(uint8_t* row, int i, float x) {
         const float id = d == 0.f ? 0.f : __fdiv_rn(1.f, d);
         const int u = min(15, (int)truncf(__fadd_rn(__fmul_rn(x, id), 8.5f)));
         const int hi = __shfl_down_sync(0xffffffffu, u, 16);
-        uint8_t* b = row + (i >> 5) * 18;
-        if (lane == 0) {
-            const unsigned short h = f32_to_half_bits(d);
-            b[0] = (uint8_t)(h & 255);
-            b[1] = (uint8_t)(h >> 8);
-        }
-        if (lane < 16) b[2 + lane] = (uint8_t)(u | (hi << 4));
+        kv_put_block_u16(row + (i >> 5) * 18, lane, f32_to_half_bits(d), (unsigned int)(u | (hi << 4)) & 255, 9);
     }
 }
 
@@ -219,14 +220,17 @@ extern "C" __global__ void attn_split_q(const float* __restrict__ P, float* q, f
 
 // Pools the blocks completed by the n tokens appended at [pos, pos + n) (pos = *pos_dev when given): block b's
 // raw indexer keys (type T, ring slot tok % ring_len) are averaged, RMS-normed with kn_w and rotated at the
-// block's first position b*r (dims [0, rope_dim) in rotate-half pairs), and stored as row b of `pooled` (type T).
+// block's first position b*r (dims [0, rope_dim) in rotate-half pairs; with `thw`, the sequence's M-RoPE table
+// [cache index][3], token b*r's position of each slot's stream, sections sec1/sec2 as rope_heads), and stored
+// as row b of `pooled` (type T).
 // Block i of the grid handles block pos/r + i when it is complete. 128 threads (whole warps over each 32 values,
 // as the quantized store needs).
 template <int T>
 __device__ __forceinline__ void qsa_pool_new_body(const uint8_t* __restrict__ raw, uint8_t* pooled, int pos0,
                                                   const int* pos_dev, int n, int r, int ihd,
                                                   const float* __restrict__ kn_w, float eps, int rope_dim,
-                                                  float theta, int ring_len) {
+                                                  float theta, int ring_len, const int* __restrict__ thw, int sec1,
+                                                  int sec2) {
     const int pos = pos_dev ? *pos_dev : pos0;
     const int b = pos / r + blockIdx.x;
     if ((b + 1) * r > pos + n || (b + 1) * r <= pos) return;
@@ -254,7 +258,13 @@ __device__ __forceinline__ void qsa_pool_new_body(const uint8_t* __restrict__ ra
         if (i < rope_dim) {
             const int k = i < half ? i : i - half;
             const float inv_freq = 1.f / powf(theta, (float)(2 * k) / (float)rope_dim);
-            const float a = (float)(b * r) * inv_freq;
+            // The block's first token's position: b * r for text, its M-RoPE position of slot k's stream.
+            int p = b * r;
+            if (thw) {
+                const int axis = (k % 3 == 1 && k < 3 * sec1) ? 1 : (k % 3 == 2 && k < 3 * sec2) ? 2 : 0;
+                p = thw[(long long)b * r * 3 + axis];
+            }
+            const float a = (float)p * inv_freq;
             const float c = (float)cos((double)a), sn = (float)sin((double)a);
             v = i < half ? mean[i] * c - mean[i + half] * sn : mean[i] * c + mean[i - half] * sn;
         }
@@ -270,9 +280,11 @@ __device__ __forceinline__ void qsa_pool_new_body(const uint8_t* __restrict__ ra
     extern "C" __global__ void qsa_pool_new_##NAME(const uint8_t* __restrict__ raw, uint8_t* pooled, int pos0,  \
                                                    const int* pos_dev, int n, int r, int ihd,                     \
                                                    const float* __restrict__ kn_w, float eps, int rope_dim,       \
-                                                   float theta, int ring_len) {                                   \
+                                                   float theta, int ring_len, const int* __restrict__ thw,        \
+                                                   int sec1, int sec2) {                                          \
         pdl_entry();                                                                                               \
-        qsa_pool_new_body<T>(raw, pooled, pos0, pos_dev, n, r, ihd, kn_w, eps, rope_dim, theta, ring_len);        \
+        qsa_pool_new_body<T>(raw, pooled, pos0, pos_dev, n, r, ihd, kn_w, eps, rope_dim, theta, ring_len, thw,    \
+                             sec1, sec2);                                                                          \
     }
 QSA_POOL(f32, T_F32)
 QSA_POOL(f16, T_F16)

@@ -18,15 +18,24 @@ extern "C" __global__ void rms_norm_rows(const float* __restrict__ x, const floa
     for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = xr[i] * inv * wr[i];
 }
 
+// The position stream (0 time, 1 height, 2 width) of M-RoPE frequency slot i: height when i % 3 == 1 &&
+// i < 3*sec1, width when i % 3 == 2 && i < 3*sec2, else time (crate::model::rope, interleaved sections).
+__device__ __forceinline__ int mrope_axis(int i, int sec1, int sec2) {
+    if (i % 3 == 1 && i < 3 * sec1) return 1;
+    if (i % 3 == 2 && i < 3 * sec2) return 2;
+    return 0;
+}
+
 // Partial NeoX RoPE on `heads` heads of each of n tokens: head h of token t starts at x + t*token_stride +
-// h*head_stride; dims [0, rope_dim) rotate in pairs (i, i + rope_dim/2). Frequency slot i uses the height
-// position when i % 3 == 1 && i < 3*sec1, the width position when i % 3 == 2 && i < 3*sec2, else time; text
-// tokens have all three equal to (pos0 + t) * pos_mul (pos_mul = the QSA block size for pooled block keys, which
-// rotate at their block's first position). thread = (t, h, i).
+// h*head_stride; dims [0, rope_dim) rotate in pairs (i, i + rope_dim/2). Without `thw`, text positions: every
+// axis is (pos0 + t) * pos_mul (pos_mul = the QSA block size for pooled block keys, which rotate at their
+// block's first position). With `thw` (a sequence's M-RoPE position table, [cache index][3] as t, h, w), token t
+// at cache index pos0 + t turns frequency slot i with its position of stream mrope_axis(i) (a vision token's
+// (p, p + row, p + col), text after an image continuing from the image's largest position). thread = (t, h, i).
 // The first position comes from *pos_dev when given (CUDA Graph replays), else from pos0.
 extern "C" __global__ void rope_heads(float* x, int n, int heads, long long token_stride, long long head_stride,
                                       int pos0, const int* pos_dev, int pos_mul, int rope_dim, float theta, int sec1,
-                                      int sec2) {
+                                      int sec2, const int* __restrict__ thw) {
     pdl_entry();
     if (pos_dev) pos0 = *pos_dev;
     const int half = rope_dim / 2;
@@ -35,14 +44,28 @@ extern "C" __global__ void rope_heads(float* x, int n, int heads, long long toke
     const int i = idx % half;
     const int h = (idx / half) % heads;
     const int t = idx / ((long long)half * heads);
-    (void)sec1; (void)sec2;  // text positions: every axis is pos0 + t
+    const int p = thw ? thw[(long long)(pos0 + t) * 3 + mrope_axis(i, sec1, sec2)] : pos0 + t;
     const float inv_freq = 1.f / powf(theta, (float)(2 * i) / (float)rope_dim);
-    const float a = (float)((pos0 + t) * pos_mul) * inv_freq;
+    const float a = (float)(p * pos_mul) * inv_freq;
     const float c = (float)cos((double)a), s = (float)sin((double)a);
-    float* p = x + t * token_stride + h * head_stride;
-    const float x1 = p[i], x2 = p[i + half];
-    p[i] = x1 * c - x2 * s;
-    p[i + half] = x2 * c + x1 * s;
+    float* q = x + t * token_stride + h * head_stride;
+    const float x1 = q[i], x2 = q[i + half];
+    q[i] = x1 * c - x2 * s;
+    q[i + half] = x2 * c + x1 * s;
+}
+
+// The input embeddings of a prompt's image (or video) rows: row rows[k] of the pass's hyper-connection banks x
+// ([rows][streams][d]) gets emb[k] ([count][d], the vision tower's merged features) in every stream, in place of
+// its pad token's embedding (crate::model::forward, X_0 = [e; e; ...; e]). thread = (k, j).
+extern "C" __global__ void inject_rows(float* x, const int* __restrict__ rows, const float* __restrict__ emb,
+                                       int count, int d, int streams) {
+    pdl_entry();
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)count * d) return;
+    const int k = idx / d, j = idx % d;
+    const float v = emb[idx];
+    float* row = x + (long long)rows[k] * streams * d;
+    for (int s = 0; s < streams; s++) row[(long long)s * d + j] = v;
 }
 
 extern "C" __global__ void add_inplace(float* x, const float* __restrict__ y, long long count) {

@@ -25,6 +25,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("norm_rope", include_str!("../cuda/norm_rope.cu")),
     ("ple", include_str!("../cuda/ple.cu")),
     ("sampling", include_str!("../cuda/sampling.cu")),
+    ("vision", include_str!("../cuda/vision.cu")),
 ];
 /// The headers the sources include (`#include "name"`), for NVRTC ([`inline_includes`]): the shared helpers, the
 /// low-bit block decoders, the 8-bit weight decoders (`QRaw`) and the low-bit types' 8-bit paths, and the i-quant
@@ -291,7 +292,9 @@ pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
         _ => std::env::var_os("XDG_CACHE_HOME")
             .filter(|v| !v.is_empty())
             .map(std::path::PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| std::path::Path::new(&h).join(".cache")))
+            .or_else(|| {
+                std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| std::path::Path::new(&h).join(".cache"))
+            })
             .map(|c| c.join("nebula").join("kernels")),
     }
 }
@@ -332,6 +335,19 @@ impl Gpu {
     /// Errors: [`GpuError::NoDriver`] on machines without the NVIDIA driver (checked before cudarc is touched),
     /// [`GpuError::Driver`] for a missing device, [`GpuError::Compile`] if run-time compilation fails.
     pub fn open(ordinal: usize) -> Result<Self, GpuError> {
+        let all: Vec<&str> = SOURCES.iter().map(|(stem, _)| *stem).collect();
+        Self::open_sources(ordinal, &all)
+    }
+
+    /// Opens GPU `ordinal` (its primary context, shared with every other opening of the same GPU in this
+    /// process) with a stream of its own, loading only the kernels of the sources named in `stems` (file stems
+    /// of [`SOURCES`], e.g. `["vision"]`): a second user of the GPU that needs a few kernels compiles only those.
+    ///
+    /// Errors: as [`Gpu::open`]; [`GpuError::Compile`] naming a stem that is not a source.
+    pub fn open_sources(ordinal: usize, stems: &[&str]) -> Result<Self, GpuError> {
+        if let Some(bad) = stems.iter().find(|s| !SOURCES.iter().any(|(stem, _)| stem == *s)) {
+            return Err(GpuError::Compile { file: (*bad).to_string(), message: "no such kernel source".into() });
+        }
         if find_cuda_driver().is_none() {
             return Err(GpuError::NoDriver);
         }
@@ -350,7 +366,7 @@ impl Gpu {
         let use_fatbins = !FATBINS.is_empty() && !force_nvrtc;
         let mut functions = HashMap::new();
         let mut modules = Vec::new();
-        for (stem, src) in SOURCES {
+        for (stem, src) in SOURCES.iter().filter(|(stem, _)| stems.contains(stem)) {
             let module = if use_fatbins {
                 let bin = FATBINS.iter().find(|(s, _)| s == stem).map(|(_, b)| *b).ok_or_else(|| {
                     GpuError::Compile { file: stem.to_string(), message: "missing from the build".into() }

@@ -494,10 +494,7 @@ fn check_content(req: &ChatCompletionRequest, model: &ServedModel) -> Result<Vec
                         ));
                     }
                     if !model.engine.accepts_media() {
-                        return Err(ApiError::invalid(
-                            "This server's backend takes no image input yet; serve with --backend cpu for images.",
-                            param,
-                        ));
+                        return Err(ApiError::invalid("This server's backend takes no image input.", param));
                     }
                     if message.role == Role::System {
                         return Err(ApiError::invalid("A system message cannot contain images.", param));
@@ -540,7 +537,7 @@ fn with_images(
         .tokenizer()
         .token_to_id("<|image_pad|>")
         .ok_or_else(|| ApiError::Internal("the tokenizer has no <|image_pad|> token".into()))?;
-    let encoded = crate::vision::encode_images(tower, images, &model.vision_config)?;
+    let encoded = crate::vision::encode_images(tower, model.vision_gpu.as_deref(), images, &model.vision_config)?;
     let image_tokens: usize = encoded.iter().map(|e| e.rows * e.cols).sum();
     let total = ids.len() - images.len() + image_tokens;
     if total >= context_limit {

@@ -101,6 +101,9 @@ enum BenchCommand {
     /// Continuous batching: aggregate decode tok/s and time to first token at several concurrent streams, with
     /// batching and one request at a time, interleaved (CPU, or the GPU with `--backend cuda`).
     Batch(nebula_service::cli::bench_batch::BenchBatchArgs),
+    /// Vision: the tower's time to encode an image of each size and the time to first token of a one-image
+    /// prompt (CPU, or the GPU with `--backend cuda`: tower and model both there).
+    Vision(nebula_service::cli::bench_vision::BenchVisionArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -124,6 +127,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Mtp(args)) => nebula_service::cli::bench::run_mtp(args),
         Command::Bench(BenchCommand::Prefix(args)) => nebula_service::cli::bench_prefix::run_prefix(args),
         Command::Bench(BenchCommand::Batch(args)) => nebula_service::cli::bench_batch::run_batch(args),
+        Command::Bench(BenchCommand::Vision(args)) => nebula_service::cli::bench_vision::run(args),
         Command::Convert {
             input,
             output,

@@ -1272,6 +1272,25 @@ pub fn detect(args: &DetectArgs) -> Result<String, DetectError> {
                 size.types.iter().map(|t| t.name()).collect::<Vec<_>>().join("/"),
                 size.q4_bytes / MIB
             );
+            // The GPU tier grown into the VRAM the file's smaller dense weights leave (expert_size.rs).
+            if let Some(row) = table.row(profile.vram_gb, profile.ram_gb)
+                && profile.backend == "cuda"
+            {
+                let kv_type = profile.kv_cache_type.unwrap_or(KvCacheType::F32);
+                let (kv, _) = released_kv_bytes(profile.max_context, kv_type, profile.kv_window.unwrap_or(0), true);
+                if let Some(gpu) = expert_size::fill_vram(&mut profile, &size, row.free_vram_gb, kv) {
+                    let _ = writeln!(
+                        summary,
+                        "GPU tier filled to {gpu} experts per layer: {} GB step less the {} GB headroom, the \
+                         file's dense weights ({:.2} GiB) and one {}-token sequence's KV cache ({:.2} GiB)",
+                        profile.vram_gb,
+                        row.free_vram_gb,
+                        size.dense_bytes as f64 / GIB,
+                        profile.max_context,
+                        kv as f64 / GIB
+                    );
+                }
+            }
         }
         let _ = writeln!(
             summary,

@@ -38,6 +38,9 @@ pub struct ServedModel {
     pub max_prefill: usize,
     /// The vision tower, when one is loaded (`vision.mmproj`, or the demo's own).
     pub vision: Option<Arc<nebula_engine::vision::VisionModel>>,
+    /// The same tower on the GPU, which encodes the images when the backend is `cuda` (`None`: the CPU tower
+    /// does).
+    pub vision_gpu: Option<Arc<nebula_engine::backend::cuda::CudaVisionModel>>,
     /// `[vision]` settings (URL rules, pixel bounds, limits).
     pub vision_config: crate::config::VisionConfig,
     /// The grammar compiler, built at the first constrained request.
@@ -213,9 +216,24 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         tracing::info!("placement.gpu_cache: static (batching.deterministic keeps a static placement)");
         placement_config.gpu_cache = nebula_engine::placement::GpuCachePolicy::Static;
     }
-    let placement = placement_config
+    let mut placement = placement_config
         .to_options(&source)
         .map_err(|e| ServeError::Config(crate::config::ConfigError(format!("placement.hotlist: {e}"))))?;
+    // The vision tower, read before the model: on the cuda backend it goes to the GPU first, and the VRAM it
+    // takes (weights and the activations of the largest image, `vision.max_pixels`) leaves the model's budget.
+    let tower = read_vision(config)?;
+    let vision_gpu = match &tower {
+        Some((label, t)) if config.backend == "cuda" => gpu_vision(config, label, t),
+        _ => None,
+    };
+    let mut vram_budget = config.placement.vram_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64);
+    if let Some(g) = &vision_gpu {
+        let taken = g.device_bytes() as u64;
+        if let Some(p) = placement.as_mut() {
+            p.vram_budget = p.vram_budget.map(|b| b.saturating_sub(taken));
+        }
+        vram_budget = vram_budget.map(|b| b.saturating_sub(taken));
+    }
     // The KV cache: the config's (flag, file, NEBULA_KV_*) over the profile's over f32 and no window.
     let (profile_kv, profile_window) = match &state.profile {
         Some(p) => crate::kv::from_profile(p).map_err(|e| ServeError::Config(crate::config::ConfigError(e)))?,
@@ -251,10 +269,7 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         kv_cache,
         backend: match config.backend.as_str() {
             "cpu" => nebula_engine::backend::BackendKind::Cpu,
-            _ => nebula_engine::backend::BackendKind::Cuda {
-                device: config.gpu,
-                vram_budget: config.placement.vram_budget_gib.map(|g| (g * (1u64 << 30) as f64) as u64),
-            },
+            _ => nebula_engine::backend::BackendKind::Cuda { device: config.gpu, vram_budget },
         },
         cuda_tuning,
         batch: batch_options(config, state),
@@ -291,7 +306,7 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         tracing::info!("{}", engine.placement().summary());
     }
     let specials = added_tokens(engine.tokenizer());
-    let vision = load_vision(config, &engine)?;
+    let vision = check_vision(tower, &engine, vision_gpu.is_some())?;
     let id = config.model_id.clone().unwrap_or_else(|| engine.name().to_owned());
     tracing::info!(
         model = %label,
@@ -313,21 +328,19 @@ pub fn load_model(state: &AppState) -> Result<ServedModel, ServeError> {
         specials,
         max_prefill,
         vision,
+        vision_gpu: vision_gpu.map(Arc::new),
         vision_config: config.vision.clone(),
         grammar: OnceLock::new(),
         cut_off: state.cut_off.subscribe(),
     })
 }
 
-/// The vision tower: `vision.mmproj`, else the embedded demo tower when the demo model is served, else none.
-/// Its output width must be the model's hidden size.
+/// The vision tower: `vision.mmproj`, else the embedded demo tower when the demo model is served, else none; with
+/// the label logs and errors name it by.
 ///
 /// Errors: [`ServeError::Load`] naming the mmproj file (unreadable, not a `qwen3vl_merger` tower, a tensor of
-/// the wrong shape or type, another width than the model's).
-fn load_vision(
-    config: &ServerConfig,
-    engine: &Engine,
-) -> Result<Option<Arc<nebula_engine::vision::VisionModel>>, ServeError> {
+/// the wrong shape or type).
+fn read_vision(config: &ServerConfig) -> Result<Option<(String, nebula_engine::vision::VisionModel)>, ServeError> {
     use nebula_engine::vision::VisionModel;
     let (label, tower) = match (&config.vision.mmproj, &config.model) {
         (Some(path), _) => (path.display().to_string(), VisionModel::load(path)),
@@ -339,30 +352,74 @@ fn load_vision(
         }
         _ => return Ok(None),
     };
-    let load_error = |e: nebula_engine::model::ModelError| ServeError::Load {
-        model: label.clone(),
-        error: Box::new(nebula_engine::worker::LoadError::Model(e)),
-    };
-    let tower = tower.map_err(load_error)?;
+    let tower = tower.map_err(|e| vision_load_error(&label, e))?;
+    Ok(Some((label, tower)))
+}
+
+fn vision_load_error(label: &str, e: nebula_engine::model::ModelError) -> ServeError {
+    ServeError::Load { model: label.to_owned(), error: Box::new(nebula_engine::worker::LoadError::Model(e)) }
+}
+
+/// The tower on GPU `gpu` for images of up to the configured `vision.max_pixels` (else the tower's own bound),
+/// or `None` with a warning when it cannot go there (no GPU, its head width, device memory): the CPU tower then
+/// encodes the images.
+fn gpu_vision(
+    config: &ServerConfig,
+    label: &str,
+    tower: &nebula_engine::vision::VisionModel,
+) -> Option<nebula_engine::backend::cuda::CudaVisionModel> {
+    let max_pixels = config.vision.max_pixels.unwrap_or(tower.config.max_pixels);
+    match nebula_engine::backend::cuda::CudaVisionModel::new(tower, config.gpu, max_pixels) {
+        Ok(g) => {
+            tracing::info!(
+                mmproj = %label,
+                gpu = %g.gpu_name(),
+                max_pixels,
+                mib = format_args!("{:.1}", g.device_bytes() as f64 / (1 << 20) as f64),
+                "vision tower on the GPU (its VRAM leaves the model's budget)"
+            );
+            Some(g)
+        }
+        Err(e) => {
+            tracing::warn!(mmproj = %label, error = %e, "the vision tower stays on the CPU");
+            None
+        }
+    }
+}
+
+/// Checks the tower read by [`read_vision`] against the loaded model: its output width must be the model's
+/// hidden size.
+///
+/// Errors: [`ServeError::Load`] naming the mmproj file (another width than the model's).
+fn check_vision(
+    tower: Option<(String, nebula_engine::vision::VisionModel)>,
+    engine: &Engine,
+    on_gpu: bool,
+) -> Result<Option<Arc<nebula_engine::vision::VisionModel>>, ServeError> {
+    let Some((label, tower)) = tower else { return Ok(None) };
     let hidden = engine.config().hidden;
     if tower.config.out_hidden != hidden {
-        return Err(load_error(nebula_engine::model::ModelError::Metadata {
-            file: label.clone(),
-            key: "clip.vision.projection_dim".into(),
-            problem: format!(
-                "{}: the model's hidden size is {hidden} (a tower of another model?)",
-                tower.config.out_hidden
-            ),
-        }));
+        return Err(vision_load_error(
+            &label,
+            nebula_engine::model::ModelError::Metadata {
+                file: label.clone(),
+                key: "clip.vision.projection_dim".into(),
+                problem: format!(
+                    "{}: the model's hidden size is {hidden} (a tower of another model?)",
+                    tower.config.out_hidden
+                ),
+            },
+        ));
     }
     if !engine.accepts_media() {
-        tracing::warn!(mmproj = %label, "the vision tower is loaded, but this backend takes no image input yet: image parts get 400");
+        tracing::warn!(mmproj = %label, "the vision tower is loaded, but this backend takes no image input: image parts get 400");
     }
     tracing::info!(
         mmproj = %label,
         blocks = tower.config.depth,
         width = tower.config.hidden,
         mib = format_args!("{:.1}", tower.weight_bytes() as f64 / (1 << 20) as f64),
+        device = if on_gpu { "GPU" } else { "CPU" },
         "vision tower loaded"
     );
     Ok(Some(Arc::new(tower)))

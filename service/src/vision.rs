@@ -1,6 +1,7 @@
 //! Images in requests: reading an `image_url` part (a `data:` URL, or a local file when the config allows it; no
 //! network fetches), decoding, preprocessing and the vision tower (all on the blocking thread the request is
-//! prepared on, so they never hold up the runtime or the engine's worker), and turning the prompt's one
+//! prepared on, so they never hold up the runtime or the engine's worker; the tower runs on the GPU when the
+//! server loaded it there, `nebula_engine::backend::cuda::CudaVisionModel`), and turning the prompt's one
 //! `<|image_pad|>` per image (what the chat template renders) into as many pad tokens as the image has features,
 //! with every token's 3-D position ([`nebula_engine::vision::MediaPrompt`]).
 //!
@@ -129,12 +130,14 @@ pub struct EncodedImage {
     pub content_hash: u64,
 }
 
-/// Reads, decodes, preprocesses and runs the tower on every image (blocking work: call from a blocking thread).
+/// Reads, decodes, preprocesses and runs the tower on every image (blocking work: call from a blocking thread):
+/// on the GPU when `gpu` is the tower there, else on the CPU.
 ///
 /// Errors: 400 naming the image's part: unreadable, corrupt, truncated, over the pixel limit, an unsupported
-/// format, a bad aspect ratio; more images than `max_images`.
+/// format, a bad aspect ratio; more images than `max_images`; 500 when the GPU tower fails.
 pub fn encode_images(
     tower: &VisionModel,
+    gpu: Option<&nebula_engine::backend::cuda::CudaVisionModel>,
     images: &[ImageRef],
     cfg: &VisionConfig,
 ) -> Result<Vec<EncodedImage>, ApiError> {
@@ -159,7 +162,12 @@ pub fn encode_images(
                 preprocess_image(&rgb, &tower.config, Some(bounds)).map_err(|e| vision_error(&e, &img.param))?;
             let [_, h, w] = pixels.grid_thw;
             let m = tower.config.merge;
-            let features = tower.forward(&pixels);
+            let features = match gpu {
+                Some(g) => g
+                    .forward(&pixels)
+                    .map_err(|e| ApiError::Internal(format!("the vision tower on the GPU failed: {e}")))?,
+                None => tower.forward(&pixels),
+            };
             let content_hash =
                 nebula_engine::vision::rope_index::content_hash(&bytes, bounds.0 ^ bounds.1.rotate_left(32));
             Ok(EncodedImage { rows: h / m, cols: w / m, features, content_hash })

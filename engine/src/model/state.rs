@@ -192,3 +192,44 @@ impl SequenceState {
         layers + ple + mtp + self.mrope.bytes()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::MropeTrack;
+
+    /// The track a state carries through snapshots, forks and host images (on every backend; the GPU's device
+    /// table is filled from it): text stores nothing, the first image token stores every position from then on,
+    /// text after it continues from the image's largest position, and a cut (restore, rollback) or a prefix (fork)
+    /// gives the track of the kept tokens, back to nothing stored when only text is left.
+    #[test]
+    fn the_track_stores_image_positions_and_cuts_back_to_text() {
+        let mut t = MropeTrack::default();
+        for i in 0..3 {
+            t.push(i, [t.next_text(); 3]);
+        }
+        assert!(t.explicit().is_empty() && t.next_text() == 3 && t.bytes() == 0);
+        // A 2 x 3 image at p = 3: positions (3, 3 + r, 3 + c); text then continues at 3 + max(2, 3) = 6.
+        for r in 0..2u32 {
+            for c in 0..3u32 {
+                let i = 3 + (r * 3 + c) as usize;
+                t.push(i, [3, 3 + r, 3 + c]);
+            }
+        }
+        assert_eq!(t.next_text(), 6);
+        t.push(9, [t.next_text(); 3]);
+        assert_eq!(t.explicit().len(), 10);
+        assert_eq!((t.position(1), t.position(8), t.position(9)), ([1; 3], [3, 4, 5], [6; 3]));
+        // A prefix inside the image keeps its positions; one before it is text again.
+        let p = t.prefix(5);
+        assert_eq!((p.explicit().len(), p.next_text(), p.position(4)), (5, 5, [3, 3, 4]));
+        let q = t.prefix(3);
+        assert!(q.explicit().is_empty());
+        assert_eq!((q.next_text(), q.position(2)), (3, [2; 3]));
+        // A cut is the prefix in place; a host image read back is the same track.
+        let mut cut = t.clone();
+        cut.truncate(5);
+        assert_eq!(cut, p);
+        assert_eq!(MropeTrack::from_positions(t.explicit().to_vec(), 10), t);
+        assert_eq!(MropeTrack::from_positions(Vec::new(), 4), MropeTrack::text(4));
+    }
+}

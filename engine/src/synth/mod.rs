@@ -31,6 +31,7 @@ use crate::quant::f32_to_bf16_bits;
 
 mod blocks;
 pub mod routing;
+pub mod vision;
 
 /// Weight types of the synthetic model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,7 +125,8 @@ pub struct SynthReport {
 }
 
 /// Real widths (the published checkpoint's `config.json`).
-const D: usize = 2560;
+/// The hidden size of every synthetic model (the released model's): a synthetic vision tower's output width.
+pub const D: usize = 2560;
 const HC: usize = 4;
 const RANK: usize = 320;
 const HEADS: usize = 24;

@@ -18,6 +18,11 @@ impl VisionRotary {
         Self { inv_freq }
     }
 
+    /// The `hd / 4` frequencies (what the GPU tower uploads).
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     /// `(cos, sin)` of the `hd / 2` angles of a patch at (`row`, `col`).
     pub fn angles(&self, row: usize, col: usize) -> (Vec<f32>, Vec<f32>) {
         let a: Vec<f32> =

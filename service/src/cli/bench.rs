@@ -157,7 +157,7 @@ pub(crate) fn bench_backend(
 
 /// The tuning of a benchmark run: the defaults with the `NEBULA_*` variables (docs/config.md), read once here;
 /// the CPU part is put in effect for the process before any model loads.
-fn tuning_from_env() -> anyhow::Result<nebula_engine::tuning::Tuning> {
+pub(crate) fn tuning_from_env() -> anyhow::Result<nebula_engine::tuning::Tuning> {
     let tuning = nebula_engine::tuning::Tuning::from_env()?;
     nebula_engine::tuning::install_cpu(tuning.cpu.clone());
     Ok(tuning)

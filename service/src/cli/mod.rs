@@ -1,9 +1,10 @@
 //! Subcommands beside `serve`: `synth` (random-weight real-width GGUF), `bench model` (prefill/decode speed),
-//! `bench prefix` and `bench batch` (prefix cache, continuous batching), `generate` (greedy continuation), `imatrix` (importance matrices for quantization) and `hotlist` (the routing campaign that ranks experts for placement).
+//! `bench prefix` and `bench batch` (prefix cache, continuous batching), `bench vision` (image encode and TTFT), `generate` (greedy continuation), `imatrix` (importance matrices for quantization) and `hotlist` (the routing campaign that ranks experts for placement).
 
 pub mod bench;
 pub mod bench_batch;
 pub mod bench_prefix;
+pub mod bench_vision;
 pub mod generate;
 pub mod hotlist;
 pub mod imatrix;

@@ -41,6 +41,17 @@ pub struct SynthArgs {
     /// GGUF whose tokenizer and chat template are copied (default: the embedded demo model).
     #[arg(long)]
     pub tokenizer_from: Option<PathBuf>,
+    /// Also write a random vision tower for the model to this file, as an mmproj GGUF (F32, the released
+    /// tower's shapes unless `--vision-depth` and `--vision-width` shrink it), for `nebula serve --mmproj` and
+    /// `nebula bench vision`.
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
+    /// Blocks of the vision tower (with --mmproj).
+    #[arg(long, default_value_t = 24)]
+    pub vision_depth: usize,
+    /// Width of the vision tower's blocks (with --mmproj; heads of 64, MLP 4x the width).
+    #[arg(long, default_value_t = 1024)]
+    pub vision_width: usize,
 }
 
 /// Runs `nebula synth`.
@@ -85,6 +96,23 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         );
     }
     let t = std::time::Instant::now();
+    if let Some(mm) = &args.mmproj {
+        if args.vision_width == 0 || args.vision_width % 64 != 0 {
+            anyhow::bail!("--vision-width {} is not a multiple of the 64-wide heads", args.vision_width);
+        }
+        let shape = nebula_engine::synth::vision::SynthVision {
+            depth: args.vision_depth,
+            hidden: args.vision_width,
+            heads: args.vision_width / 64,
+            intermediate: 4 * args.vision_width,
+            ..nebula_engine::synth::vision::SynthVision::real(nebula_engine::synth::D)
+        };
+        for f in nebula_engine::synth::vision::synth_mmproj(mm, &shape, args.seed)
+            .with_context(|| format!("writing {}", mm.display()))?
+        {
+            println!("wrote {} (vision tower, {:.0} M parameters)", f.display(), shape.parameters() as f64 / 1e6);
+        }
+    }
     let report = synth(&args.out, &opts, &tok).with_context(|| format!("writing {}", args.out.display()))?;
     for f in &report.files {
         println!("wrote {}", f.display());

@@ -10,8 +10,13 @@
 //! are recounted separately; the RAM copies stay equal to the GPU count and the SSD tier takes the rest. A file
 //! whose routed experts are all Q4_K or IQ4_NL keeps the table's counts as they are.
 //!
-//! Only the experts are recounted: the dense weights and the n-gram table of a smaller mix are smaller too, which
-//! leaves extra headroom (the counts stay on the safe side).
+//! Recounting keeps the table's byte budget for experts, but a smaller mix's dense weights are smaller too, so on
+//! the GPU that budget leaves VRAM unused (a 48-layer UD-Q2_K_XL-class file planned 5.45 GiB of a 12 GiB step).
+//! [`fill_vram`] then grows the GPU tier to what the step holds after the file's own dense weights, one
+//! full-context sequence's KV cache (`released_kv_bytes`) and the headroom the table's row leaves free:
+//! `gpu = floor((step - free - dense - kv) / (blocks x mean expert bytes))`, when that is more than the recount.
+//! The RAM tier keeps what it holds; its copies of the GPU experts grow with the GPU tier, so the CPU computes
+//! that many fewer.
 
 use std::collections::BTreeSet;
 
@@ -29,6 +34,11 @@ pub struct ExpertSize {
     pub experts: u64,
     /// The block types the routed experts use, in the order first seen.
     pub types: Vec<GgmlType>,
+    /// Blocks with routed experts (the decoder layers, and the MTP block when the file has one).
+    pub blocks: u64,
+    /// Bytes of every tensor that is neither a routed expert nor the n-gram table (`per_layer_token_embd`, which
+    /// the profiles keep on SSD or in RAM): what the GPU holds besides its expert tier.
+    pub dense_bytes: u64,
 }
 
 impl ExpertSize {
@@ -44,11 +54,16 @@ impl ExpertSize {
         let mut blocks = BTreeSet::new();
         let mut types = Vec::new();
         let mut experts = 0u64;
+        let mut dense = 0u64;
         for (name, ty, dims) in tensors {
             let is_exps = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"]
                 .iter()
                 .any(|k| name.ends_with(&format!(".{k}.weight")));
             if !is_exps || dims.len() != 3 {
+                if !name.starts_with("per_layer_token_embd") && !dims.is_empty() {
+                    let rows: u64 = dims[1..].iter().product();
+                    dense += ty.row_bytes(dims[0]).unwrap_or(0) * rows;
+                }
                 continue;
             }
             let Some(block) = name.strip_prefix("blk.").and_then(|r| r.split('.').next()) else { continue };
@@ -66,7 +81,14 @@ impl ExpertSize {
             return None;
         }
         let n = blocks.len() as f64;
-        Some(Self { mean_bytes: bytes / n, q4_bytes: q4 / n, experts, types })
+        Some(Self {
+            mean_bytes: bytes / n,
+            q4_bytes: q4 / n,
+            experts,
+            types,
+            blocks: blocks.len() as u64,
+            dense_bytes: dense,
+        })
     }
 
     /// Whether the table's counts apply unchanged: every routed expert is Q4_K or IQ4_NL.
@@ -112,4 +134,39 @@ pub fn apply(profile: &mut super::Profile, size: &ExpertSize) -> bool {
         }
     }
     changed
+}
+
+/// Grows the GPU tier of a CUDA profile to fill its VRAM step (see the module docs): `free_vram_gb` is the table
+/// row's headroom, `kv_vram` the VRAM of one full-context sequence's caches. The RAM tier keeps the experts it
+/// holds (its copies of the GPU experts grow, its CPU-computed experts shrink as much), the SSD tier is unchanged.
+/// Returns the new GPU count when it grew, `None` when the recount already fills the step (or there is no GPU
+/// tier).
+pub fn fill_vram(profile: &mut super::Profile, size: &ExpertSize, free_vram_gb: f64, kv_vram: u64) -> Option<u32> {
+    const GIB: f64 = (1u64 << 30) as f64;
+    let total = profile.experts_per_layer;
+    let gpu_now = profile.placement.iter().find(|t| t.tier == "gpu")?.experts_per_layer;
+    let ram = profile.placement.iter().find(|t| t.tier == "ram")?.clone();
+    let copies = ram.gpu_copies?;
+    if profile.vram_gb == 0 || size.blocks == 0 || size.mean_bytes <= 0.0 {
+        return None;
+    }
+    let free = profile.vram_gb as f64 * GIB - free_vram_gb * GIB - size.dense_bytes as f64 - kv_vram as f64;
+    let fit = (free / (size.blocks as f64 * size.mean_bytes)).floor();
+    let held = ram.experts_per_layer + copies;
+    // The GPU experts keep their RAM copies, so the tier is at most what RAM holds.
+    let gpu = (fit.max(0.0) as u32).min(total).min(held);
+    if gpu <= gpu_now {
+        return None;
+    }
+    for t in &mut profile.placement {
+        match t.tier.as_str() {
+            "gpu" => t.experts_per_layer = gpu,
+            "ram" => {
+                t.experts_per_layer = held - gpu;
+                t.gpu_copies = Some(gpu);
+            }
+            _ => {}
+        }
+    }
+    Some(gpu)
 }

@@ -703,8 +703,46 @@ fn detect_recounts_for_a_low_bit_model_file() {
     // Per expert: 2 x 64 x 74 + 256 x 36 bytes = 18688 (0.0178 MiB); in Q4_K/IQ4_NL 2 x 64 x 144 + 256 x 36 =
     // 27648: x 1.4795, as at the release's widths.
     assert_eq!(p.expert_mib, Some(0.018));
-    assert_eq!(tier(&p, "gpu").experts_per_layer, 39);
+    // The file's one block of tiny experts and no dense weights fit the 12 GB step many times over: the GPU
+    // tier grows to every expert RAM holds (223 after the recount), all of them GPU copies.
+    assert!(summary.contains("GPU tier filled to 223 experts per layer"), "{summary}");
+    assert_eq!(tier(&p, "gpu").experts_per_layer, 223);
+    assert_eq!((tier(&p, "ram").experts_per_layer, tier(&p, "ram").gpu_copies), (0, Some(223)));
     assert_eq!(tier(&p, "ssd").experts_per_layer, 289);
+}
+
+/// At the release's shapes (48 decoder layers of 512 IQ2_XS/IQ4_NL experts, 1.782 MiB each) with 2.19 GiB of
+/// dense weights, the 12 GB / 96 GB row's recount (39 GPU experts) leaves VRAM unused: filled, the GPU tier takes
+/// the 12 GiB less the row's 2 GB headroom, the dense weights and one 131,072-token q8_0 sequence with its 64K
+/// window (1,241 MiB): floor(6.60 GiB / (48 x 1.782 MiB)) = floor(78.98) = 78 experts, the RAM tier's copies with
+/// them.
+#[test]
+fn the_gpu_tier_fills_the_vram_the_dense_weights_leave() {
+    use GgmlType as T;
+    let mut low = size_of(&release_experts(T::IQ2_XS, T::IQ4_NL, 48));
+    low.dense_bytes = (2.19 * (1u64 << 30) as f64) as u64;
+    assert_eq!(low.blocks, 48);
+    let hw = hardware(&smi(&[(0, "NVIDIA GeForce RTX 4070", 12282)]), &meminfo(gib_kib(120.0)));
+    let mut p = select(&ProfileTable::embedded(), &hw, &DetectOptions::default()).unwrap();
+    assert_eq!(p.name, "12gb-vram-96gb-ram");
+    expert_size::apply(&mut p, &low);
+    assert_eq!(tier(&p, "gpu").experts_per_layer, 39);
+    let (kv, _) = released_kv_bytes(131_072, KvCacheType::Q8_0, 65_536, true);
+    assert_eq!(kv >> 20, 1241);
+    let gib = (1u64 << 30) as f64;
+    let want = ((12.0 * gib - 2.0 * gib - low.dense_bytes as f64 - kv as f64) / (48.0 * low.mean_bytes)).floor();
+    assert_eq!(want, 78.0);
+    assert_eq!(expert_size::fill_vram(&mut p, &low, 2.0, kv), Some(78));
+    assert_eq!(tier(&p, "gpu").experts_per_layer, 78);
+    assert_eq!((tier(&p, "ram").experts_per_layer, tier(&p, "ram").gpu_copies), (434, Some(78)));
+    assert_eq!(tier(&p, "ssd").experts_per_layer, 0);
+    // Filled once, a second fill changes nothing; dense weights that take the whole step leave the recount.
+    assert_eq!(expert_size::fill_vram(&mut p, &low, 2.0, kv), None);
+    let mut q = select(&ProfileTable::embedded(), &hw, &DetectOptions::default()).unwrap();
+    expert_size::apply(&mut q, &low);
+    low.dense_bytes = 11 << 30;
+    assert_eq!(expert_size::fill_vram(&mut q, &low, 2.0, kv), None);
+    assert_eq!(tier(&q, "gpu").experts_per_layer, 39);
 }
 
 /// The raised contexts fit where the original ones did: with its KV cache type and window, one full-context

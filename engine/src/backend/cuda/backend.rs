@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::{CudaChain, CudaModel, CudaSnapshot, CudaState, MAX_CHAIN_ROWS};
 use crate::backend::{Backend, BackendError, BackendSnapshot, BatchItem, BatchMode, HeldBytes, Kept, Timings};
-use crate::model::{LogitsFor, ModelConfig, ModelError, SequenceState};
+use crate::model::{LogitsFor, ModelConfig, SequenceState};
 use crate::placement::PlacementStats;
 use crate::speculative::{Rollback, Verified};
 
@@ -69,21 +69,20 @@ impl Backend for CudaModel {
         self.state_alloc_bytes(max_len, drafting && self.has_mtp())
     }
 
+    /// Images: the rows of [`crate::backend::MediaRows`] start from the given embeddings and every row takes its
+    /// M-RoPE position ([`CudaModel::forward_media`]), all-GPU and hybrid.
+    fn accepts_media(&self) -> bool {
+        true
+    }
+
     /// One pass for all items ([`CudaModel::forward_batch`]): fast mode on the batch's GEMMs; deterministic mode
     /// on the single-step kernels, with prefill chunks longer than [`CudaModel::single_step_rows`] run alone.
+    /// Items with images inject their rows' embeddings and take their M-RoPE positions.
     fn forward_batch(
         &self,
         items: &mut [BatchItem<'_, CudaState>],
         mode: BatchMode,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
-        // Injected embeddings and explicit 3-D positions are not wired into the device path yet: refused, never
-        // run as text.
-        if items.iter().any(|it| it.media.is_some()) {
-            return Err(ModelError::MediaRows {
-                problem: "the CUDA backend takes no image input yet (serve with --backend cpu for images)".into(),
-            }
-            .into());
-        }
         Ok(CudaModel::forward_batch(self, items, mode)?)
     }
 

@@ -36,7 +36,7 @@ use super::device::{Dev, dtoh, ptr};
 use super::gemv::GEMV_MAX_TOKENS;
 use super::graphs::GraphSlot;
 use super::memory::zeros;
-use super::{CudaError, CudaModel, CudaState, PassSeq};
+use super::{CudaError, CudaModel, CudaState, Injected, PassSeq};
 use crate::backend::{BatchItem, BatchMode};
 use crate::model::{LogitsFor, ModelError};
 
@@ -56,6 +56,9 @@ impl CudaModel {
     ) -> Result<Vec<Vec<f32>>, CudaError> {
         for it in items.iter() {
             self.check_tokens(it.state, it.tokens)?;
+            if let Some(m) = &it.media {
+                m.check(it.tokens.len(), self.config.hidden)?;
+            }
         }
         // Which items share the pass: all of them in fast mode; in deterministic mode those whose own forward
         // runs on the single-step kernels.
@@ -70,7 +73,7 @@ impl CudaModel {
         let shared: Vec<usize> = (0..items.len()).filter(|&i| joins[i]).collect();
         if let [only] = shared[..] {
             let it = &mut items[only];
-            out[only] = self.forward(it.state, it.tokens, it.want)?;
+            out[only] = self.forward_media(it.state, it.tokens, it.want, it.media.as_ref())?;
         } else if !shared.is_empty() {
             let mut group: Vec<&mut BatchItem<'_, CudaState>> =
                 items.iter_mut().zip(&joins).filter(|(_, j)| **j).map(|(it, _)| it).collect();
@@ -81,7 +84,7 @@ impl CudaModel {
         }
         for (it, (&joined, slot)) in items.iter_mut().zip(joins.iter().zip(out.iter_mut())) {
             if !joined && !it.tokens.is_empty() {
-                *slot = self.forward(it.state, it.tokens, it.want)?;
+                *slot = self.forward_media(it.state, it.tokens, it.want, it.media.as_ref())?;
             }
         }
         Ok(out)
@@ -121,7 +124,9 @@ impl CudaModel {
         let cfg = &self.config;
         let dev = &ctx.dev;
         let stream = dev.stream().clone();
-        let decode_only = items.iter().all(|it| it.tokens.len() == 1 && it.want == LogitsFor::Last);
+        // (Rows with media inject their embeddings: eager.)
+        let decode_only =
+            items.iter().all(|it| it.tokens.len() == 1 && it.want == LogitsFor::Last && it.media.is_none());
         // (A routing override uploads its choice per pass: eager.)
         if decode_only && self.hybrid.is_none() && self.routing.is_none() && ctx.flags.graphs {
             return self.decode_batch_graphed(items);
@@ -158,13 +163,19 @@ impl CudaModel {
         let ids_d = stream.clone_htod(&ids)?;
         let rows_d = stream.clone_htod(if ple_rows.is_empty() { &[0i32][..] } else { &ple_rows[..] })?;
         let (ids_p, rows_p) = (ptr(&ids_d, &stream, 0), ptr(&rows_d, &stream, 0));
+        // Every item's image rows, as pass rows; kept alive until the pass is queued.
+        let inject_d = self.upload_injected(
+            items.iter().zip(&spans).filter_map(|(it, &(r0, _, _))| it.media.as_ref().map(|m| (r0, m))),
+        )?;
+        let inject = inject_d.as_ref().map(|(r, e)| Injected {
+            rows: ptr(r, &stream, 0),
+            embeds: ptr(e, &stream, 0),
+            count: r.len(),
+        });
         let x = {
-            let seqs: Vec<PassSeq<'_>> = items
-                .iter()
-                .zip(&spans)
-                .map(|(it, &(r0, n, _))| PassSeq { st: &*it.state, r0, n, pos_dev: ptr(&it.state.pos_dev, &stream, 0) })
-                .collect();
-            self.launch_layers(&seqs, n, ids_p, rows_p, ple_emb_ptr, None, scripted)?
+            let seqs: Vec<PassSeq<'_>> =
+                items.iter().zip(&spans).map(|(it, &(r0, n, _))| PassSeq::new(&*it.state, r0, n, &stream)).collect();
+            self.launch_layers(&seqs, n, ids_p, rows_p, ple_emb_ptr, None, scripted, inject)?
         };
         // The rows whose logits come back, per item: (first row, count).
         let wanted: Vec<(usize, usize)> = items
@@ -215,7 +226,8 @@ impl CudaModel {
     }
 
     /// The pass's token ids and PLE n-gram rows in the items' order (each item's rows hashed from its own n-gram
-    /// context, which this advances), with each state's position written to its device copy.
+    /// context, which this advances), with each state's position written to its device copy and its rows' rope
+    /// positions to its M-RoPE track ([`CudaModel::stage_positions`]).
     ///
     /// Errors: a device copy fails.
     fn stage_items(&self, items: &mut [&mut BatchItem<'_, CudaState>]) -> Result<(Vec<i32>, Vec<i32>), CudaError> {
@@ -229,6 +241,7 @@ impl CudaModel {
                 ple_rows.extend(p.ngram_rows(ps, it.tokens)?);
             }
             stream.memcpy_htod(&[it.state.pos as i32], &mut it.state.pos_dev)?;
+            self.stage_positions(it.state, it.tokens.len(), it.media.as_ref())?;
         }
         Ok((ids, ple_rows))
     }
@@ -243,6 +256,7 @@ impl CudaModel {
         let stream = dev.stream().clone();
         let (s, dim, vocab) = (items.len(), cfg.hc_dim(), cfg.vocab);
         let heads = self.layers.iter().find_map(|l| l.ple.as_ref()).map_or(1, |p| p.cfg.n_heads());
+        // (Staging first: a state that makes its M-RoPE table now takes a new id.)
         let (ids, ple_rows) = self.stage_items(items)?;
         let key: Vec<u64> = items.iter().map(|it| it.state.id).collect();
         let mut graphs = self.batch_graphs.lock().expect("batch graphs lock");
@@ -254,14 +268,11 @@ impl CudaModel {
         let (ids_p, rows_p, logits_p) =
             (ptr(&g.ids, &stream, 0), ptr(&g.ple_rows, &stream, 0), ptr(&g.logits, &stream, 0));
         let x = {
-            let seqs: Vec<PassSeq<'_>> = items
-                .iter()
-                .enumerate()
-                .map(|(i, it)| PassSeq { st: &*it.state, r0: i, n: 1, pos_dev: ptr(&it.state.pos_dev, &stream, 0) })
-                .collect();
+            let seqs: Vec<PassSeq<'_>> =
+                items.iter().enumerate().map(|(i, it)| PassSeq::new(&*it.state, i, 1, &stream)).collect();
             let (slot, seen) = &mut g.slot;
             ctx.run_graphed(slot, seen, || {
-                let x = self.launch_layers(&seqs, s, ids_p, rows_p, None, None, None)?;
+                let x = self.launch_layers(&seqs, s, ids_p, rows_p, None, None, None, None)?;
                 self.launch_head(x, s, logits_p)?;
                 Ok(x)
             })?

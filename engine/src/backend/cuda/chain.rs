@@ -291,7 +291,7 @@ impl CudaModel {
     ) -> Result<(Vec<f32>, Vec<f32>, f64), CudaError> {
         let n = chain.len();
         // The logits' copy to the host has synchronised the stream (the events below are complete).
-        let logits = self.forward_guarded(st, chain, LogitsFor::All, Some(bufs))?;
+        let logits = self.forward_guarded(st, chain, LogitsFor::All, Some(bufs), None)?;
         let mut coverage = vec![1f32; n];
         if let Some(h) = self.hybrid.as_ref().filter(|_| self.verify_reports_coverage()) {
             self.launch.dev.stream().memcpy_dtoh(&bufs.coverage.slice(0..n), &mut coverage)?;
@@ -423,6 +423,7 @@ impl CudaModel {
         // Windowed caches: the slots the dropped rows overwrote get their earlier rows back.
         self.refill_rings(st, record.pos0 + keep, record.pos0 + n)?;
         st.pos = record.pos0 + keep;
+        st.mrope.truncate(st.pos);
         let t = std::time::Instant::now();
         if keep > 0 && st.mtp.is_some() {
             let banks = ctx.addr(&bufs.banks, 0);

@@ -483,7 +483,11 @@ impl CudaModel {
         }
         let rows = st.mtp.as_ref().map_or(0, |m| m.rows);
         self.refill_rings(st, snap.pos, st.pos)?;
-        self.apply_snapshot(st, snap, rows)
+        self.apply_snapshot(st, snap, rows)?;
+        // The rope positions are cut by length, like the attention caches (the device table's rows past the cut
+        // are rewritten before any kernel reads them).
+        st.mrope.truncate(snap.pos);
+        Ok(())
     }
 
     /// A new state for at most `max_len` tokens holding the first `snap.pos()` tokens of `source` (a live state
@@ -512,6 +516,14 @@ impl CudaModel {
             Kept::Live(s) => s.routing_stream,
             Kept::Host(h) => h.routing_stream,
         };
+        // The rope positions of the first `pos` tokens (an image's M-RoPE positions too).
+        st.mrope = match source {
+            Kept::Live(s) => s.mrope.prefix(pos),
+            Kept::Host(h) => h.mrope.prefix(pos),
+        };
+        if !st.mrope.explicit().is_empty() {
+            self.upload_positions(&mut st, 0, pos)?;
+        }
         // Attention caches: the first `pos` rows.
         let attn_of = |li: usize| -> Option<AttnSource<'_>> {
             match source {
@@ -612,7 +624,7 @@ impl CudaModel {
             ple,
             mtp,
             routing_stream: st.routing_stream,
-            mrope: crate::model::MropeTrack::text(pos),
+            mrope: st.mrope.prefix(pos),
         })
     }
 
@@ -638,7 +650,12 @@ impl CudaModel {
         let layers: usize = st.layers.iter().map(layer).sum();
         let ple = st.ple.as_ref().map_or(0, |p| p.conv.len());
         let step = &st.step;
-        let fixed = st.pos_dev.len() + step.token.len() + step.ple_rows.len() + step.logits.len() + step.choice.len();
+        let fixed = st.pos_dev.len()
+            + step.token.len()
+            + step.ple_rows.len()
+            + step.logits.len()
+            + step.choice.len()
+            + st.mrope_dev.as_ref().map_or(0, CudaSlice::len);
         let mtp = st
             .mtp
             .as_ref()

@@ -835,3 +835,65 @@ fn kernel_types_kv_cache_rows_match_the_cpu() {
         }
     }
 }
+
+/// `rope_heads` with a sequence's M-RoPE table (`[cache index][3]`, read at the cache indices from the position
+/// in `pos_dev`) rotates every head as the CPU's `Rope::angles_thw` at those positions, each frequency slot with
+/// its section's stream (time, height or width), and without a table as `Rope::angles` at the indices. Bound:
+/// `1e-5 x max |x|` per value (the frequencies are computed on the device with `powf`, the angles' cos and sin in
+/// double on both sides).
+#[test]
+#[ignore = "needs an NVIDIA GPU: cargo test --release -p nebula-engine -- --ignored kernel_types"]
+fn kernel_types_mrope_rotation_matches_the_cpu() {
+    let mut ctx = launch();
+    ctx.cfg.rope_dim = 64;
+    ctx.cfg.rope_theta = 1e7;
+    ctx.cfg.rope_sections = [11, 11, 10, 0];
+    let (n, heads, hd, pos0) = (12usize, 3usize, 96usize, 5usize);
+    let stream = ctx.dev.stream().clone();
+    let x = activations(n, heads * hd, 21);
+    // Cache indices 0..pos0 + n: text, then an image of 3 x 4 merged tokens at p = 5, then text from 9.
+    let mut table: Vec<[u32; 3]> = (0..pos0 as u32).map(|i| [i; 3]).collect();
+    for r in 0..3u32 {
+        for c in 0..4u32 {
+            table.push([5, 5 + r, 5 + c]);
+        }
+    }
+    assert_eq!(table.len(), pos0 + n);
+    let flat: Vec<i32> = table.iter().flatten().map(|&v| v as i32).collect();
+    let rope = crate::model::rope::Rope::new(ctx.cfg.rope_dim, ctx.cfg.rope_theta, ctx.cfg.rope_sections);
+    let scale = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for with_table in [true, false] {
+        let buf = upload(&ctx, &x);
+        let thw = upload(&ctx, &flat);
+        let pos = upload(&ctx, &[pos0 as i32]);
+        let table_ptr = if with_table { ptr(&thw, &stream, 0) } else { 0 };
+        ctx.rope(ptr(&buf, &stream, 0), n, heads, heads * hd, hd, ptr(&pos, &stream, 0), table_ptr).unwrap();
+        let got = download(&ctx, &buf);
+        let mut want = x.clone();
+        for t in 0..n {
+            let p = if with_table { table[pos0 + t].map(|v| v as usize) } else { [pos0 + t; 3] };
+            let a = rope.angles_thw(p);
+            for h in 0..heads {
+                rope.apply(&mut want[(t * heads + h) * hd..(t * heads + h + 1) * hd], &a);
+            }
+        }
+        let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        println!("rope_heads (M-RoPE table: {with_table}): max |delta| {err:.2e} x max |x|");
+        assert!(err <= 1e-5, "rope_heads (table {with_table}): {err:.2e} x max |x|");
+        // Dims past rope_dim are untouched.
+        for t in 0..n {
+            for h in 0..heads {
+                let at = (t * heads + h) * hd;
+                assert_eq!(got[at + 64..at + hd], x[at + 64..at + hd], "token {t} head {h}: dims past rope_dim");
+            }
+        }
+        if with_table {
+            // The image rows differ from text rotation at the same indices (the table is read).
+            let text = rope.angles(pos0 + 1);
+            let mut t1 = x[heads * hd..heads * hd + hd].to_vec();
+            rope.apply(&mut t1, &text);
+            let d = t1.iter().zip(&got[heads * hd..heads * hd + hd]).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(d > 1e-3 * scale, "an image token rotated as text");
+        }
+    }
+}

@@ -69,13 +69,15 @@ pub(crate) fn mid_path(mid_rows: usize, batched: bool, exact: bool, n: usize) ->
 /// forward is one of them covering every row): its part `st` of the state a block keeps per sequence, its first
 /// row `r0` and row count `n` in the pass's `[rows, ..]` buffers, the device address of its position (`pos_dev`,
 /// an `i32`: the position its first row takes), that position on the host (`pos`: what eager passes plan their
-/// copies with; graph replays read `pos_dev`) and its token capacity.
+/// copies with; graph replays read `pos_dev`), its token capacity and the device address of its M-RoPE position
+/// table (`thw`, `[cache index][3]` i32; 0 while its positions are the indices, see `CudaState::mrope_dev`).
 #[derive(Clone, Copy)]
 pub(crate) struct Seq<'a, T> {
     pub(crate) st: &'a T,
     pub(crate) r0: usize,
     pub(crate) n: usize,
     pub(crate) pos_dev: u64,
+    pub(crate) thw: u64,
     pub(crate) pos: usize,
     pub(crate) capacity: usize,
 }

@@ -6,7 +6,9 @@
 //! and [`mtp`]; each device block owns its weights and its `forward`. Below them, knowing nothing of the blocks:
 //! [`launch`] (the context every forward takes), [`gemv`] (launch geometry and the 8-bit activation helpers),
 //! [`norm`], [`rope`], [`graphs`] (CUDA Graphs), [`memory`] (the arena), [`weights`] (upload) and [`device`] (the
-//! GPU, kernel launches and copies). [`hybrid`] is the host half of the hybrid placement, its
+//! GPU, kernel launches and copies). [`vision`] is the vision tower on the GPU ([`CudaVisionModel`]), beside the
+//! language model; images reach the language model as injected rows with M-RoPE positions
+//! ([`CudaModel::forward_media`]). [`hybrid`] is the host half of the hybrid placement, its
 //! [`hybrid::policy`] every decision of the GPU/CPU split; [`chain`] drafts, verifies and rolls back MTP chains.
 //!
 //! [`CudaModel::from_cpu`] uploads the weights of a loaded (and validated) [`Qwen4Exp`] as they are stored —
@@ -39,18 +41,21 @@ mod ple;
 mod rope;
 mod self_attn;
 mod state;
+mod vision;
 mod weights;
 
 pub use chain::{CudaChain, MAX_CHAIN_ROWS};
 pub use checkpoint::CudaSnapshot;
 pub use state::CudaState;
+pub use vision::{CudaVisionModel, VISION_HEAD_DIMS};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use nebula_kernels::cudarc::driver::CudaSlice;
+use nebula_kernels::cudarc::driver::{CudaSlice, CudaStream};
 use nebula_kernels::{Gpu, GpuError};
 
+use crate::backend::MediaRows;
 use crate::model::config::{LayerKind, ModelConfig};
 use crate::model::{LogitsFor, ModelError, Qwen4Exp, TokenMixer};
 use crate::synth::routing::{RoutingOverride, stream_key};
@@ -116,20 +121,45 @@ pub(crate) struct DevDecoderLayer {
 }
 
 /// A sequence's rows in a pass ([`CudaModel::launch_layers`]): its state, its first row and row count in the
-/// pass's buffers, and the device address of its position (`st.pos_dev`).
+/// pass's buffers, the device address of its position (`st.pos_dev`) and of its M-RoPE table (`st.mrope_dev`,
+/// 0 without one).
 #[derive(Clone, Copy)]
 pub(crate) struct PassSeq<'a> {
     pub(crate) st: &'a CudaState,
     pub(crate) r0: usize,
     pub(crate) n: usize,
     pub(crate) pos_dev: u64,
+    pub(crate) thw: u64,
 }
 
 impl<'a> PassSeq<'a> {
+    /// The `n` rows from `r0` of the pass that `st` consumes.
+    pub(crate) fn new(st: &'a CudaState, r0: usize, n: usize, stream: &std::sync::Arc<CudaStream>) -> Self {
+        let thw = st.mrope_dev.as_ref().map_or(0, |t| ptr(t, stream, 0));
+        Self { st, r0, n, pos_dev: ptr(&st.pos_dev, stream, 0), thw }
+    }
+
     /// The sequence's rows with `part`, a block's part of its state.
     fn part<T>(&self, part: &'a T) -> Seq<'a, T> {
-        Seq { st: part, r0: self.r0, n: self.n, pos_dev: self.pos_dev, pos: self.st.pos, capacity: self.st.max_len }
+        Seq {
+            st: part,
+            r0: self.r0,
+            n: self.n,
+            pos_dev: self.pos_dev,
+            thw: self.thw,
+            pos: self.st.pos,
+            capacity: self.st.max_len,
+        }
     }
+}
+
+/// A pass's injected input rows on the device ([`CudaModel::launch_layers`]): `count` pass rows (`rows`, i32,
+/// ascending) whose embedding is the `[count, hidden]` f32 rows at `embeds` instead of their token's.
+#[derive(Clone, Copy)]
+pub(crate) struct Injected {
+    pub(crate) rows: u64,
+    pub(crate) embeds: u64,
+    pub(crate) count: usize,
 }
 
 /// The model on the GPU.
@@ -462,6 +492,8 @@ impl CudaModel {
             want_argmax: false,
             argmax_out: None,
             routing_stream: 0,
+            mrope: crate::model::MropeTrack::default(),
+            mrope_dev: None,
             routing: match &self.routing {
                 Some(_) => {
                     let len = MAX_CHAIN_ROWS * cfg.n_layer * cfg.n_expert_used;
@@ -570,11 +602,12 @@ impl CudaModel {
         logits: u64,
         rec: Option<&chain::ChainBufs>,
         scripted: Option<(u64, u64)>,
+        inject: Option<Injected>,
     ) -> Result<u64, CudaError> {
         let ctx = &self.launch;
         let dim = self.config.hc_dim();
-        let seq = PassSeq { st, r0: 0, n, pos_dev: ptr(&st.pos_dev, ctx.dev.stream(), 0) };
-        let x = self.launch_layers(&[seq], n, ids, ple_rows, ple_emb, rec, scripted)?;
+        let seq = PassSeq::new(st, 0, n, ctx.dev.stream());
+        let x = self.launch_layers(&[seq], n, ids, ple_rows, ple_emb, rec, scripted, inject)?;
         if let Some(r) = rec {
             ctx.dtod(r.banks_rec(ctx), x, n * dim)?;
         }
@@ -591,6 +624,7 @@ impl CudaModel {
     /// the pre-mixer banks `[n, S*d]`. With `rec` (a verify pass, one sequence) the states are saved first and
     /// the recurrences' inputs recorded. With `scripted` (device `[layer][n][k]` expert ids and weights of a
     /// routing override, from [`Self::scripted_routing`]) every trunk MoE uses those instead of its router's choice.
+    /// With `inject` (a prompt's image rows) those rows start from the given embeddings instead of their tokens'.
     /// Issues no host synchronisation (but hybrid layers').
     #[allow(clippy::too_many_arguments)]
     fn launch_layers(
@@ -602,6 +636,7 @@ impl CudaModel {
         ple_emb: Option<u64>,
         rec: Option<&chain::ChainBufs>,
         scripted: Option<(u64, u64)>,
+        inject: Option<Injected>,
     ) -> Result<u64, CudaError> {
         let ctx = &self.launch;
         let cfg = &self.config;
@@ -621,9 +656,23 @@ impl CudaModel {
             ctx.prefetch_cold(first, q.st.pos, q.n, ratio, kv_row)?;
         }
         ctx.phase("start")?;
-        // X_0 = [e; e; ...; e].
+        // X_0 = [e; e; ...; e], e the token's embedding or the row's injected one (an image's features).
         let x = ctx.tmp(n * dim)?;
         ctx.get_rows(&self.head.embed_tokens, ids, n, x, dim, s)?;
+        if let Some(inj) = inject.filter(|i| i.count > 0) {
+            dev.launch_1d(
+                "inject_rows",
+                inj.count * d,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(inj.rows),
+                    Arg::Ptr(inj.embeds),
+                    Arg::I32(inj.count as i32),
+                    Arg::I32(d as i32),
+                    Arg::I32(s as i32),
+                ],
+            )?;
+        }
         ctx.phase("embedding")?;
         // The hybrid CPU path's pinned buffers hold `cpu_path_rows` rows: an exact-rows pass (which always takes
         // that path) over more runs its MoE in row chunks; every other pass is within them (`HybridPolicy::path`).
@@ -725,16 +774,35 @@ impl CudaModel {
     /// want the last logits run as a CUDA Graph captured on the state's second such step (unless
     /// [`CudaTuning::graphs`] is off).
     pub fn forward(&self, st: &mut CudaState, tokens: &[u32], want: LogitsFor) -> Result<Vec<f32>, CudaError> {
-        self.forward_guarded(st, tokens, want, None)
+        self.forward_guarded(st, tokens, want, None, None)
     }
 
-    /// [`CudaModel::forward`], recording into `rec` for a verify pass (see [`chain`]).
+    /// [`CudaModel::forward`] for a chunk of a prompt with images (`crate::model::Qwen4Exp::forward_batch` with
+    /// [`MediaRows`] on the CPU): the rows `media.rows` start from the vision tower's features `media.embeds`
+    /// instead of their pad tokens' embeddings, and every row takes its rope position from `media.positions`
+    /// (kept in the state's M-RoPE track; text after the image continues from it). `None` is
+    /// [`CudaModel::forward`]. A chunk with media runs eagerly (never as a captured graph).
+    ///
+    /// Errors: as [`CudaModel::forward`]; [`ModelError::MediaRows`] for rows or positions that do not fit the
+    /// chunk (state unchanged).
+    pub fn forward_media(
+        &self,
+        st: &mut CudaState,
+        tokens: &[u32],
+        want: LogitsFor,
+        media: Option<&MediaRows<'_>>,
+    ) -> Result<Vec<f32>, CudaError> {
+        self.forward_guarded(st, tokens, want, None, media)
+    }
+
+    /// [`CudaModel::forward_media`], recording into `rec` for a verify pass (see [`chain`]).
     fn forward_guarded(
         &self,
         st: &mut CudaState,
         tokens: &[u32],
         want: LogitsFor,
         rec: Option<&chain::ChainBufs>,
+        media: Option<&MediaRows<'_>>,
     ) -> Result<Vec<f32>, CudaError> {
         use std::sync::atomic::Ordering::Relaxed;
         let ctx = &self.launch;
@@ -744,7 +812,7 @@ impl CudaModel {
                 ctx.coverage_out.store(r.coverage_rec(ctx), Relaxed);
             }
         }
-        let out = self.forward_inner(st, tokens, want, rec);
+        let out = self.forward_inner(st, tokens, want, rec, media);
         ctx.exact_rows.store(false, Relaxed);
         ctx.coverage_out.store(0, Relaxed);
         self.settle(out)
@@ -784,6 +852,26 @@ impl CudaModel {
         })
     }
 
+    /// The injected rows of a pass on the device: for each `(first pass row, media)` of the pass's items, its
+    /// rows (offset to pass rows, i32) and their embeddings, concatenated in order; `None` when no item injects.
+    ///
+    /// Errors: a device copy fails.
+    pub(crate) fn upload_injected<'a, 'b: 'a>(
+        &self,
+        items: impl Iterator<Item = (usize, &'a MediaRows<'b>)>,
+    ) -> Result<Option<(CudaSlice<i32>, CudaSlice<f32>)>, CudaError> {
+        let (mut rows, mut embeds) = (Vec::new(), Vec::new());
+        for (r0, m) in items {
+            rows.extend(m.rows.iter().map(|&r| (r0 + r) as i32));
+            embeds.extend_from_slice(m.embeds);
+        }
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let stream = self.launch.dev.stream();
+        Ok(Some((stream.clone_htod(&rows)?, stream.clone_htod(&embeds)?)))
+    }
+
     /// The routing override's choice for the rows of `items` (each state's stream, from its first token when
     /// it starts now, and positions; the items' rows in order) in the device layout `[layer][row][k]`: expert ids
     /// and weights. `None` without an override.
@@ -819,12 +907,67 @@ impl CudaModel {
         Some((ids, w))
     }
 
+    /// Records the rope positions of the `n` tokens `st` takes next (`media`'s, or text continuing its M-RoPE
+    /// track) and, once any position differs from its index, keeps the state's device table of them
+    /// (`CudaState::mrope_dev`) up to date for the kernels: made with every earlier position on the first such
+    /// token, then given each new row's.
+    ///
+    /// Errors: the table cannot be allocated or copied.
+    pub(crate) fn stage_positions(
+        &self,
+        st: &mut CudaState,
+        n: usize,
+        media: Option<&MediaRows<'_>>,
+    ) -> Result<(), CudaError> {
+        let base = st.pos;
+        for k in 0..n {
+            let p = match media {
+                Some(m) => m.positions[k],
+                None => [st.mrope.next_text(); 3],
+            };
+            st.mrope.push(base + k, p);
+        }
+        if st.mrope_dev.is_none() && st.mrope.explicit().is_empty() {
+            return Ok(());
+        }
+        self.upload_positions(st, base, base + n)
+    }
+
+    /// Copies the positions of cache indices `[from, to)` of `st`'s track into its device table, making the table
+    /// first (then with every position before `to`). Graphs captured before the table existed read none: the
+    /// state's own are dropped and it takes a new id, which retires the batched decode graphs keyed by the old.
+    ///
+    /// Errors: the table cannot be allocated or copied.
+    pub(crate) fn upload_positions(&self, st: &mut CudaState, from: usize, to: usize) -> Result<(), CudaError> {
+        let stream = self.launch.dev.stream().clone();
+        let mut from = from;
+        if st.mrope_dev.is_none() {
+            st.mrope_dev = Some(stream.alloc_zeros::<i32>(3 * st.max_len.max(1))?);
+            st.id = state::next_state_id();
+            st.graph = None;
+            st.decode_steps = 0;
+            for g in st.verify_graphs.iter_mut() {
+                *g = (None, 0);
+            }
+            from = 0;
+        }
+        if to <= from {
+            return Ok(());
+        }
+        let vals: Vec<i32> = (from..to).flat_map(|i| st.mrope.position(i).map(|v| v as i32)).collect();
+        let table = st.mrope_dev.as_mut().expect("made above");
+        let mut view = table.slice_mut(3 * from..3 * to);
+        stream.memcpy_htod(&vals, &mut view)?;
+        Ok(())
+    }
+
     fn forward_inner(
         &self,
         st: &mut CudaState,
         tokens: &[u32],
         want: LogitsFor,
         rec: Option<&chain::ChainBufs>,
+        media: Option<&MediaRows<'_>>,
     ) -> Result<Vec<f32>, CudaError> {
         let ctx = &self.launch;
         let cfg = &self.config;
@@ -834,12 +977,16 @@ impl CudaModel {
         }
         let dev = &ctx.dev;
         self.check_tokens(st, tokens)?;
+        if let Some(m) = media {
+            m.check(tokens.len(), cfg.hidden)?;
+        }
         let needed = st.pos + tokens.len();
         let n = tokens.len();
         if n == 0 {
             return Ok(Vec::new());
         }
         let stream = dev.stream().clone();
+        self.stage_positions(st, n, media)?;
         let ple_rows = match (self.layers.iter().find_map(|l| l.ple.as_ref()), st.ple.as_mut()) {
             (Some(ple), Some(ps)) => ple.ngram_rows(ps, tokens)?,
             _ => Vec::new(),
@@ -852,7 +999,7 @@ impl CudaModel {
         // A routing override's choice for the rows (`[layer][row][k]`), uploaded into the state's fixed buffers
         // for the graphed passes, or fresh ones for an eager pass.
         let table = self.scripted_routing(&mut [(&mut *st, tokens)]);
-        let decode_step = n == 1 && want == LogitsFor::Last && rec.is_none();
+        let decode_step = n == 1 && want == LogitsFor::Last && rec.is_none() && media.is_none();
         let graphed_verify = rec.is_some() && ctx.flags.graphs && want == LogitsFor::All && n <= MAX_CHAIN_ROWS;
         let mut eager_table = None;
         let scripted = match (&table, &st.routing) {
@@ -880,7 +1027,7 @@ impl CudaModel {
             let mut slot = st.graph.take();
             let mut seen = st.decode_steps;
             let bank = ctx.run_graphed(&mut slot, &mut seen, || {
-                self.launch_pass(st, 1, ids, rows, ple_emb_ptr, 0, 1, logits, None, scripted)
+                self.launch_pass(st, 1, ids, rows, ple_emb_ptr, 0, 1, logits, None, scripted, None)
             });
             st.graph = slot;
             let bank = bank?;
@@ -914,7 +1061,7 @@ impl CudaModel {
             let out = {
                 let (slot, seen) = &mut graphs[n];
                 ctx.run_graphed(slot, seen, || {
-                    self.launch_pass(st, n, ids_p, rows_p, None, 0, n, logits_p, rec, scripted)
+                    self.launch_pass(st, n, ids_p, rows_p, None, 0, n, logits_p, rec, scripted, None)
                 })
             };
             st.verify_graphs = graphs;
@@ -937,10 +1084,17 @@ impl CudaModel {
         };
         let logits = zeros(dev, (rows * cfg.vocab).max(1))?;
         let (ids_p, rows_p) = (ptr(&ids_d, &stream, 0), ptr(&rows_d, &stream, 0));
-        let bank =
-            self.launch_pass(st, n, ids_p, rows_p, ple_emb_ptr, r0, rows, ctx.addr(&logits, 0), rec, scripted)?;
+        let inject_d = self.upload_injected(media.map(|m| (0, m)).into_iter())?;
+        let inject = inject_d.as_ref().map(|(r, e)| Injected {
+            rows: ptr(r, &stream, 0),
+            embeds: ptr(e, &stream, 0),
+            count: r.len(),
+        });
+        let logits_p = ctx.addr(&logits, 0);
+        let bank = self.launch_pass(st, n, ids_p, rows_p, ple_emb_ptr, r0, rows, logits_p, rec, scripted, inject)?;
         // Kept alive until the pass is queued; the frees are stream-ordered.
         drop(eager_table);
+        drop(inject_d);
         st.pos = needed;
         if rec.is_none() {
             // A verify pass's MTP rows wait for its rollback, which knows the kept rows.

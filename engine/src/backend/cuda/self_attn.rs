@@ -164,7 +164,8 @@ impl DevAttention {
         pos_dev: u64,
         capacity: usize,
     ) -> Result<u64, CudaError> {
-        self.forward_seqs(ctx, m, n, &[Seq { st, r0: 0, n, pos_dev, pos: 0, capacity }], None)
+        // (The MTP block's rows rotate at their indices, as on the CPU.)
+        self.forward_seqs(ctx, m, n, &[Seq { st, r0: 0, n, pos_dev, thw: 0, pos: 0, capacity }], None)
     }
 
     /// Gated attention over the `n` rows `m` of several sequences (`seqs` cover the rows in order, each with its
@@ -262,8 +263,8 @@ impl DevAttention {
         let q = s.row(rows.q, nh * hd);
         let (kn, vn) = (s.row(rows.kn, kvw), s.row(rows.vn, kvw));
         let out = s.row(out, nh * hd);
-        ctx.rope(q, n, nh, nh * hd, hd, pos_dev)?;
-        ctx.rope(kn, n, nkv, kvw, hd, pos_dev)?;
+        ctx.rope(q, n, nh, nh * hd, hd, pos_dev, s.thw)?;
+        ctx.rope(kn, n, nkv, kvw, hd, pos_dev, s.thw)?;
         let store = format!("kv_store_rows_{kv_sfx}");
         for (src, dst, hc) in [(kn, &st.k, host.map(|h| &h.k)), (vn, &st.v, host.map(|h| &h.v))] {
             dev.launch_1d(
@@ -292,7 +293,7 @@ impl DevAttention {
             }
             let qi = s.row(rows.qi, nih * ihd);
             let kr = s.row(rows.kr, ihd);
-            ctx.rope(qi, n, nih, nih * ihd, ihd, pos_dev)?;
+            ctx.rope(qi, n, nih, nih * ihd, ihd, pos_dev, s.thw)?;
             dev.launch_1d(
                 &format!("kv_store_rows_{ik_sfx}"),
                 n * ihd,
@@ -323,6 +324,9 @@ impl DevAttention {
                     Arg::I32(cfg.rope_dim as i32),
                     Arg::F32(cfg.rope_theta),
                     Arg::I32(ring),
+                    Arg::Ptr(s.thw),
+                    Arg::I32(cfg.rope_sections[1] as i32),
+                    Arg::I32(cfg.rope_sections[2] as i32),
                 ],
             )?;
             let keep = ic.token_budget / r;

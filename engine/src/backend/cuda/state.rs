@@ -65,6 +65,13 @@ pub struct CudaState {
     pub(crate) argmax_out: Option<u32>,
     /// The stream a routing override follows (`crate::model::SequenceState::routing_stream`).
     pub(crate) routing_stream: u64,
+    /// The `[t, h, w]` rope position of every token consumed (M-RoPE after images; `crate::model::MropeTrack`).
+    pub(crate) mrope: crate::model::MropeTrack,
+    /// The device copy of those positions, `[max_len][3]` i32 by cache index, made when the sequence first
+    /// takes a token whose position is not its index (an image's) and kept up to date from then on: the rope and
+    /// QSA pooling kernels read it in place of the index. `None` while every position is the index (text only:
+    /// the kernels compute it, as before any image).
+    pub(crate) mrope_dev: Option<CudaSlice<i32>>,
     /// Fixed device buffers of an override's choice for a decode step or a verify chain (`[layer][row][k]` ids
     /// and weights, room for `MAX_CHAIN_ROWS` rows), so their CUDA Graphs replay with new choices; `None` without
     /// an override.
