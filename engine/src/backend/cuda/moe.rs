@@ -336,23 +336,34 @@ impl DevSparseMoe {
     /// `n k` slots grouped by expert on the device (`ids`: a matrix of the stacks per slot, negative or out of
     /// range = not here, its output left alone), gate and up of every slot in one grouped launch (each expert's
     /// rows read once for all its slots), the SiLU and its 8-bit form in one launch, the down projections grouped
-    /// the same way into `ys + s * d`; the shared expert through [`Launch::matmul`] (the mid-size dense GEMV).
-    /// Returns the shared expert's output `[n, d]`.
+    /// the same way into `ys + s * d`; the shared expert through [`Launch::matmul`] (the mid-size dense GEMV), its
+    /// gate and up beside the routed ones on the same 8-bit form of `m`. Returns the shared expert's output
+    /// `[n, d]` (before its gate, as [`Self::shared_expert`]).
     fn shared_and_grouped(&self, ctx: &Launch, m: u64, n: usize, ids: u64, ys: u64) -> Result<u64, CudaError> {
         let ex = &self.experts;
+        let dev = &ctx.dev;
         let (d, k, ff) = (ctx.cfg.hidden, ctx.cfg.n_expert_used, ctx.cfg.expert_ff);
+        let sff = self.shared_expert.ff();
         let slots = n * k;
-        let plan = ctx.sort_plan(ids, slots, ex.gate_proj.count())?;
+        // Every product of m before any other kernel, so they all read one 8-bit form of it (the one the mixer
+        // wrote, Launch::q8_produced; the GEMVs leave it valid, the sort is queued after them).
         let Acts::Q8(qx, dx) = ctx.acts(ex.gate_proj.ty, m, n, d)? else {
             return Err(CudaError::Unsupported(format!("no 8-bit activations for {:?} experts", ex.gate_proj.ty)));
         };
+        let (sg, su) = (ctx.tmp(n * sff)?, ctx.tmp(n * sff)?);
+        ctx.matmul(self.shared_expert.gate_proj(dev), m, n, sg)?;
+        ctx.matmul(self.shared_expert.up_proj(dev), m, n, su)?;
+        let plan = ctx.sort_plan(ids, slots, ex.gate_proj.count())?;
         let (g, u) = (ctx.tmp(slots * ff)?, ctx.tmp(slots * ff)?);
         ctx.moe_gemvqg(&ex.gate_proj, Some(&ex.up_proj), plan, (qx, dx), k, d, (g, u))?;
         let (hq, hd, _) = ctx.silu_mul_q8(g, u, slots, ff, ex.down_proj.ty)?.ok_or_else(|| {
             CudaError::Unsupported(format!("no 8-bit SiLU output for a {:?} down projection", ex.down_proj.ty))
         })?;
         ctx.moe_gemvqg(&ex.down_proj, None, plan, (hq, hd), 1, ff, (ys, ys))?;
-        self.shared_expert(ctx, m, n)
+        let shared = ctx.tmp(n * d)?;
+        ctx.silu_mul_q8(sg, su, n, sff, self.shared_expert.down_proj.ty)?;
+        ctx.matmul(self.shared_expert.down_proj.view(dev), sg, n, shared)?;
+        Ok(shared)
     }
 
     /// The parts of `expert_ff` rows the shared expert's gate and up split into when they run as extra slots of
