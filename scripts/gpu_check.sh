@@ -11,8 +11,8 @@
 #   4. llama.cpp's `llama-bench` on the same file when LLAMA_BENCH points at one (this script never builds it).
 #
 # Usage (from the repository root):
-#   NEBULA=path/to/nebula GPU_TESTS=path/to/gpu-test-binary [LLAMA_BENCH=path/to/llama-bench] \
-#     [WORK=/tmp/nebula-gpu] [LAYERS=12] scripts/gpu_check.sh
+#   NEBULA=path/to/nebula GPU_TESTS=path/to/gpu-test-binary [GPU_VISION_TESTS=path/to/gpu_vision-test-binary] \
+#     [LLAMA_BENCH=path/to/llama-bench] [WORK=/tmp/nebula-gpu] [LAYERS=12] scripts/gpu_check.sh
 # Build here with CUDA_HOME set: `cargo build --release -p nebula-service --features lean` (the `nebula`
 # binary) and `cargo test --release -p nebula-tests --test gpu --no-run` (prints the test binary's path).
 set -euo pipefail
@@ -26,6 +26,10 @@ if [ -n "${GPU_TESTS:-}" ]; then
     echo "=== GPU tests"
     (cd "$ROOT" && NEBULA_REPO_ROOT="$ROOT" "$GPU_TESTS" --ignored --nocapture --test-threads 1)
 fi
+if [ -n "${GPU_VISION_TESTS:-}" ]; then
+    echo "=== GPU vision tests (cargo test --release -p nebula-tests --test gpu_vision --no-run)"
+    (cd "$ROOT" && NEBULA_REPO_ROOT="$ROOT" "$GPU_VISION_TESTS" --ignored --nocapture --test-threads 1)
+fi
 
 MODEL="$WORK/synth-$LAYERS.gguf"
 if [ ! -f "$MODEL" ]; then
@@ -34,6 +38,15 @@ if [ ! -f "$MODEL" ]; then
         --tokenizer-from "$ROOT/models/nebula-demo.gguf"
     sync # the file's write-back competes with the CPU benchmarks below otherwise
 fi
+
+MMPROJ="$WORK/synth-vision.gguf"
+if [ ! -f "$MMPROJ" ]; then
+    echo "=== nebula synth --mmproj (a random tower of the released shapes: 24 blocks, width 1024)"
+    "$NEBULA" synth --out "$WORK/synth-vision-lm.gguf" --layers 4 --recipe nebula-q4 --no-mtp --mmproj "$MMPROJ" \
+        --tokenizer-from "$ROOT/models/nebula-demo.gguf"
+fi
+echo "=== the vision tower on the GPU: encode time and one-image TTFT ($LAYERS-layer model)"
+"$NEBULA" bench vision --model "$MODEL" --mmproj "$MMPROJ" --backend cuda --sizes 448x448,896x896,1792x1792
 
 echo "=== all weights on the GPU"
 "$NEBULA" bench model --model "$MODEL" --backend cuda --contexts 512,2048,8192 --decode 64

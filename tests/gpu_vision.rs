@@ -325,7 +325,7 @@ fn image_prompts_batch_with_each_other_and_with_text() {
         .iter()
         .map(|p| media_of(p, &p.pixels.iter().flat_map(|px| tower.forward(px)).collect::<Vec<_>>(), vocab, hidden))
         .collect();
-    let text: Vec<u32> = ps[0].ids.iter().map(|&t| t % 1000).collect();
+    let text: Vec<u32> = ps[0].ids.iter().map(|&t| (t * 7 + 3) % 400).collect();
     let mut states: Vec<CudaState> = (0..ps.len() + 1).map(|_| gpu.new_state(64).unwrap()).collect();
     let mut cstates: Vec<_> = (0..ps.len() + 1).map(|_| cpu.new_state(64)).collect();
     let (last, first) = states.split_at_mut(ps.len());
