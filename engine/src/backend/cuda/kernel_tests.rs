@@ -797,7 +797,9 @@ fn kernel_types_kv_cache_rows_match_the_cpu() {
     use crate::model::{KvCacheType, KvRows};
     let ctx = launch();
     let stream = ctx.dev.stream();
-    let (n, width, ring) = (6, 128, 4);
+    // Six rows from position 5 into a ring of 8: slots 5, 6, 7, 0, 1, 2, wrapping without a slot written twice in
+    // one launch (in use the window holds a whole prefill chunk, so a launch never laps its ring).
+    let (n, width, ring, at) = (6, 128, 8, 5usize);
     let x = activations(n, width, 11);
     for ty in KvCacheType::ALL {
         let rb = ty.row_bytes(width);
@@ -806,9 +808,9 @@ fn kernel_types_kv_cache_rows_match_the_cpu() {
         let want = cpu.bytes(n).into_owned();
         let src = upload(&ctx, &x);
         let ring_buf = stream.alloc_zeros::<u8>(ring * rb).unwrap();
-        // Rows 0..n at positions 2..2+n: ring slots (2 + t) % 4, host rows 2 + t (the host copy holds n + 2).
-        let host = super::kv_cache::MappedHost::new((n + 2) * rb).unwrap();
-        let pos = upload(&ctx, &[2i32]);
+        // Rows 0..n at positions at..at + n: ring slots (at + t) % ring, host rows at + t.
+        let host = super::kv_cache::MappedHost::new((n + at) * rb).unwrap();
+        let pos = upload(&ctx, &[at as i32]);
         ctx.dev
             .launch_1d(
                 &format!("kv_store_rows_{}", super::kv_cache::kv_suffix(ty)),
@@ -827,10 +829,9 @@ fn kernel_types_kv_cache_rows_match_the_cpu() {
         let mut back = vec![0u8; ring * rb];
         stream.memcpy_dtoh(&ring_buf, &mut back).unwrap();
         stream.synchronize().unwrap();
-        assert_eq!(host.slice((n + 2) * rb)[2 * rb..], want[..], "{ty}: the host copy differs from the CPU's bytes");
-        // The ring holds the last 4 rows (t = 2..6 at slots 0..4 after the wrap).
-        for t in n - ring..n {
-            let slot = (2 + t) % ring;
+        assert_eq!(host.slice((n + at) * rb)[at * rb..], want[..], "{ty}: the host copy differs from the CPU's bytes");
+        for t in 0..n {
+            let slot = (at + t) % ring;
             assert_eq!(back[slot * rb..(slot + 1) * rb], want[t * rb..(t + 1) * rb], "{ty}: ring row {t}");
         }
     }
