@@ -1220,10 +1220,6 @@ pub fn run(args: ProfileArgs) -> u8 {
     }
 }
 
-/// `nebula profile detect`: reads the machine, chooses, checks the model, writes the file; returns the summary.
-///
-/// # Errors
-/// Any [`DetectError`]; a file that cannot be written is [`DetectError::Input`].
 /// The vision tower served with `model` by convention (`<stem>-mmproj.gguf` beside it, as `nebula bench vision`
 /// finds it) and the VRAM the GPU tower takes at its own `max_pixels` (`CudaVisionModel::vram_bytes`); `None`
 /// when there is none or it cannot be read.
@@ -1236,6 +1232,10 @@ fn mmproj_beside(model: &Path) -> Option<(PathBuf, u64)> {
     Some((path, bytes))
 }
 
+/// `nebula profile detect`: reads the machine, chooses, checks the model, writes the file; returns the summary.
+///
+/// # Errors
+/// Any [`DetectError`]; a file that cannot be written is [`DetectError::Input`].
 pub fn detect(args: &DetectArgs) -> Result<String, DetectError> {
     let table = match &args.table {
         Some(path) => {

@@ -366,7 +366,13 @@ describe('the first screen, images, editing and regenerating against a real nebu
 
       await send('What is in these pictures?');
       await page.waitForFunction((n) => document.querySelectorAll('article.assistant').length >= n, 1);
-      const body = browser.chatRequests.at(-1);
+      // The request this message sent: the latest whose final message holds parts, waited for (the answer's
+      // article can be drawn before the request event is recorded, and the last recorded request was once a
+      // text-only one).
+      const withParts = () => browser.chatRequests.findLast((b) => Array.isArray(b.messages?.at(-1)?.content));
+      for (let i = 0; i < 100 && !withParts(); i++) await page.waitForTimeout(100);
+      const body = withParts();
+      assert.ok(body, `no chat request carried the images: ${JSON.stringify(browser.chatRequests.map((b) => b.messages?.at(-1)))}`);
       const last = body.messages.at(-1);
       assert.equal(last.role, 'user');
       assert.deepEqual(last.content.map((p) => p.type), ['image_url', 'image_url', 'text']);
