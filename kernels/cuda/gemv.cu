@@ -362,7 +362,8 @@ extern "C" __global__ void quantize_act(const float* __restrict__ x, int cols, s
 
 #include "qraw.cuh"
 
-// The low-bit types, Q5_0, Q5_K and IQ4_XS, and the types with a scale per 16 values (lowbit_q8.cuh).
+// The low-bit types, Q5_0, Q5_K and IQ4_XS, the types with a scale per 16 values, and the chunk dot products
+// (q8_task_accumulate, q8_task_accumulate_sub16): lowbit_q8.cuh.
 #include "lowbit_q8.cuh"
 
 // The decoded task t of a row (QRaw's load, then decode).
@@ -372,56 +373,6 @@ __device__ __forceinline__ void qtask_load(const uint8_t* row, int t, int (&q)[C
     QRaw<T> r;
     r.load(row, t);
     r.decode(q, s, m, pairs);
-}
-
-// acc += the task's C chunks times one token's 8-bit activations (xq: the token's int8 values, xd: its scales,
-// one per 32), chunk by chunk in order: dx * (s * sum(q * x) - m * sum(x)).
-// With SMEM, xq and xd point at shared memory (a GEMV prologue's quantization: quantize_prologue), read with
-// plain loads.
-template <int C, bool SMEM = false>
-__device__ __forceinline__ void q8_task_accumulate(float& acc, const int (&q)[C][8], const float (&s)[C],
-                                                   const float (&m)[C], const signed char* __restrict__ xq,
-                                                   const float* __restrict__ xd, int task) {
-#pragma unroll
-    for (int h = 0; h < C; h++) {
-        const int chunk = task * C + h;
-        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
-        const int4 a = SMEM ? xp[0] : __ldg(xp), b = SMEM ? xp[1] : __ldg(xp + 1);
-        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        int dot = 0, sum = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            dot = dp4a_(q[h][i], xs[i], dot);
-            sum = dp4a_(0x01010101, xs[i], sum);
-        }
-        acc += (SMEM ? xd[chunk] : __ldg(xd + chunk)) * (s[h] * (float)dot - m[h] * (float)sum);
-    }
-}
-
-// As q8_task_accumulate for the types with a scale per 16 values (Sub16): the integer dot and the activation sum of
-// each half of a chunk are weighted by its run scale k and run min n before the f32 step:
-// dx * (s * (k0 dot0 + k1 dot1) - m * (n0 sum0 + n1 sum1)).
-template <int C, bool SMEM = false>
-__device__ __forceinline__ void q8_task_accumulate_sub16(float& acc, const int (&q)[C][8], const float (&s)[C],
-                                                         const float (&m)[C], const int (&k)[C][2],
-                                                         const int (&n)[C][2], const signed char* __restrict__ xq,
-                                                         const float* __restrict__ xd, int task) {
-#pragma unroll
-    for (int h = 0; h < C; h++) {
-        const int chunk = task * C + h;
-        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
-        const int4 a = SMEM ? xp[0] : __ldg(xp), b = SMEM ? xp[1] : __ldg(xp + 1);
-        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        int dot[2] = {0, 0}, sum[2] = {0, 0};
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            dot[i >> 2] = dp4a_(q[h][i], xs[i], dot[i >> 2]);
-            sum[i >> 2] = dp4a_(0x01010101, xs[i], sum[i >> 2]);
-        }
-        const int idot = k[h][0] * dot[0] + k[h][1] * dot[1];
-        const int isum = n[h][0] * sum[0] + n[h][1] * sum[1];
-        acc += (SMEM ? xd[chunk] : __ldg(xd + chunk)) * (s[h] * (float)idot - m[h] * (float)isum);
-    }
 }
 
 // Whether type T's 8-bit decode reads the IQ4_NL byte-pair table (`pairs`, filled by iq4nl_pairs_).
@@ -570,7 +521,7 @@ __device__ __forceinline__ void gemvq_body(const uint8_t* __restrict__ W, long l
                     if (task + D * lanes < ntasks) raw[k].load(row, task + D * lanes);
 #pragma unroll
                     for (int t = 0; t < NT; t++) {
-                        q8_task_accumulate_sub16<C, PRO != PRO_Q8>(acc[t], q, s, m, ks, ns, qx + t * x_stride,
+                        q8_task_accumulate_sub16<T, C, PRO != PRO_Q8>(acc[t], q, s, m, ks, ns, qx + t * x_stride,
                                                                    dx + t * (x_stride / 32), task);
                     }
                 } else {
@@ -795,7 +746,7 @@ __device__ __forceinline__ void moe_groupedq_body(const uint8_t* __restrict__ W,
 #pragma unroll
                 for (int t = 0; t < 8; t++) {
                     if (t >= nt) break;
-                    q8_task_accumulate_sub16<C>(acc[t], q, s, m, ks, ns, qx + xo[t], dx + xo[t] / 32, task);
+                    q8_task_accumulate_sub16<T, C>(acc[t], q, s, m, ks, ns, qx + xo[t], dx + xo[t] / 32, task);
                 }
             } else {
                 r.decode(q, s, m, pairs);
@@ -922,9 +873,10 @@ struct QStep {
     }
 };
 
-// Q4_0 / IQ4_NL: the four 32-value chunks' raw blocks (QRaw), decoded one after another.
+// The four 32-value chunks' raw blocks (QRaw), decoded one after another: Q4_0 and IQ4_NL, and the types with a
+// scale per 16 values whose chunks share no bytes (IQ2_XS, IQ2_S), with their run scales k and mins n.
 template <int T>
-struct QStepNibble32 {
+struct QStepChunks {
     QRaw<T> c[4];
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
 #pragma unroll
@@ -937,17 +889,35 @@ struct QStepNibble32 {
             int qq[1][8];
             float ss[1], mm[1];
             c[i].decode(qq, ss, mm, pairs);
-#pragma unroll
-            for (int j = 0; j < 8; j++) q[i][j] = qq[0][j];
-            s[i] = ss[0];
-            m[i] = mm[0];
+            put(i, qq, ss, mm, q, s, m);
         }
+    }
+    __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4], const uint16_t* pairs,
+                                           int (&k)[4][2], int (&n)[4][2]) const {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int qq[1][8], kk[1][2], nn[1][2];
+            float ss[1], mm[1];
+            c[i].decode(qq, ss, mm, pairs, kk, nn);
+            put(i, qq, ss, mm, q, s, m);
+            k[i][0] = kk[0][0];
+            k[i][1] = kk[0][1];
+            n[i][0] = nn[0][0];
+            n[i][1] = nn[0][1];
+        }
+    }
+    __device__ __forceinline__ static void put(int i, const int (&qq)[1][8], const float (&ss)[1],
+                                               const float (&mm)[1], int (&q)[4][8], float (&s)[4], float (&m)[4]) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) q[i][j] = qq[0][j];
+        s[i] = ss[0];
+        m[i] = mm[0];
     }
 };
 template <>
-struct QStep<T_Q4_0> : QStepNibble32<T_Q4_0> {};
+struct QStep<T_Q4_0> : QStepChunks<T_Q4_0> {};
 template <>
-struct QStep<T_IQ4_NL> : QStepNibble32<T_IQ4_NL> {};
+struct QStep<T_IQ4_NL> : QStepChunks<T_IQ4_NL> {};
 
 // Q4_K: a k-step is half a super-block (sub-blocks 4h .. 4h + 3, h = (k0 / 128) % 2): the 16-byte header (d, dmin,
 // the 12 packed scale bytes) and 64 quant bytes (low nibbles of 32 bytes: sub-block 2p, high: 2p + 1).
@@ -986,33 +956,6 @@ struct QStep<T_Q4_K> {
     }
 };
 
-// The types with a scale per 16 values (Sub16): the four chunks' raw blocks, decoded one after another with their
-// run scales k and mins n.
-template <int T>
-struct QStepSub16 {
-    QRaw<T> c[4];
-    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int k0, const uint16_t*) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) c[i].load(row, k0 / 32 + i);
-    }
-    __device__ __forceinline__ void decode(int (&q)[4][8], float (&s)[4], float (&m)[4], const uint16_t* pairs,
-                                           int (&k)[4][2], int (&n)[4][2]) const {
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int qq[1][8], kk[1][2], nn[1][2];
-            float ss[1], mm[1];
-            c[i].decode(qq, ss, mm, pairs, kk, nn);
-#pragma unroll
-            for (int j = 0; j < 8; j++) q[i][j] = qq[0][j];
-            s[i] = ss[0];
-            m[i] = mm[0];
-            k[i][0] = kk[0][0];
-            k[i][1] = kk[0][1];
-            n[i][0] = nn[0][0];
-            n[i][1] = nn[0][1];
-        }
-    }
-};
 // Q2_K: a k-step is half h of a super-block, whose four chunks share their 32 level bytes (bits 2c for chunk c) and
 // take the scale/min bytes 8h .. 8h + 7.
 template <>
@@ -1171,9 +1114,9 @@ struct QStep<T_IQ1_M> {
     }
 };
 template <>
-struct QStep<T_IQ2_XS> : QStepSub16<T_IQ2_XS> {};
+struct QStep<T_IQ2_XS> : QStepChunks<T_IQ2_XS> {};
 template <>
-struct QStep<T_IQ2_S> : QStepSub16<T_IQ2_S> {};
+struct QStep<T_IQ2_S> : QStepChunks<T_IQ2_S> {};
 
 // With a scale per 16 values (Sub16) each chunk's product is two m16n8k16 MMAs whose integer dots are weighted by
 // the row's run scales before the f32 step, and the min term takes the slot's integer sums per 16 (the dp4a

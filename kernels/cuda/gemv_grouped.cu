@@ -30,56 +30,6 @@
 #define MID_TILE 16
 #define GROUPED_TILE 8
 
-// acc += the task's C chunks (levels q, scales s, mins m) times one row's 8-bit activations (xq: its int8 values,
-// xd: its scales, one per 32 values), chunk by chunk: dx * (s * sum(q * x) - m * sum(x)).
-template <int C>
-__device__ __forceinline__ void mid_task_accumulate(float& acc, const int (&q)[C][8], const float (&s)[C],
-                                                    const float (&m)[C], const signed char* __restrict__ xq,
-                                                    const float* __restrict__ xd, int task) {
-#pragma unroll
-    for (int h = 0; h < C; h++) {
-        const int chunk = task * C + h;
-        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
-        const int4 a = __ldg(xp), b = __ldg(xp + 1);
-        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        int dot = 0, sum = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) dot = dp4a_(q[h][i], xs[i], dot);
-        if (m[h] != 0.f) {  // (m * sum is 0 otherwise: the same value without the sum)
-#pragma unroll
-            for (int i = 0; i < 8; i++) sum = dp4a_(0x01010101, xs[i], sum);
-        }
-        acc += __ldg(xd + chunk) * (s[h] * (float)dot - m[h] * (float)sum);
-    }
-}
-
-// mid_task_accumulate for the types with a scale per 16 values (Sub16<T>, lowbit_q8.cuh): each half chunk's integer
-// dot weighted by its run scale k (and its activation sum by its run min n, Q2_K alone) before the f32 step:
-// dx * (s * (k0 dot0 + k1 dot1) - m * (n0 sum0 + n1 sum1)).
-template <int T, int C>
-__device__ __forceinline__ void mid_task_accumulate_sub16(float& acc, const int (&q)[C][8], const float (&s)[C],
-                                                          const float (&m)[C], const int (&k)[C][2],
-                                                          const int (&n)[C][2], const signed char* __restrict__ xq,
-                                                          const float* __restrict__ xd, int task) {
-#pragma unroll
-    for (int h = 0; h < C; h++) {
-        const int chunk = task * C + h;
-        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
-        const int4 a = __ldg(xp), b = __ldg(xp + 1);
-        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        int dot[2] = {0, 0}, sum[2] = {0, 0};
-#pragma unroll
-        for (int i = 0; i < 8; i++) dot[i >> 2] = dp4a_(q[h][i], xs[i], dot[i >> 2]);
-        if constexpr (Sub16<T>::mins) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) sum[i >> 2] = dp4a_(0x01010101, xs[i], sum[i >> 2]);
-        }
-        const int idot = k[h][0] * dot[0] + k[h][1] * dot[1];
-        const int isum = n[h][0] * sum[0] + n[h][1] * sum[1];
-        acc += __ldg(xd + chunk) * (s[h] * (float)idot - m[h] * (float)isum);
-    }
-}
-
 // Tasks whose raw weight bytes a thread keeps in flight (task i + 1's loads issued before task i is decoded).
 #define MID_DEPTH 2
 
@@ -122,7 +72,7 @@ __device__ __forceinline__ void mid_rows_body(const uint8_t* __restrict__ row, i
 #pragma unroll
                         for (int t = 0; t < NT; t++) {
                             if (t < nt)
-                                mid_task_accumulate_sub16<T, C>(acc[t], q, s, m, ks, ns, qx + xoff[t],
+                                q8_task_accumulate_sub16<T, C>(acc[t], q, s, m, ks, ns, qx + xoff[t],
                                                                 dx + xoff[t] / 32, task);
                         }
                     } else {
@@ -131,7 +81,7 @@ __device__ __forceinline__ void mid_rows_body(const uint8_t* __restrict__ row, i
 #pragma unroll
                         for (int t = 0; t < NT; t++) {
                             if (t < nt)
-                                mid_task_accumulate<C>(acc[t], q, s, m, qx + xoff[t], dx + xoff[t] / 32, task);
+                                q8_task_accumulate<C>(acc[t], q, s, m, qx + xoff[t], dx + xoff[t] / 32, task);
                         }
                     }
                 }

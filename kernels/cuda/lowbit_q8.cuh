@@ -543,3 +543,56 @@ struct QRaw<T_IQ1_M> {
         }
     }
 };
+
+// acc += the task's C chunks times one row's 8-bit activations (xq: its int8 values, xd: its scales, one per 32),
+// chunk by chunk in order: dx * (s * sum(q * x) - m * sum(x)); the activation sum is skipped where m is 0 (the
+// same value). With SMEM, xq and xd point at shared memory (a GEMV prologue's quantization: gemv.cu
+// quantize_prologue), read with plain loads. Shared by the decode GEMVs (gemv.cu) and the mid-size kernels
+// (gemv_grouped.cu).
+template <int C, bool SMEM = false>
+__device__ __forceinline__ void q8_task_accumulate(float& acc, const int (&q)[C][8], const float (&s)[C],
+                                                   const float (&m)[C], const signed char* __restrict__ xq,
+                                                   const float* __restrict__ xd, int task) {
+#pragma unroll
+    for (int h = 0; h < C; h++) {
+        const int chunk = task * C + h;
+        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
+        const int4 a = SMEM ? xp[0] : __ldg(xp), b = SMEM ? xp[1] : __ldg(xp + 1);
+        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        int dot = 0, sum = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) dot = dp4a_(q[h][i], xs[i], dot);
+        if (m[h] != 0.f) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) sum = dp4a_(0x01010101, xs[i], sum);
+        }
+        acc += (SMEM ? xd[chunk] : __ldg(xd + chunk)) * (s[h] * (float)dot - m[h] * (float)sum);
+    }
+}
+
+// As q8_task_accumulate for the types with a scale per 16 values (Sub16<T>): the integer dot and the activation
+// sum of each half of a chunk are weighted by its run scale k and run min n before the f32 step:
+// dx * (s * (k0 dot0 + k1 dot1) - m * (n0 sum0 + n1 sum1)); the sums only for the types with mins (Q2_K).
+template <int T, int C, bool SMEM = false>
+__device__ __forceinline__ void q8_task_accumulate_sub16(float& acc, const int (&q)[C][8], const float (&s)[C],
+                                                         const float (&m)[C], const int (&k)[C][2],
+                                                         const int (&n)[C][2], const signed char* __restrict__ xq,
+                                                         const float* __restrict__ xd, int task) {
+#pragma unroll
+    for (int h = 0; h < C; h++) {
+        const int chunk = task * C + h;
+        const int4* xp = reinterpret_cast<const int4*>(xq + 32 * chunk);
+        const int4 a = SMEM ? xp[0] : __ldg(xp), b = SMEM ? xp[1] : __ldg(xp + 1);
+        const int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        int dot[2] = {0, 0}, sum[2] = {0, 0};
+#pragma unroll
+        for (int i = 0; i < 8; i++) dot[i >> 2] = dp4a_(q[h][i], xs[i], dot[i >> 2]);
+        if constexpr (Sub16<T>::mins) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) sum[i >> 2] = dp4a_(0x01010101, xs[i], sum[i >> 2]);
+        }
+        const int idot = k[h][0] * dot[0] + k[h][1] * dot[1];
+        const int isum = n[h][0] * sum[0] + n[h][1] * sum[1];
+        acc += (SMEM ? xd[chunk] : __ldg(xd + chunk)) * (s[h] * (float)idot - m[h] * (float)isum);
+    }
+}

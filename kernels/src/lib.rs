@@ -271,7 +271,11 @@ fn parse_carveout(v: Option<&str>) -> Result<Option<i32>, GpuError> {
 
 /// Compiles one kernel source with NVRTC for `arch` (e.g. "sm_90"), the run-time path of [`Gpu::open`].
 pub fn nvrtc_compile(stem: &str, src: &str, arch: &'static str) -> Result<cudarc::nvrtc::Ptx, GpuError> {
-    let full = inline_includes(src, &mut Vec::new());
+    compile_inlined(stem, inline_includes(src, &mut Vec::new()), arch)
+}
+
+/// [`nvrtc_compile`] of a source whose headers are already inlined (`inline_includes`).
+fn compile_inlined(stem: &str, full: String, arch: &'static str) -> Result<cudarc::nvrtc::Ptx, GpuError> {
     let opts = cudarc::nvrtc::CompileOptions {
         arch: Some(arch),
         options: vec!["-std=c++17".into()],
@@ -314,13 +318,14 @@ fn kernel_cache_name(stem: &str, full: &str, arch: &str) -> String {
 /// The cache is best effort: a folder that cannot be read or written only means compiling.
 fn cached_nvrtc_compile(stem: &str, src: &str, arch: &'static str) -> Result<cudarc::nvrtc::Ptx, GpuError> {
     let Some(dir) = kernel_cache_dir() else { return nvrtc_compile(stem, src, arch) };
-    let path = dir.join(kernel_cache_name(stem, &inline_includes(src, &mut Vec::new()), arch));
+    let full = inline_includes(src, &mut Vec::new());
+    let path = dir.join(kernel_cache_name(stem, &full, arch));
     if let Ok(text) = std::fs::read_to_string(&path)
         && text.contains(".entry")
     {
         return Ok(cudarc::nvrtc::Ptx::from_src(text));
     }
-    let ptx = nvrtc_compile(stem, src, arch)?;
+    let ptx = compile_inlined(stem, full, arch)?;
     // Written under a temporary name, then renamed: a concurrent reader never sees half a file.
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     if std::fs::create_dir_all(&dir).is_ok() && std::fs::write(&tmp, ptx.to_src()).is_ok() {

@@ -122,33 +122,10 @@ pub(crate) fn q8_type_block(ty: GgmlType) -> Option<usize> {
 }
 
 /// Whether the mid-size kernels (`gemvqm_*`, `moe_gemvqg_*`, kernels/cuda/gemv_grouped.cu) exist for `ty`: every
-/// type with an 8-bit path ([`q8_type_block`]; gemv_grouped.cu instantiates each of them on its `QRaw` decoder). A
-/// type given an 8-bit path later keeps the one-row and prefill kernels until gemv_grouped.cu instantiates it too
-/// (and is added here).
+/// type with an 8-bit path ([`q8_type_block`]; gemv_grouped.cu instantiates each of them on its `QRaw` decoder, and
+/// `every_cpu_type_has_each_kernel_a_launch_asks_for` fails for a type it misses).
 pub(crate) fn mid_type(ty: GgmlType) -> bool {
-    matches!(
-        ty,
-        GgmlType::Q8_0
-            | GgmlType::Q4_0
-            | GgmlType::Q5_0
-            | GgmlType::IQ4_NL
-            | GgmlType::Q4_1
-            | GgmlType::Q5_1
-            | GgmlType::MXFP4
-            | GgmlType::Q4_K
-            | GgmlType::Q5_K
-            | GgmlType::IQ4_XS
-            | GgmlType::IQ2_XXS
-            | GgmlType::IQ3_XXS
-            | GgmlType::IQ3_S
-            | GgmlType::IQ1_S
-            | GgmlType::Q2_K
-            | GgmlType::Q3_K
-            | GgmlType::Q6_K
-            | GgmlType::IQ2_XS
-            | GgmlType::IQ2_S
-            | GgmlType::IQ1_M
-    ) && q8_type_block(ty).is_some()
+    q8_type_block(ty).is_some()
 }
 
 impl Launch {

@@ -423,11 +423,6 @@ fn mid_size_kernels_are_chosen_only_for_fast_batched_passes_of_their_rows() {
         assert!(lanes.is_power_of_two() && lanes <= 32 && lanes <= tasks.max(1).next_power_of_two(), "{tasks} {rows}");
     }
     assert_eq!(grouped_grid(96, 8, 16, true), (6, 16, 2));
-    // Every type with an 8-bit path has the mid-size kernels (a type added to one list and not the other would
-    // silently keep the old kernels).
-    for ty in crate::quant::SUPPORTED {
-        assert_eq!(mid_type(ty), q8_type_block(ty).is_some(), "{}", ty.name());
-    }
     assert_eq!(grouped_grid(100, 32, 0, false), (25, 1, 1));
 }
 
